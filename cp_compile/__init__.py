@@ -1,0 +1,17 @@
+"""cp-compile: decode context parallel (DCP) as a torch.compile backend.
+
+Public API: `CPConfig`, `ConfigError`, `AttentionSpec`, `init_parallel`,
+`destroy_parallel`, `get_parallel_state`, `allocate_kv_cache`,
+`build_attention_metadata`, `BlockAllocator`. Custom ops live in `cp_compile.ops`.
+"""
+
+from cp_compile.config import AttentionSpec, ConfigError, CPConfig
+from cp_compile.kv_cache import KVCache, KVCacheSpec, allocate_kv_cache
+from cp_compile.metadata import AttentionMetadata, BlockAllocator, CapacityError, build_attention_metadata
+from cp_compile.parallel_state import ParallelState, destroy_parallel, get_parallel_state, init_parallel
+
+__all__ = [
+    "AttentionMetadata", "AttentionSpec", "BlockAllocator", "CPConfig", "CapacityError", "ConfigError",
+    "KVCache", "KVCacheSpec", "ParallelState", "allocate_kv_cache", "build_attention_metadata",
+    "destroy_parallel", "get_parallel_state", "init_parallel",
+]

@@ -1,0 +1,152 @@
+"""Configuration of tensor / context parallelism and its validation (DESIGN.md §7).
+
+Rules that depend only on the config are checked when a `CPConfig` is built; rules
+that depend on the model (MLA vs GQA, KV head count, indexer) are checked by
+`CPConfig.validate_for(spec)`, and the world-size rule by `validate_world_size`.
+Every error names the rule, the offending values and the fix.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Literal
+
+AttentionKind = Literal["gqa", "mla", "sfa"]
+
+
+class ConfigError(ValueError):
+    """A configuration breaks one of the rules of DESIGN.md §7."""
+
+    def __init__(self, rule: str, values: str, fix: str) -> None:
+        self.rule = rule
+        super().__init__(f"rule `{rule}` violated: {values}. Fix: {fix}")
+
+
+@dataclass(frozen=True)
+class AttentionSpec:
+    """What the config rules need to know about a model's attention.
+
+    kind: "gqa" (paged GQA/MHA), "mla" (absorbed MLA) or "sfa" (MLA + lightning
+    indexer, sparse top-k attention).
+    """
+
+    kind: AttentionKind
+    num_heads: int
+    num_kv_heads: int = 1
+    has_indexer: bool = False
+
+    def __post_init__(self) -> None:
+        if self.kind not in ("gqa", "mla", "sfa"):
+            raise ConfigError("attention kind is gqa|mla|sfa", f"kind={self.kind!r}",
+                              "describe the model's attention as 'gqa', 'mla' or 'sfa'")
+        if self.kind == "sfa" and not self.has_indexer:
+            raise ConfigError("sfa models have an indexer", "kind='sfa', has_indexer=False",
+                              "set has_indexer=True or use kind='mla'")
+
+
+@dataclass(frozen=True)
+class CPConfig:
+    """Parallel layout of one serving instance.
+
+    world_size = tensor_parallel_size * prefill_context_parallel_size; DCP groups are
+    consecutive ranks inside each TP group and do not add devices.
+    """
+
+    tensor_parallel_size: int = 1
+    decode_context_parallel_size: int = 1
+    prefill_context_parallel_size: int = 1
+    cp_kv_cache_interleave_size: int = 1
+    block_size: int = 128
+    enable_dsa_cp: bool = False
+    # KV transfer (PD disaggregation, KV pooling) needs block-interleaved sharding.
+    kv_transfer: bool = False
+    # How decode partial outputs are merged: "ag_rs" (all-gather LSE, rescale,
+    # reduce-scatter) or "a2a" (one all-to-all of [out | lse] + local combine).
+    dcp_merge: Literal["ag_rs", "a2a"] = "ag_rs"
+
+    def __post_init__(self) -> None:
+        for name in ("tensor_parallel_size", "decode_context_parallel_size",
+                     "prefill_context_parallel_size", "block_size"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or v < 1:
+                raise ConfigError(f"{name} >= 1", f"{name}={v!r}", f"set {name} to a positive integer")
+        i = self.cp_kv_cache_interleave_size
+        if not isinstance(i, int) or i < 1:
+            raise ConfigError("cp_kv_cache_interleave_size >= 1", f"cp_kv_cache_interleave_size={i!r}",
+                              "use 1 (token interleave) or a divisor of block_size")
+        if self.block_size % i != 0:
+            raise ConfigError("block_size % cp_kv_cache_interleave_size == 0",
+                              f"block_size={self.block_size}, cp_kv_cache_interleave_size={i}",
+                              f"choose an interleave that divides {self.block_size}, e.g. 1 or {self.block_size}")
+        if self.kv_transfer and i != self.block_size:
+            raise ConfigError("cp_kv_cache_interleave_size == block_size with KV transfer",
+                              f"kv_transfer=True, cp_kv_cache_interleave_size={i}, block_size={self.block_size}",
+                              f"set cp_kv_cache_interleave_size={self.block_size} (block-interleaved sharding)")
+        if self.dcp_merge not in ("ag_rs", "a2a"):
+            raise ConfigError("dcp_merge is ag_rs|a2a", f"dcp_merge={self.dcp_merge!r}",
+                              "use 'ag_rs' or 'a2a'")
+
+    # Short aliases used throughout the code.
+    @property
+    def tp(self) -> int:
+        return self.tensor_parallel_size
+
+    @property
+    def dcp(self) -> int:
+        return self.decode_context_parallel_size
+
+    @property
+    def pcp(self) -> int:
+        return self.prefill_context_parallel_size
+
+    @property
+    def interleave(self) -> int:
+        return self.cp_kv_cache_interleave_size
+
+    @property
+    def world_size(self) -> int:
+        return self.tp * self.pcp
+
+    @property
+    def virtual_block_size(self) -> int:
+        """Tokens per block as the runtime (and a single device) sees it."""
+        return self.block_size * self.dcp
+
+    def replace(self, **changes) -> "CPConfig":
+        return dataclasses.replace(self, **changes)
+
+    def validate_for(self, spec: AttentionSpec) -> None:
+        """Check the model-dependent rules of DESIGN.md §7 for `spec`."""
+        tp, dcp = self.tp, self.dcp
+        if spec.kind in ("mla", "sfa"):
+            if tp < dcp or tp % dcp != 0:
+                raise ConfigError("tp >= dcp and tp % dcp == 0 (MLA/SFA)",
+                                  f"tensor_parallel_size={tp}, decode_context_parallel_size={dcp}",
+                                  "choose a decode_context_parallel_size that divides tensor_parallel_size")
+        else:
+            kv = spec.num_kv_heads
+            if kv < 1:
+                raise ConfigError("num_kv_heads >= 1", f"num_kv_heads={kv}", "describe the model's KV heads")
+            rep = tp // kv
+            # A DCP constraint: without DCP (dcp == 1) plain TP may hold several KV heads per rank.
+            if dcp > 1 and (rep < dcp or rep % dcp != 0):
+                raise ConfigError("tp // num_kv_heads >= dcp and (tp // num_kv_heads) % dcp == 0 (GQA)",
+                                  f"tensor_parallel_size={tp}, num_kv_heads={kv} (tp // kv = {rep}), "
+                                  f"decode_context_parallel_size={dcp}",
+                                  "DCP ranks must share KV heads: raise tp or lower dcp so that dcp divides tp // num_kv_heads")
+        if spec.kind == "sfa" and self.pcp == 1 and dcp > 1 and dcp != tp:
+            raise ConfigError("dcp == tp for SFA DCP with replicated indexer",
+                              f"tensor_parallel_size={tp}, decode_context_parallel_size={dcp}",
+                              f"set decode_context_parallel_size={tp}")
+        if self.enable_dsa_cp and not spec.has_indexer:
+            raise ConfigError("enable_dsa_cp only for models with an indexer",
+                              f"enable_dsa_cp=True, attention kind={spec.kind!r} without indexer",
+                              "set enable_dsa_cp=False for models without a lightning indexer")
+
+    def validate_world_size(self, world_size: int) -> None:
+        if world_size != self.world_size:
+            raise ConfigError("world size == tp * pcp",
+                              f"world_size={world_size}, tensor_parallel_size={self.tp}, "
+                              f"prefill_context_parallel_size={self.pcp} (tp * pcp = {self.world_size})",
+                              f"launch {self.world_size} ranks or change tp / pcp so that tp * pcp == {world_size}")

@@ -1,0 +1,137 @@
+"""Process groups for TP, DCP (inside TP) and PCP (DESIGN.md §1, §7).
+
+Ranks are laid out as world = pcp x tp: TP group g is ranks [g*tp, (g+1)*tp); DCP
+groups are consecutive runs of `dcp` ranks inside each TP group (so GQA DCP ranks
+share KV heads); PCP groups join the ranks with the same TP rank across TP groups.
+Works on a world set up by `torchrun` (env://) or by the test harness.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from cp_compile.config import ConfigError, CPConfig
+
+
+@dataclass
+class ParallelState:
+    cfg: CPConfig
+    rank: int
+    world_size: int
+    device: torch.device
+    backend: str
+    tp_group: dist.ProcessGroup
+    tp_rank: int
+    dcp_group: dist.ProcessGroup
+    dcp_rank: int
+    pcp_group: dist.ProcessGroup
+    pcp_rank: int
+
+    @property
+    def tp_size(self) -> int:
+        return self.cfg.tp
+
+    @property
+    def dcp_size(self) -> int:
+        return self.cfg.dcp
+
+    @property
+    def dcp_group_name(self) -> str:
+        """Name the functional collectives use for the DCP group."""
+        return self.dcp_group.group_name
+
+    @property
+    def tp_group_name(self) -> str:
+        return self.tp_group.group_name
+
+
+_STATE: ParallelState | None = None
+
+
+def default_device() -> torch.device:
+    """NPU when torch_npu is importable and has devices, else CUDA, else CPU."""
+    try:
+        import torch_npu  # noqa: F401  (optional; registers torch.npu)
+
+        if torch.npu.is_available():  # type: ignore[attr-defined]
+            return torch.device("npu", int(os.environ.get("LOCAL_RANK", 0)))
+    except ImportError:
+        pass
+    if torch.cuda.is_available():
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+    return torch.device("cpu")
+
+
+def backend_for(device: torch.device) -> str:
+    return {"cpu": "gloo", "cuda": "nccl", "npu": "hccl"}[device.type]
+
+
+def init_parallel(cfg: CPConfig, device: torch.device | str | None = None) -> ParallelState:
+    """Create the TP / DCP / PCP groups for `cfg` and make them current.
+
+    Initialises torch.distributed from the environment (torchrun) when it is not
+    initialised yet. Every rank must call this with the same config.
+    """
+    global _STATE
+    if _STATE is not None:
+        raise RuntimeError("parallel state already initialised; call cp_compile.destroy_parallel() first")
+    device = torch.device(device) if device is not None else default_device()
+    backend = backend_for(device)
+    if not dist.is_initialized():
+        if "RANK" not in os.environ:
+            raise RuntimeError("torch.distributed is not initialised and RANK is not set. Fix: launch with "
+                               "`torchrun --nproc-per-node=N ...` or call dist.init_process_group first")
+        dist.init_process_group(backend=backend)
+    world, rank = dist.get_world_size(), dist.get_rank()
+    cfg.validate_world_size(world)  # raises ConfigError; before any group is created
+    tp, dcp, pcp = cfg.tp, cfg.dcp, cfg.pcp
+    if tp % dcp != 0:
+        raise ConfigError("tp % dcp == 0", f"tensor_parallel_size={tp}, decode_context_parallel_size={dcp}",
+                          "choose a decode_context_parallel_size that divides tensor_parallel_size")
+    # new_group is collective over the world: every rank creates every group, in order.
+    tp_group = dcp_group = pcp_group = None
+    for g in range(pcp):
+        ranks = list(range(g * tp, (g + 1) * tp))
+        grp = dist.new_group(ranks)
+        if rank in ranks:
+            tp_group = grp
+        for d in range(tp // dcp):
+            dranks = ranks[d * dcp: (d + 1) * dcp]
+            dgrp = dist.new_group(dranks)
+            if rank in dranks:
+                dcp_group = dgrp
+    for t in range(tp):
+        pranks = list(range(t, world, tp))
+        pgrp = dist.new_group(pranks)
+        if rank in pranks:
+            pcp_group = pgrp
+    assert tp_group is not None and dcp_group is not None and pcp_group is not None
+    _STATE = ParallelState(cfg=cfg, rank=rank, world_size=world, device=device, backend=backend,
+                           tp_group=tp_group, tp_rank=rank % tp, dcp_group=dcp_group,
+                           dcp_rank=(rank % tp) % dcp, pcp_group=pcp_group, pcp_rank=rank // tp)
+    return _STATE
+
+
+def get_parallel_state() -> ParallelState:
+    if _STATE is None:
+        raise RuntimeError("parallel state not initialised. Fix: call cp_compile.init_parallel(cfg) on every rank")
+    return _STATE
+
+
+def parallel_state_or_none() -> ParallelState | None:
+    return _STATE
+
+
+def destroy_parallel(destroy_process_group: bool = False) -> None:
+    """Forget the current groups (and optionally tear down torch.distributed)."""
+    global _STATE
+    if _STATE is not None:
+        for grp in {_STATE.tp_group, _STATE.dcp_group, _STATE.pcp_group}:
+            dist.destroy_process_group(grp)
+    _STATE = None
+    if destroy_process_group and dist.is_initialized():
+        dist.destroy_process_group()

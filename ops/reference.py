@@ -1,0 +1,176 @@
+"""Torch reference implementations shared by the custom ops (CPU path and test oracle).
+
+Conventions (DESIGN.md §4): tokens are flattened, `query_start_loc[B+1]`,
+`seq_lens[B]`, `block_table[B, nb]` (block ids; only entries covering a request's
+length are read), `slot_mapping[T]` (-1 = skip). A paged cache is
+`[num_blocks, block_size, ...]`; request-local position j of request b lives at page
+`block_table[b, j // block_size]`, offset `j % block_size`.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from cp_compile.ops.layout import request_index
+
+
+def write_cache(cache: torch.Tensor, new: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """cache[slot] = new[t] for every token with slot >= 0 (in place)."""
+    flat = cache.view(-1, *cache.shape[2:])  # [num_blocks * block_size, ...]
+    keep = slot_mapping >= 0
+    idx = slot_mapping[keep].long()
+    flat.index_copy_(0, idx, new[: slot_mapping.shape[0]][keep].to(cache.dtype))
+
+
+def gather_request_pages(cache: torch.Tensor, block_table_row: torch.Tensor, length: int) -> torch.Tensor:
+    """Positions 0..length-1 of one request from a paged cache -> [length, ...]."""
+    bs = cache.shape[1]
+    nb = (length + bs - 1) // bs
+    pages = cache[block_table_row[:nb].long()]  # [nb, bs, ...]
+    return pages.reshape(nb * bs, *cache.shape[2:])[:length]
+
+
+def paged_attention_with_lse(
+    q: torch.Tensor,  # [T, Hq, D]
+    k_cache: torch.Tensor,  # [NB, BS, Hkv, D]
+    v_cache: torch.Tensor,  # [NB, BS, Hkv, Dv]
+    block_table: torch.Tensor,  # [B, nb]
+    query_start_loc: torch.Tensor,  # [B+1]
+    kv_lens: torch.Tensor,  # [T]: token t attends positions 0..kv_lens[t]-1 of its request
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax attention of each query over a prefix of its request's paged keys.
+
+    Returns out [T, Hq, Dv] in q's dtype and lse [T, Hq] in fp32 (natural log).
+    A query with no keys (kv_lens 0, or a padding token) gets out 0 and lse -inf.
+    Query head h reads KV head h // (Hq // Hkv). Computed in fp32.
+    """
+    T, Hq, _ = q.shape
+    Hkv, Dv = v_cache.shape[2], v_cache.shape[3]
+    group = Hq // Hkv
+    out = torch.zeros(T, Hq, Dv, dtype=torch.float32, device=q.device)
+    lse = torch.full((T, Hq), float("-inf"), dtype=torch.float32, device=q.device)
+    req = request_index(query_start_loc, T)
+    B = query_start_loc.shape[0] - 1
+    kv_lens = kv_lens.to(torch.int64)
+    for b in range(B):
+        toks = torch.nonzero((req == b) & (kv_lens > 0)).flatten()
+        if toks.numel() == 0:
+            continue
+        n = int(kv_lens[toks].max())
+        k = gather_request_pages(k_cache, block_table[b], n).float()  # [n, Hkv, D]
+        v = gather_request_pages(v_cache, block_table[b], n).float()  # [n, Hkv, Dv]
+        k = k.repeat_interleave(group, dim=1)  # [n, Hq, D]
+        v = v.repeat_interleave(group, dim=1)
+        qb = q[toks].float()  # [t, Hq, D]
+        s = torch.einsum("thd,nhd->htn", qb, k) * scale  # [Hq, t, n]
+        mask = torch.arange(n, device=q.device)[None, :] < kv_lens[toks][:, None]  # [t, n]
+        s = s.masked_fill(~mask[None], float("-inf"))
+        l = torch.logsumexp(s, dim=-1)  # [Hq, t]
+        p = torch.exp(s - l[..., None])
+        out[toks] = torch.einsum("htn,nhd->thd", p, v)
+        lse[toks] = l.transpose(0, 1)
+    return out.to(q.dtype), lse
+
+
+def merge_partials(outs: torch.Tensor, lses: torch.Tensor) -> torch.Tensor:
+    """Exact merge of partial attentions over disjoint key sets.
+
+    outs [N, ..., Dv], lses [N, ...] (fp32) -> [..., Dv] fp32. A partial with lse
+    -inf or NaN (empty shard) weighs 0; when all are empty the result is 0.
+    Independent of the order of the N partials.
+    """
+    lses = torch.nan_to_num(lses.float(), nan=float("-inf"))
+    m = lses.max(dim=0).values  # [...]
+    m_safe = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+    w = torch.exp(lses - m_safe)  # exp(-inf) = 0 for empty shards
+    denom = w.sum(dim=0)
+    num = (outs.float() * w[..., None]).sum(dim=0)
+    return torch.where(denom[..., None] > 0, num / denom.clamp(min=1e-30)[..., None], torch.zeros_like(num))
+
+
+def lightning_index_scores(q_i: torch.Tensor, k_i: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """I[t, s] = sum_j w[t, j] * relu(q_i[t, j] . k_i[s]); q_i [t,Hi,Di], k_i [s,Di], w [t,Hi] -> [t, s] fp32."""
+    dots = torch.einsum("thd,sd->ths", q_i.float(), k_i.float())
+    return torch.einsum("th,ths->ts", w.float(), torch.relu(dots))
+
+
+def lightning_indexer_topk(
+    q_i: torch.Tensor,  # [T, Hi, Di]
+    index_cache: torch.Tensor,  # [NB, BS, Di]
+    w: torch.Tensor,  # [T, Hi]
+    block_table: torch.Tensor,  # [B, nb]
+    query_start_loc: torch.Tensor,  # [B+1]
+    kv_lens: torch.Tensor,  # [T]: token t scores positions 0..kv_lens[t]-1 of its request
+    topk: int,
+) -> torch.Tensor:
+    """Top-k request-local positions by lightning-indexer score -> int32 [T, topk].
+
+    Order: descending score, ties broken by the lower position (a stable sort over
+    positions in ascending order), so the result is deterministic and identical on
+    every rank that holds the same (replicated) index cache. Rows with fewer than
+    `topk` keys are padded with -1; padding tokens (kv_lens 0) are all -1.
+    """
+    T = q_i.shape[0]
+    out = torch.full((T, topk), -1, dtype=torch.int32, device=q_i.device)
+    req = request_index(query_start_loc, T)
+    B = query_start_loc.shape[0] - 1
+    kv_lens = kv_lens.to(torch.int64)
+    for b in range(B):
+        toks = torch.nonzero((req == b) & (kv_lens > 0)).flatten()
+        if toks.numel() == 0:
+            continue
+        n = int(kv_lens[toks].max())
+        k = gather_request_pages(index_cache, block_table[b], n)  # [n, Di]
+        s = lightning_index_scores(q_i[toks], k, w[toks])  # [t, n] fp32
+        pos = torch.arange(n, device=q_i.device)
+        valid = pos[None, :] < kv_lens[toks][:, None]  # [t, n] causal
+        s = s.masked_fill(~valid, float("-inf"))
+        # Stable sort: among equal scores the lower position (earlier column) wins;
+        # torch.topk gives no such guarantee.
+        idx = torch.sort(s, dim=-1, descending=True, stable=True).indices[:, :topk]  # [t, k']
+        # Masked (future) positions sort last; by position, not by score, they become -1.
+        idx = torch.where(idx < kv_lens[toks][:, None], idx, torch.full_like(idx, -1))
+        out[toks, : idx.shape[1]] = idx.to(torch.int32)
+    return out
+
+
+def sparse_attention_with_lse(
+    q: torch.Tensor,  # [T, H, Dqk]
+    kv_cache: torch.Tensor,  # [NB, BS, Dqk]: one shared (MQA) key per slot; V = first v_dim columns
+    block_table: torch.Tensor,  # [B, nb]
+    query_start_loc: torch.Tensor,  # [B+1]
+    indices: torch.Tensor,  # [T, K]: positions into the request's paged cache, -1 = skip
+    v_dim: int,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax attention of each query over the listed positions of its request's cache.
+
+    Position j of request b is read at page `block_table[b, j // BS]`, offset `j % BS`,
+    whatever those positions mean: global positions on one device, or a rank's local
+    (compacted) positions under SFA DCP. No causal crop: indices are trusted.
+    Returns out [T, H, v_dim] in q's dtype and lse [T, H] fp32; a query with no valid
+    index (or a padding token) gets out 0 and lse -inf. Computed in fp32.
+    """
+    T, H, _ = q.shape
+    out = torch.zeros(T, H, v_dim, dtype=torch.float32, device=q.device)
+    lse = torch.full((T, H), float("-inf"), dtype=torch.float32, device=q.device)
+    if T == 0 or indices.shape[1] == 0 or block_table.shape[0] == 0:
+        return out.to(q.dtype), lse
+    bs = kv_cache.shape[1]
+    req = request_index(query_start_loc, T).long()  # [T], -1 for padding
+    idx = indices.long()  # [T, K]
+    valid = (idx >= 0) & (req[:, None] >= 0)  # [T, K]
+    j = torch.where(valid, idx, torch.zeros_like(idx))
+    page = block_table.long()[req.clamp(min=0)[:, None], j // bs]  # [T, K]
+    # Skipped entries read page 0 (always a real page), never an unused table entry.
+    page = torch.where(valid, page, torch.zeros_like(page))
+    kv = kv_cache[page, j % bs].float()  # [T, K, Dqk]
+    s = torch.einsum("thd,tkd->thk", q.float(), kv) * scale  # [T, H, K]
+    s = s.masked_fill(~valid[:, None, :], float("-inf"))
+    l = torch.logsumexp(s, dim=-1)  # [T, H]; -inf for empty rows
+    # exp(s - l) is NaN on empty rows (-inf - -inf); shift those by 0 so p is exactly 0.
+    l_safe = torch.where(torch.isfinite(l), l, torch.zeros_like(l))
+    p = torch.exp(s - l_safe[..., None])  # [T, H, K]
+    out = torch.einsum("thk,tkd->thd", p, kv[..., :v_dim])
+    return out.to(q.dtype), l

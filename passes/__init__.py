@@ -1,0 +1,1 @@
+"""FX passes of cp-compile (installed as `cp_compile.passes`)."""

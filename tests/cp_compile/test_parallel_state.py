@@ -1,0 +1,72 @@
+"""Parallel state on real gloo worlds, and the multi-rank harness itself."""
+
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import cp_compile
+from cp_compile.testing.multirank import RankFailed, run_on_ranks
+
+
+def _groups(rank: int, world: int, cfgs: list[cp_compile.CPConfig]) -> list[dict]:
+    out = []
+    for cfg in cfgs:
+        st = cp_compile.init_parallel(cfg, device="cpu")
+        # A real collective on each group proves the groups are usable.
+        t = torch.tensor([float(rank)])
+        dist.all_reduce(t, group=st.dcp_group)
+        out.append(dict(tp=dist.get_process_group_ranks(st.tp_group),
+                        dcp=dist.get_process_group_ranks(st.dcp_group),
+                        pcp=dist.get_process_group_ranks(st.pcp_group),
+                        tp_rank=st.tp_rank, dcp_rank=st.dcp_rank, pcp_rank=st.pcp_rank,
+                        dcp_sum=t.item(), backend=st.backend))
+        cp_compile.destroy_parallel()
+    return out
+
+
+def _bad_world(rank: int, world: int) -> None:
+    cp_compile.init_parallel(cp_compile.CPConfig(tensor_parallel_size=4), device="cpu")
+
+
+def _raise_on_rank_one(rank: int, world: int) -> int:
+    if rank == 1:
+        raise ValueError("boom from rank one")
+    return rank
+
+
+def _hang(rank: int, world: int) -> None:
+    if rank == 0:
+        dist.barrier()  # rank 1 never joins
+    else:
+        time.sleep(3600)
+
+
+def test_groups_on_four_ranks():
+    cfgs = [cp_compile.CPConfig(tensor_parallel_size=4, decode_context_parallel_size=2),
+            cp_compile.CPConfig(tensor_parallel_size=4, decode_context_parallel_size=4),
+            cp_compile.CPConfig(tensor_parallel_size=2, prefill_context_parallel_size=2)]
+    res = run_on_ranks(_groups, 4, cfgs)
+    for rank, per_cfg in enumerate(res):
+        a, b, c = per_cfg
+        assert a["tp"] == [0, 1, 2, 3] and a["dcp"] == ([0, 1] if rank < 2 else [2, 3])
+        assert a["dcp_rank"] == rank % 2 and a["dcp_sum"] == sum(a["dcp"]) and a["backend"] == "gloo"
+        assert b["dcp"] == [0, 1, 2, 3] and b["dcp_rank"] == rank
+        assert c["tp"] == ([0, 1] if rank < 2 else [2, 3]) and c["pcp"] == [rank % 2, rank % 2 + 2]
+        assert c["tp_rank"] == rank % 2 and c["pcp_rank"] == rank // 2 and c["dcp"] == [rank]
+
+
+def test_world_size_mismatch_is_config_error():
+    with pytest.raises(RankFailed, match="world size == tp \\* pcp"):
+        run_on_ranks(_bad_world, 2)
+
+
+def test_rank_exception_carries_traceback():
+    with pytest.raises(RankFailed, match="rank 1 of 2 failed:(.|\n)*boom from rank one"):
+        run_on_ranks(_raise_on_rank_one, 2)
+
+
+def test_hang_is_killed():
+    with pytest.raises(TimeoutError, match="did not finish"):
+        run_on_ranks(_hang, 2, timeout=8)
