@@ -1,6 +1,8 @@
 """Custom ops of cp-compile (installed as `cp_compile.ops`).
 
-Importing this package registers every `cp::*` op with torch.library.
+Importing this package registers every `cp::*` op with torch.library:
+single-device attention ops (`attention`), DCP building blocks (`dcp`) and their
+compositions (`dcp_attention`).
 """
 
-from cp_compile.ops import layout, reference  # noqa: F401
+from cp_compile.ops import attention, dcp, dcp_attention, layout, reference  # noqa: F401

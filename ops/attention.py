@@ -1,0 +1,171 @@
+"""Single-device attention custom ops that models call (DESIGN.md §4).
+
+Every op is a `torch.library` custom op in the `cp` namespace: dynamo keeps each one
+as a single graph node (which the DCP passes rewrite), `mutates_args` names exactly
+the caches the op writes (so functionalization and Inductor's reinplacing keep the
+cache update in place), and a fake implementation gives shapes under tracing.
+
+The implementation registered here is the torch reference and serves every device
+type; device kernels (Triton) override it per device with `register_kernel`.
+Metadata is global and flattened (vLLM style): `T` tokens over `B` requests,
+`query_start_loc[B+1]`, `seq_lens[B]` (context + new), `block_table[B, nb]`,
+`slot_mapping[T]` (-1 = skip). Tokens at or past `query_start_loc[-1]` are padding
+and produce zeros (attention) or -1 rows (indexer).
+
+Callers use `torch.ops.cp.<name>`; there are no Python wrappers.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from cp_compile.ops import layout, reference
+
+
+# --------------------------------------------------------------------------- GQA
+
+
+@torch.library.custom_op("cp::gqa_paged_attention", mutates_args=("k_cache", "v_cache"))
+def gqa_paged_attention(
+    q: torch.Tensor,  # [T, Hq, D]
+    k: torch.Tensor,  # [T, Hkv, D]   new keys of this step
+    v: torch.Tensor,  # [T, Hkv, Dv]  new values of this step
+    k_cache: torch.Tensor,  # [NB, BS, Hkv, D]  written in place
+    v_cache: torch.Tensor,  # [NB, BS, Hkv, Dv] written in place
+    slot_mapping: torch.Tensor,  # [T] int64, -1 = skip
+    block_table: torch.Tensor,  # [B, nb] int32
+    seq_lens: torch.Tensor,  # [B] int32
+    query_start_loc: torch.Tensor,  # [B+1] int32
+    scale: float,
+) -> torch.Tensor:
+    """Write the new k/v into the paged caches, then causal GQA attention -> [T, Hq, Dv].
+
+    Token t at request-local position pos attends keys 0..pos of its request, read
+    back from the cache (so the new tokens are seen exactly as stored, in the cache
+    dtype). Query head h reads KV head h // (Hq // Hkv). Output in q's dtype.
+    """
+    reference.write_cache(k_cache, k, slot_mapping)
+    reference.write_cache(v_cache, v, slot_mapping)
+    T = q.shape[0]
+    kv_lens = layout.causal_lens(query_start_loc, seq_lens, T)  # [T], 0 for padding
+    out, _ = reference.paged_attention_with_lse(q, k_cache, v_cache, block_table, query_start_loc, kv_lens, scale)
+    return out  # fresh tensor (built with torch.zeros inside), never an alias of q
+
+
+@gqa_paged_attention.register_fake
+def _gqa_paged_attention_fake(q, k, v, k_cache, v_cache, slot_mapping, block_table, seq_lens,
+                              query_start_loc, scale):
+    # Dv comes from the value tensor: GQA may use a different value head dim.
+    return q.new_empty(q.shape[0], q.shape[1], v.shape[-1])
+
+
+# --------------------------------------------------------------------------- MLA
+
+
+def _write_latent(kv_cache: torch.Tensor, kv_c: torch.Tensor, k_pe: torch.Tensor,
+                  slot_mapping: torch.Tensor) -> None:
+    """kv_cache[slot] = [kv_c | k_pe] (the MLA cache stores one [L+R] vector per token)."""
+    reference.write_cache(kv_cache, torch.cat([kv_c, k_pe], dim=-1), slot_mapping)
+
+
+@torch.library.custom_op("cp::mla_attention", mutates_args=("kv_cache",))
+def mla_attention(
+    q_nope: torch.Tensor,  # [T, H, L]  already absorbed (q_nope @ W_UK)
+    q_pe: torch.Tensor,  # [T, H, R]
+    kv_c: torch.Tensor,  # [T, L]  new latent of this step
+    k_pe: torch.Tensor,  # [T, R]  new rope key of this step
+    kv_cache: torch.Tensor,  # [NB, BS, L+R] written in place
+    slot_mapping: torch.Tensor,  # [T] int64
+    block_table: torch.Tensor,  # [B, nb] int32
+    seq_lens: torch.Tensor,  # [B] int32
+    query_start_loc: torch.Tensor,  # [B+1] int32
+    scale: float,
+) -> torch.Tensor:
+    """Absorbed MLA: causal MQA over the cached [c; k_pe] with V = c -> latent out [T, H, L].
+
+    With W_UK absorbed into the query and W_UV applied by the model after this op,
+    every head shares one key ([L+R]) and one value (the first L columns) per token.
+    """
+    _write_latent(kv_cache, kv_c, k_pe, slot_mapping)
+    T, L = q_nope.shape[0], q_nope.shape[-1]
+    q = torch.cat([q_nope, q_pe], dim=-1)  # [T, H, L+R]
+    kv_lens = layout.causal_lens(query_start_loc, seq_lens, T)
+    # One KV head (MQA); the value cache is a view of the key cache's first L columns.
+    out, _ = reference.paged_attention_with_lse(
+        q, kv_cache.unsqueeze(2), kv_cache[..., :L].unsqueeze(2), block_table, query_start_loc, kv_lens, scale)
+    return out
+
+
+@mla_attention.register_fake
+def _mla_attention_fake(q_nope, q_pe, kv_c, k_pe, kv_cache, slot_mapping, block_table, seq_lens,
+                        query_start_loc, scale):
+    return torch.empty_like(q_nope, memory_format=torch.contiguous_format)
+
+
+# --------------------------------------------------------------------------- DSA indexer
+
+
+@torch.library.custom_op("cp::lightning_indexer", mutates_args=("index_cache",))
+def lightning_indexer(
+    q_i: torch.Tensor,  # [T, Hi, Di]
+    k_i: torch.Tensor,  # [T, Di]  new indexer keys of this step
+    w: torch.Tensor,  # [T, Hi]  per-head weights (scales folded in)
+    index_cache: torch.Tensor,  # [NB, BS, Di] written in place
+    slot_mapping: torch.Tensor,  # [T] int64
+    block_table: torch.Tensor,  # [B, nb] int32
+    seq_lens: torch.Tensor,  # [B] int32
+    query_start_loc: torch.Tensor,  # [B+1] int32
+    topk: int,
+) -> torch.Tensor:
+    """DeepSeek-V3.2 lightning indexer -> int32 [T, topk] request-local positions.
+
+    Score I[t, s] = sum_j w[t, j] * relu(q_i[t, j] . k_i[s]) over the request's cached
+    keys s = 0..pos (causal). Sorted by descending score, ties to the lower position;
+    -1 padded when fewer than topk keys exist; padding tokens are all -1.
+    """
+    reference.write_cache(index_cache, k_i, slot_mapping)
+    T = q_i.shape[0]
+    kv_lens = layout.causal_lens(query_start_loc, seq_lens, T)
+    return reference.lightning_indexer_topk(q_i, index_cache, w, block_table, query_start_loc, kv_lens, topk)
+
+
+@lightning_indexer.register_fake
+def _lightning_indexer_fake(q_i, k_i, w, index_cache, slot_mapping, block_table, seq_lens,
+                            query_start_loc, topk):
+    return torch.empty((q_i.shape[0], topk), dtype=torch.int32, device=q_i.device)
+
+
+# --------------------------------------------------------------------------- sparse MLA (SFA)
+
+
+@torch.library.custom_op("cp::sparse_mla_attention", mutates_args=("kv_cache",))
+def sparse_mla_attention(
+    q_nope: torch.Tensor,  # [T, H, L]  absorbed
+    q_pe: torch.Tensor,  # [T, H, R]
+    kv_c: torch.Tensor,  # [T, L]
+    k_pe: torch.Tensor,  # [T, R]
+    kv_cache: torch.Tensor,  # [NB, BS, L+R] written in place
+    slot_mapping: torch.Tensor,  # [T] int64
+    block_table: torch.Tensor,  # [B, nb] int32
+    seq_lens: torch.Tensor,  # [B] int32
+    query_start_loc: torch.Tensor,  # [B+1] int32
+    topk_indices: torch.Tensor,  # [T, K] int32 request-local positions, -1 = skip
+    scale: float,
+) -> torch.Tensor:
+    """Sparse (DSA) absorbed MLA: each query attends only its topk_indices -> [T, H, L].
+
+    The cache is written like `mla_attention`. Indices are trusted (no causal crop):
+    the indexer already restricted them to 0..pos, and under SFA DCP they are local
+    coordinates where a causal bound would not line up.
+    """
+    _write_latent(kv_cache, kv_c, k_pe, slot_mapping)
+    L = q_nope.shape[-1]
+    q = torch.cat([q_nope, q_pe], dim=-1)  # [T, H, L+R]
+    out, _ = reference.sparse_attention_with_lse(q, kv_cache, block_table, query_start_loc, topk_indices, L, scale)
+    return out
+
+
+@sparse_mla_attention.register_fake
+def _sparse_mla_attention_fake(q_nope, q_pe, kv_c, k_pe, kv_cache, slot_mapping, block_table, seq_lens,
+                               query_start_loc, topk_indices, scale):
+    return torch.empty_like(q_nope, memory_format=torch.contiguous_format)

@@ -1,0 +1,145 @@
+"""DCP building blocks as custom ops (DESIGN.md §5).
+
+Each op is small enough for a pass to place on its own: metadata localisation
+(once per forward), local cache write, partial attention over the local shard
+returning (out, lse), and the two LSE-merge combines. Collectives are *not* inside
+these ops: the compositions in `cp_compile.ops.dcp_attention` issue them as
+`_c10d_functional` ops so they stay visible graph nodes.
+
+CPU runs the torch references; CUDA (and NPU when torch_npu is present) run the
+Triton kernels of `cp_compile.ops.kernels` (registered in `ops/kernels/registry.py`).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from cp_compile.ops import layout, reference
+
+
+@torch.library.custom_op("cp::dcp_localize_metadata", mutates_args=())
+def dcp_localize_metadata(slot_mapping: Tensor, query_start_loc: Tensor, seq_lens: Tensor, block_size: int,
+                          dcp: int, rank: int, interleave: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Global metadata -> this rank's view, computed once per forward for all layers.
+
+    Returns (local_slot_mapping [T] int64, local_seq_lens [B] int32,
+    local_causal_lens [T] int32, local_context_lens [T] int32). `block_size` is the
+    per-rank page size (virtual blocks hold block_size * dcp tokens).
+    """
+    T = slot_mapping.shape[0]
+    slots = layout.local_slot_mapping(slot_mapping.long(), block_size, dcp, rank, interleave)
+    seq = layout.local_len(seq_lens, dcp, rank, interleave).to(torch.int32)
+    causal = layout.local_causal_lens(query_start_loc, seq_lens, T, dcp, rank, interleave)
+    ctx = layout.local_context_lens(query_start_loc, seq_lens, T, dcp, rank, interleave)
+    return slots, seq, causal, ctx
+
+
+@dcp_localize_metadata.register_fake
+def _(slot_mapping, query_start_loc, seq_lens, block_size, dcp, rank, interleave):
+    T = slot_mapping.shape[0]
+    return (slot_mapping.new_empty(T, dtype=torch.int64), seq_lens.new_empty(seq_lens.shape, dtype=torch.int32),
+            slot_mapping.new_empty(T, dtype=torch.int32), slot_mapping.new_empty(T, dtype=torch.int32))
+
+
+@torch.library.custom_op("cp::cache_write", mutates_args=("cache",))
+def cache_write(new: Tensor, cache: Tensor, slot_mapping: Tensor) -> None:
+    """cache[slot] = new[t] for tokens with slot >= 0; with a local slot mapping this
+    stores only this rank's tokens. new [T, ...], cache [NB, BS, ...]."""
+    reference.write_cache(cache, new, slot_mapping)
+
+
+@cache_write.register_fake
+def _(new, cache, slot_mapping):
+    return None
+
+
+@torch.library.custom_op("cp::paged_attention_lse", mutates_args=())
+def paged_attention_lse(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_table: Tensor, query_start_loc: Tensor,
+                        kv_lens: Tensor, scale: float) -> tuple[Tensor, Tensor]:
+    """Partial GQA attention over the local shard: token t attends local positions
+    0..kv_lens[t]-1 of its request. q [T,Hq,D] (may be a gathered, strided view),
+    caches [NB,BS,Hkv,D|Dv] -> out [T,Hq,Dv] (q dtype), lse [T,Hq] fp32 (-inf if empty)."""
+    return reference.paged_attention_with_lse(q, k_cache, v_cache, block_table, query_start_loc, kv_lens, scale)
+
+
+@paged_attention_lse.register_fake
+def _(q, k_cache, v_cache, block_table, query_start_loc, kv_lens, scale):
+    T, H = q.shape[0], q.shape[1]
+    return q.new_empty(T, H, v_cache.shape[-1]), q.new_empty(T, H, dtype=torch.float32)
+
+
+@torch.library.custom_op("cp::mla_partial_attention", mutates_args=())
+def mla_partial_attention(q_nope: Tensor, q_pe: Tensor, kv_cache: Tensor, block_table: Tensor,
+                          query_start_loc: Tensor, kv_lens: Tensor, scale: float) -> tuple[Tensor, Tensor]:
+    """Partial absorbed-MLA attention over the local latent shard.
+    q_nope [T,H,L], q_pe [T,H,R], kv_cache [NB,BS,L+R] -> out [T,H,L], lse [T,H] fp32."""
+    L = q_nope.shape[-1]
+    q = torch.cat([q_nope, q_pe], dim=-1)
+    return reference.paged_attention_with_lse(q, kv_cache.unsqueeze(2), kv_cache[..., :L].unsqueeze(2), block_table,
+                                              query_start_loc, kv_lens, scale)
+
+
+@mla_partial_attention.register_fake
+def _(q_nope, q_pe, kv_cache, block_table, query_start_loc, kv_lens, scale):
+    T, H, L = q_nope.shape
+    return q_nope.new_empty(T, H, L), q_nope.new_empty(T, H, dtype=torch.float32)
+
+
+@torch.library.custom_op("cp::lse_rescale", mutates_args=())
+def lse_rescale(out: Tensor, lse: Tensor, lse_all: Tensor) -> tuple[Tensor, Tensor]:
+    """AG+RS merge, local half: weight this rank's partial by exp(lse - LSE).
+
+    out [T,G,Dv], lse [T,G] fp32 (this rank's partial), lse_all [N*G, T] fp32 (the
+    all-gathered head-major partial LSEs of the N ranks). Returns the rescaled
+    partial [T,G,Dv] fp32 (summing it over ranks gives the exact result) and the
+    merged LSE [T,G]. Empty shards weigh 0; all-empty rows give 0, never NaN.
+    """
+    T, G = lse.shape
+    parts = torch.nan_to_num(lse_all.view(-1, G, T).permute(0, 2, 1), nan=float("-inf"))  # [N, T, G]
+    total = torch.logsumexp(parts, dim=0)  # [T, G]; -inf when every shard is empty
+    mine = torch.nan_to_num(lse, nan=float("-inf"))
+    w = torch.where(torch.isfinite(total) & torch.isfinite(mine), torch.exp(mine - total), torch.zeros_like(mine))
+    return out.float() * w[..., None], total
+
+
+@lse_rescale.register_fake
+def _(out, lse, lse_all):
+    return out.new_empty(out.shape, dtype=torch.float32), lse.new_empty(lse.shape, dtype=torch.float32)
+
+
+@torch.library.custom_op("cp::lse_combine", mutates_args=())
+def lse_combine(outs: Tensor, lses: Tensor) -> tuple[Tensor, Tensor]:
+    """Merge N partials of the same queries: outs [N, ..., Dv], lses [N, ...] ->
+    (out [..., Dv] fp32, lse [...] fp32). Used after the all-to-all, and to combine
+    the context and new-token parts of chunked prefill."""
+    merged = reference.merge_partials(outs, lses)
+    return merged, torch.logsumexp(torch.nan_to_num(lses.float(), nan=float("-inf")), dim=0)
+
+
+@lse_combine.register_fake
+def _(outs, lses):
+    return outs.new_empty(outs.shape[1:], dtype=torch.float32), lses.new_empty(lses.shape[1:], dtype=torch.float32)
+
+
+@torch.library.custom_op("cp::varlen_causal_attention_lse", mutates_args=())
+def varlen_causal_attention_lse(q: Tensor, k: Tensor, v: Tensor, query_start_loc: Tensor,
+                                scale: float) -> tuple[Tensor, Tensor]:
+    """Causal attention among each request's new tokens only (no cache).
+    q [T,Hq,D], k [T,Hkv,D], v [T,Hkv,Dv] -> out [T,Hq,Dv], lse [T,Hq] fp32."""
+    T = q.shape[0]
+    # The new tokens of request b form a paged "cache" of block size 1 whose block
+    # table row is its token indices; token t sees new tokens 0..(t - qsl[b]).
+    req = layout.request_index(query_start_loc, T)
+    q_lens = query_start_loc[1:] - query_start_loc[:-1]
+    width = max(int(q_lens.max()) if q_lens.numel() else 0, 1)
+    table = (query_start_loc[:-1, None] + torch.arange(width, dtype=query_start_loc.dtype)).clamp(max=max(T - 1, 0))
+    t = torch.arange(T, dtype=torch.int64)
+    kv_lens = torch.where(req >= 0, t - query_start_loc[req.clamp(min=0)].long() + 1, torch.zeros_like(t))
+    return reference.paged_attention_with_lse(q, k.unsqueeze(1), v.unsqueeze(1), table, query_start_loc,
+                                              kv_lens, scale)
+
+
+@varlen_causal_attention_lse.register_fake
+def _(q, k, v, query_start_loc, scale):
+    return q.new_empty(q.shape[0], q.shape[1], v.shape[-1]), q.new_empty(q.shape[0], q.shape[1], dtype=torch.float32)
