@@ -77,7 +77,8 @@ def merge_heads(out: Tensor, lse: Tensor, ctx: DCPContext, heads: int, v_dim: in
         # All-gather the LSEs, weight the local partial, reduce-scatter the sum.
         lse_all = _c10d.all_gather_into_tensor.default(lse.transpose(0, 1).contiguous(), ctx.dcp, ctx.group_name)
         lse_all = _c10d.wait_tensor.default(lse_all)  # [N*N*H, T]
-        scaled, total = _cp.lse_rescale.default(out, lse, lse_all)
+        rescaled = _cp.lse_rescale.default(out, lse, lse_all)
+        scaled, total = rescaled[0], rescaled[1]
         summed = _c10d.reduce_scatter_tensor.default(scaled.to(dtype).transpose(0, 1).contiguous(), "sum",
                                                      ctx.dcp, ctx.group_name)
         mine = _c10d.wait_tensor.default(summed).transpose(0, 1)  # [T, H, Dv]
@@ -90,7 +91,8 @@ def merge_heads(out: Tensor, lse: Tensor, ctx: DCPContext, heads: int, v_dim: in
     recv = _c10d.wait_tensor.default(recv)  # [N*H, T, Dv + w]: chunk j = rank j's partial of my heads
     parts = recv.unflatten(0, (ctx.dcp, heads))  # [N, H, T, Dv + w]
     lses = parts[..., v_dim:].contiguous().view(torch.float32).squeeze(-1)  # [N, H, T]
-    merged, total = _cp.lse_combine.default(parts[..., :v_dim], lses)
+    merged = _cp.lse_combine.default(parts[..., :v_dim], lses)
+    merged, total = merged[0], merged[1]
     return merged.to(dtype).transpose(0, 1).contiguous(), total.transpose(0, 1)
 
 
@@ -108,9 +110,9 @@ def dcp_gqa_attention(q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_cache:
     _cp.cache_write.default(k, k_cache, local.slot_mapping)
     _cp.cache_write.default(v, v_cache, local.slot_mapping)
     q_all = all_gather_heads(q, ctx)  # [T, N*Hq, D]
-    out, lse = _cp.paged_attention_lse.default(q_all, k_cache, v_cache, block_table, query_start_loc,
-                                               local.causal_lens, scale)
-    return merge_heads(out, lse, ctx, q.shape[1], v.shape[-1], q.dtype)[0]
+    part = _cp.paged_attention_lse.default(q_all, k_cache, v_cache, block_table, query_start_loc,
+                                           local.causal_lens, scale)
+    return merge_heads(part[0], part[1], ctx, q.shape[1], v.shape[-1], q.dtype)[0]
 
 
 def dcp_mla_attention(q_nope: Tensor, q_pe: Tensor, kv_c: Tensor, k_pe: Tensor, kv_cache: Tensor,
@@ -120,9 +122,9 @@ def dcp_mla_attention(q_nope: Tensor, q_pe: Tensor, kv_c: Tensor, k_pe: Tensor, 
     if local is None:
         local = localize(ctx, slot_mapping, query_start_loc, seq_lens)
     _cp.cache_write.default(torch.cat([kv_c, k_pe], dim=-1), kv_cache, local.slot_mapping)
-    out, lse = _cp.mla_partial_attention.default(all_gather_heads(q_nope, ctx), all_gather_heads(q_pe, ctx),
-                                                 kv_cache, block_table, query_start_loc, local.causal_lens, scale)
-    return merge_heads(out, lse, ctx, q_nope.shape[1], q_nope.shape[-1], q_nope.dtype)[0]
+    part = _cp.mla_partial_attention.default(all_gather_heads(q_nope, ctx), all_gather_heads(q_pe, ctx),
+                                             kv_cache, block_table, query_start_loc, local.causal_lens, scale)
+    return merge_heads(part[0], part[1], ctx, q_nope.shape[1], q_nope.shape[-1], q_nope.dtype)[0]
 
 
 def dcp_gqa_chunked_prefill(q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor,
@@ -137,12 +139,12 @@ def dcp_gqa_chunked_prefill(q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_
         local = localize(ctx, slot_mapping, query_start_loc, seq_lens)
     _cp.cache_write.default(k, k_cache, local.slot_mapping)
     _cp.cache_write.default(v, v_cache, local.slot_mapping)
-    out, lse = _cp.paged_attention_lse.default(all_gather_heads(q, ctx), k_cache, v_cache, block_table,
-                                               query_start_loc, local.context_lens, scale)
-    ctx_out, ctx_lse = merge_heads(out, lse, ctx, q.shape[1], v.shape[-1], q.dtype)
-    new_out, new_lse = _cp.varlen_causal_attention_lse.default(q, k, v, query_start_loc, scale)
-    merged, _ = _cp.lse_combine.default(torch.stack([ctx_out, new_out]), torch.stack([ctx_lse, new_lse]))
-    return merged.to(q.dtype)
+    part = _cp.paged_attention_lse.default(all_gather_heads(q, ctx), k_cache, v_cache, block_table,
+                                           query_start_loc, local.context_lens, scale)
+    ctx_out, ctx_lse = merge_heads(part[0], part[1], ctx, q.shape[1], v.shape[-1], q.dtype)
+    new = _cp.varlen_causal_attention_lse.default(q, k, v, query_start_loc, scale)
+    merged = _cp.lse_combine.default(torch.stack([ctx_out, new[0]]), torch.stack([ctx_lse, new[1]]))
+    return merged[0].to(q.dtype)
 
 
 def dcp_mla_chunked_prefill(q_nope: Tensor, q_pe: Tensor, kv_c: Tensor, k_pe: Tensor, kv_cache: Tensor,
