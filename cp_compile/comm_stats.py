@@ -1,0 +1,78 @@
+"""What DCP costs on the wire: the model of DESIGN.md §5 and a meter for real runs.
+
+`decode_comm_bytes_per_layer` predicts the bytes one rank sends per attention
+layer; `CollectiveMeter` measures the bytes of the `_c10d_functional` collectives
+actually issued (eager mode), from their real input tensors, so a test can hold
+the prediction against a run.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+_c10d = torch.ops._c10d_functional
+
+
+def decode_comm_bytes_per_layer(num_tokens: int, heads_per_rank: int, q_dim: int, v_dim: int, dtype_bytes: int,
+                                dcp: int, merge: str = "ag_rs") -> int:
+    """Bytes one rank sends per DCP attention layer and step (independent of context length).
+
+    Q all-gather: (N-1)*T*H*dq*bytes. AG+RS merge: LSE all-gather (N-1)*T*N*H*4 plus
+    reduce-scatter (N-1)*T*H*dv*bytes; total (N-1)*T*H*((dq+dv)*bytes + 4N).
+    All-to-all merge: (N-1)*T*H*(dv*bytes + 4) ([out | lse], lse as 4 raw bytes).
+    """
+    n, t, h = dcp, num_tokens, heads_per_rank
+    if n == 1:
+        return 0
+    q = (n - 1) * t * h * q_dim * dtype_bytes
+    if merge == "ag_rs":
+        return q + (n - 1) * t * h * (v_dim * dtype_bytes + 4 * n)
+    if merge == "a2a":
+        return q + (n - 1) * t * h * (v_dim * dtype_bytes + 4)
+    raise ValueError(f"merge={merge!r}: use 'ag_rs' or 'a2a'")
+
+
+def _bytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+class CollectiveMeter(TorchDispatchMode):
+    """Counts bytes this rank sends through functional collectives while active.
+
+    sent[op] accumulates: all-gather input * (N-1); reduce-scatter and all-to-all
+    (equal splits) input * (N-1)/N; all-reduce (ring) input * 2(N-1)/N.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.sent: dict[str, int] = defaultdict(int)
+        self.calls: dict[str, int] = defaultdict(int)
+
+    @property
+    def total(self) -> int:
+        return sum(self.sent.values())
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        if func is _c10d.all_gather_into_tensor.default:
+            n = args[1]
+            self._add("all_gather", _bytes(args[0]) * (n - 1))
+        elif func is _c10d.reduce_scatter_tensor.default:
+            n = args[2]
+            self._add("reduce_scatter", _bytes(args[0]) * (n - 1) // n)
+        elif func is _c10d.all_to_all_single.default:
+            splits = args[2]
+            n = len(splits)
+            self._add("all_to_all", _bytes(args[0]) * (n - 1) // n)
+        elif func is _c10d.all_reduce.default:
+            n = torch.distributed.get_world_size(torch.distributed.distributed_c10d._resolve_process_group(args[2]))
+            self._add("all_reduce", 2 * _bytes(args[0]) * (n - 1) // n)
+        return func(*args, **kwargs)
+
+    def _add(self, op: str, nbytes: int) -> None:
+        self.sent[op] += nbytes
+        self.calls[op] += 1
