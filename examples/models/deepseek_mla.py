@@ -1,0 +1,260 @@
+"""DeepSeek-V2/V3-style decoder with absorbed MLA (dense MLP only), plain PyTorch.
+
+Matches HF `transformers` DeepseekV2ForCausalLM / DeepseekV3ForCausalLM when every
+layer is dense (`first_k_dense_replace == num_hidden_layers`, no MoE).
+
+Attention (per token, heads H sharded over TP; the latent is shared by all heads):
+
+    q            = q_proj(x)                      or q_b_proj(q_a_layernorm(q_a_proj(x)))
+    q_nope, q_pe = split(q, [nope, rope])         [T, H, nope], [T, H, R]
+    kv_c, k_pe   = split(kv_a_proj_with_mqa(x), [L, R]);  kv_c = kv_a_layernorm(kv_c)
+    q_pe, k_pe   = rope(q_pe), rope(k_pe)
+    q_abs        = einsum(q_nope, W_UK)           [T, H, L]       (W_UK [H, nope, L])
+    o_lat        = cp.mla_attention(q_abs, q_pe, kv_c, k_pe, cache)   [T, H, L]
+    o            = einsum(o_lat, W_UV)            [T, H, v]       (W_UV [H, L, v])
+    out          = o_proj(o)                      row-parallel + all-reduce
+
+W_UK / W_UV are the two halves of HF's kv_b_proj ([H*(nope+v), L]). The score
+q_nope . (W_UK c) + q_pe . k_pe equals HF's expanded form exactly (absorption);
+the cache holds [c ; k_pe] ([L + R] per token), the same for every head and rank.
+
+Rope: DeepSeek rotates interleaved pairs (2i, 2i+1) (`rope_interleave=True`, the
+V3 default; V2 always does it, through complex multiplication). With
+`rope_interleave=False` (V3 only) it is neox `rotate_half`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+import cp_compile.ops.attention  # noqa: F401  (registers torch.ops.cp.*)
+from cp_compile.config import AttentionSpec
+from cp_compile.kv_cache import KVCacheSpec
+from cp_compile.metadata import AttentionMetadata
+
+from examples.models.common import (
+    ColumnParallelLinear,
+    RMSNorm,
+    RotaryEmbedding,
+    RowParallelLinear,
+    StateDictReader,
+    SwiGLUMLP,
+    apply_rope_interleaved,
+    apply_rope_neox,
+    load_norm,
+    load_replicated,
+    shard,
+)
+
+
+@dataclass
+class DeepseekMLAConfig:
+    vocab_size: int = 102400
+    hidden_size: int = 2048
+    num_layers: int = 27
+    num_heads: int = 16
+    q_lora_rank: int | None = None  # None: q_proj directly (V2-Lite)
+    kv_lora_rank: int = 512
+    qk_nope_head_dim: int = 128
+    qk_rope_head_dim: int = 64
+    v_head_dim: int = 128
+    intermediate_size: int = 10944
+    rms_norm_eps: float = 1e-6
+    # HF builds q_a_layernorm / kv_a_layernorm with the RMSNorm default eps (1e-6),
+    # not rms_norm_eps (as does DeepSeek's own reference code).
+    latent_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_interleave: bool = True
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    @property
+    def latent_dim(self) -> int:
+        return self.kv_lora_rank + self.qk_rope_head_dim
+
+    @classmethod
+    def from_hf(cls, hf: Any) -> "DeepseekMLAConfig":
+        """From a `transformers.DeepseekV2Config` or `DeepseekV3Config` with dense layers only."""
+        rope = getattr(hf, "rope_parameters", None) or {}
+        rope_type = rope.get("rope_type", "default")
+        if rope_type != "default":
+            raise NotImplementedError(f"DeepSeek MLA example supports default rope only (no yarn), "
+                                      f"got rope_type={rope_type!r}")
+        if hf.first_k_dense_replace < hf.num_hidden_layers:
+            raise NotImplementedError(f"DeepSeek MLA example has dense MLPs only: set first_k_dense_replace="
+                                      f"{hf.num_hidden_layers} (got {hf.first_k_dense_replace})")
+        # V2 has no rope_interleave attribute and always rotates interleaved pairs.
+        interleave = getattr(hf, "rope_interleave", None)
+        if hf.model_type == "deepseek_v2" or interleave is None:
+            interleave = True
+        theta = rope.get("rope_theta", getattr(hf, "rope_theta", 10000.0))
+        return cls(vocab_size=hf.vocab_size, hidden_size=hf.hidden_size, num_layers=hf.num_hidden_layers,
+                   num_heads=hf.num_attention_heads, q_lora_rank=hf.q_lora_rank, kv_lora_rank=hf.kv_lora_rank,
+                   qk_nope_head_dim=hf.qk_nope_head_dim, qk_rope_head_dim=hf.qk_rope_head_dim,
+                   v_head_dim=hf.v_head_dim, intermediate_size=hf.intermediate_size,
+                   rms_norm_eps=hf.rms_norm_eps, rope_theta=float(theta), rope_interleave=bool(interleave),
+                   tie_word_embeddings=bool(hf.tie_word_embeddings),
+                   attention_bias=bool(getattr(hf, "attention_bias", False)))
+
+
+class MLAAttention(nn.Module):
+    def __init__(self, cfg: DeepseekMLAConfig, tp_size: int, tp_rank: int,
+                 tp_group: dist.ProcessGroup | None) -> None:
+        super().__init__()
+        if cfg.num_heads % tp_size != 0:
+            raise ValueError(f"num_heads={cfg.num_heads} must be divisible by tp_size={tp_size}")
+        self.cfg = cfg
+        self.tp_size, self.tp_rank = tp_size, tp_rank
+        self.num_heads = cfg.num_heads // tp_size  # local
+        self.nope, self.rope, self.L, self.dv = (cfg.qk_nope_head_dim, cfg.qk_rope_head_dim,
+                                                 cfg.kv_lora_rank, cfg.v_head_dim)
+        self.scale = cfg.qk_head_dim ** -0.5
+        H, bias = cfg.num_heads, cfg.attention_bias
+        if cfg.q_lora_rank is None:
+            self.q_proj = ColumnParallelLinear(cfg.hidden_size, H * cfg.qk_head_dim, tp_size, tp_rank)
+        else:
+            self.q_a_proj = nn.Linear(cfg.hidden_size, cfg.q_lora_rank, bias=bias)  # replicated
+            self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, cfg.latent_norm_eps)
+            self.q_b_proj = ColumnParallelLinear(cfg.q_lora_rank, H * cfg.qk_head_dim, tp_size, tp_rank)
+        self.kv_a_proj_with_mqa = nn.Linear(cfg.hidden_size, self.L + self.rope, bias=bias)  # replicated
+        self.kv_a_layernorm = RMSNorm(self.L, cfg.latent_norm_eps)
+        # kv_b_proj split per (local) head into the absorbed matrices.
+        self.w_uk = nn.Parameter(torch.empty(self.num_heads, self.nope, self.L))  # [H, nope, L]
+        self.w_uv = nn.Parameter(torch.empty(self.num_heads, self.L, self.dv))  # [H, L, v]
+        nn.init.normal_(self.w_uk, std=0.02)
+        nn.init.normal_(self.w_uv, std=0.02)
+        self.o_proj = RowParallelLinear(H * self.dv, cfg.hidden_size, tp_size, tp_rank, bias, tp_group)
+        self.rope_fn = apply_rope_interleaved if cfg.rope_interleave else apply_rope_neox
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                kv_cache: tuple[torch.Tensor, ...], meta: AttentionMetadata) -> torch.Tensor:
+        T = x.shape[0]  # x [T, hidden]
+        if self.cfg.q_lora_rank is None:
+            q = self.q_proj(x)
+        else:
+            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+        q = q.view(T, self.num_heads, self.nope + self.rope)  # [T, H, nope + R]
+        q_nope, q_pe = torch.split(q, [self.nope, self.rope], dim=-1)
+        kv_c, k_pe = torch.split(self.kv_a_proj_with_mqa(x), [self.L, self.rope], dim=-1)  # [T, L], [T, R]
+        kv_c = self.kv_a_layernorm(kv_c)
+        q_pe = self.rope_fn(q_pe, cos, sin)  # [T, H, R]
+        k_pe = self.rope_fn(k_pe[:, None, :], cos, sin)[:, 0]  # [T, R]
+        q_abs = torch.einsum("thn,hnl->thl", q_nope, self.w_uk)  # [T, H, L]
+        (kv_cache_t,) = kv_cache  # [NB, BS, L + R]
+        o_lat = torch.ops.cp.mla_attention(
+            q_abs, q_pe.contiguous(), kv_c.contiguous(), k_pe.contiguous(), kv_cache_t, meta.slot_mapping,
+            meta.block_table, meta.seq_lens, meta.query_start_loc, self.scale)  # [T, H, L]
+        o = torch.einsum("thl,hlv->thv", o_lat, self.w_uv)  # [T, H, v]
+        return self.o_proj(o.reshape(T, self.num_heads * self.dv))  # [T, hidden]
+
+    def load_hf(self, sd: StateDictReader, prefix: str) -> None:
+        cfg = self.cfg
+        if cfg.q_lora_rank is None:
+            self.q_proj.load_full(sd.take(f"{prefix}.q_proj.weight"), name=f"{prefix}.q_proj")
+        else:
+            load_replicated(self.q_a_proj.weight, sd.take(f"{prefix}.q_a_proj.weight"), f"{prefix}.q_a_proj.weight")
+            if self.q_a_proj.bias is not None:
+                load_replicated(self.q_a_proj.bias, sd.take(f"{prefix}.q_a_proj.bias"), f"{prefix}.q_a_proj.bias")
+            load_norm(self.q_a_layernorm, sd, f"{prefix}.q_a_layernorm.weight")
+            self.q_b_proj.load_full(sd.take(f"{prefix}.q_b_proj.weight"), name=f"{prefix}.q_b_proj")
+        name = f"{prefix}.kv_a_proj_with_mqa"
+        load_replicated(self.kv_a_proj_with_mqa.weight, sd.take(f"{name}.weight"), f"{name}.weight")
+        if self.kv_a_proj_with_mqa.bias is not None:
+            load_replicated(self.kv_a_proj_with_mqa.bias, sd.take(f"{name}.bias"), f"{name}.bias")
+        load_norm(self.kv_a_layernorm, sd, f"{prefix}.kv_a_layernorm.weight")
+        kv_b = sd.take(f"{prefix}.kv_b_proj.weight")  # [H * (nope + v), L]
+        kv_b = kv_b.view(cfg.num_heads, self.nope + self.dv, self.L)
+        kv_b = shard(kv_b, 0, self.tp_size, self.tp_rank)  # this rank's heads
+        load_replicated(self.w_uk, kv_b[:, : self.nope, :], f"{prefix}.kv_b_proj.weight (W_UK)")
+        load_replicated(self.w_uv, kv_b[:, self.nope:, :].transpose(1, 2), f"{prefix}.kv_b_proj.weight (W_UV)")
+        self.o_proj.load_full(sd.take(f"{prefix}.o_proj.weight"), sd.get(f"{prefix}.o_proj.bias"),
+                              name=f"{prefix}.o_proj")
+
+
+class DeepseekMLADecoderLayer(nn.Module):
+    def __init__(self, cfg: DeepseekMLAConfig, tp_size: int, tp_rank: int,
+                 tp_group: dist.ProcessGroup | None) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = MLAAttention(cfg, tp_size, tp_rank, tp_group)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = SwiGLUMLP(cfg.hidden_size, cfg.intermediate_size, tp_size, tp_rank, tp_group)
+
+    def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                kv_cache: tuple[torch.Tensor, ...], meta: AttentionMetadata) -> torch.Tensor:
+        h = h + self.self_attn(self.input_layernorm(h), cos, sin, kv_cache, meta)  # [T, hidden]
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+    def load_hf(self, sd: StateDictReader, prefix: str) -> None:
+        load_norm(self.input_layernorm, sd, f"{prefix}.input_layernorm.weight")
+        load_norm(self.post_attention_layernorm, sd, f"{prefix}.post_attention_layernorm.weight")
+        self.self_attn.load_hf(sd, f"{prefix}.self_attn")
+        self.mlp.load_hf(sd, f"{prefix}.mlp")
+
+
+class DeepseekMLAModel(nn.Module):
+    """DeepSeek MLA causal LM on one TP rank. Embedding and lm_head are replicated."""
+
+    def __init__(self, cfg: DeepseekMLAConfig, tp_size: int = 1, tp_rank: int = 0,
+                 tp_group: dist.ProcessGroup | None = None) -> None:
+        super().__init__()
+        if not 0 <= tp_rank < tp_size:
+            raise ValueError(f"tp_rank={tp_rank} outside tp_size={tp_size}")
+        self.cfg = cfg
+        self.tp_size = tp_size
+        self.tp_rank = tp_rank
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.rotary = RotaryEmbedding(cfg.qk_rope_head_dim, cfg.rope_theta)
+        self.layers = nn.ModuleList(DeepseekMLADecoderLayer(cfg, tp_size, tp_rank, tp_group)
+                                    for _ in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                kv_caches: list[tuple[torch.Tensor, ...]], meta: AttentionMetadata) -> torch.Tensor:
+        """input_ids [T] int64, positions [T] int64 -> logits [T, vocab] fp32."""
+        h = self.embed_tokens(input_ids)  # [T, hidden]
+        cos, sin = self.rotary(positions)  # [T, R/2] each
+        for i, layer in enumerate(self.layers):
+            h = layer(h, cos, sin, kv_caches[i], meta)
+        h = self.norm(h)
+        w = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(h, w).float()  # [T, vocab]
+
+    def kv_cache_spec(self) -> KVCacheSpec:
+        return KVCacheSpec(num_layers=self.cfg.num_layers, kind="mla", latent_dim=self.cfg.latent_dim)
+
+    def attention_spec(self) -> AttentionSpec:
+        return AttentionSpec("mla", self.cfg.num_heads)
+
+    def load_hf_state_dict(self, hf_state_dict: Mapping[str, torch.Tensor]) -> None:
+        """Load an HF DeepseekV2/V3ForCausalLM state dict (dense layers), slicing this rank's TP shards."""
+        sd = StateDictReader(hf_state_dict)
+        load_replicated(self.embed_tokens.weight, sd.take("model.embed_tokens.weight"), "model.embed_tokens.weight")
+        for i, layer in enumerate(self.layers):
+            layer.load_hf(sd, f"model.layers.{i}")
+        load_norm(self.norm, sd, "model.norm.weight")
+        if self.lm_head is not None:
+            load_replicated(self.lm_head.weight, sd.take("lm_head.weight"), "lm_head.weight")
+        else:
+            sd.get("lm_head.weight")
+        sd.check_all_used()
+
+
+def load_hf_state_dict(model: DeepseekMLAModel, hf_state_dict: Mapping[str, torch.Tensor],
+                       tp_size: int | None = None, tp_rank: int | None = None) -> None:
+    """Slice HF weights into `model` (built for its own tp_size / tp_rank)."""
+    if (tp_size is not None and tp_size != model.tp_size) or (tp_rank is not None and tp_rank != model.tp_rank):
+        raise ValueError(f"model was built for tp_size={model.tp_size}, tp_rank={model.tp_rank}; "
+                         f"got tp_size={tp_size}, tp_rank={tp_rank}")
+    model.load_hf_state_dict(hf_state_dict)
