@@ -12,8 +12,9 @@ The decorator
   lengths do not recompile;
 - compiles `forward` with the cp_ascend backend (`fullgraph=True`) on first call.
 
-`module.cp_backend` is the backend instance (its `pass_managers` record what each
-compiled graph's passes rewrote); `module.cp_eager_forward(...)` runs uncompiled.
+`module.cp_compiled.backend.pass_managers` record what each compiled graph's passes
+rewrote; `module.cp_eager_forward(...)` runs uncompiled. `compile_model(module)`
+does the same for a module built elsewhere.
 """
 
 from __future__ import annotations
@@ -46,6 +47,52 @@ def _mark_dynamic(value: Any) -> None:
                     torch._dynamo.maybe_mark_dynamic(t, d)
 
 
+class CompiledForward:
+    """A module's forward compiled with the cp_ascend backend, with dynamic token dims."""
+
+    def __init__(self, module: nn.Module, forward: Callable[..., Any], dynamic_args: Sequence[str],
+                 backend: CpAscendBackend) -> None:
+        self.signature = inspect.signature(forward)
+        unknown = [a for a in dynamic_args if a not in self.signature.parameters]
+        if unknown:
+            raise TypeError(f"{type(module).__name__}: dynamic_args {unknown} are not arguments of forward "
+                            f"{list(self.signature.parameters)}. Fix: name forward's token-count arguments")
+        self.dynamic_args = tuple(dynamic_args)
+        self.backend = backend
+        self.compiled = torch.compile(forward, backend=backend, fullgraph=True)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        bound = self.signature.bind(*args, **kwargs)
+        for name in self.dynamic_args:
+            if name in bound.arguments:
+                _mark_dynamic(bound.arguments[name])
+        # Token count and request count often coincide (decode): no duck-sizing
+        # equality between them, or the next mixed batch would recompile.
+        with torch.fx.experimental._config.patch(use_duck_shape=False):
+            return self.compiled(*args, **kwargs)
+
+
+def compile_model(module: nn.Module, *, dynamic_args: Sequence[str] = ("input_ids", "positions", "meta"),
+                  config: CPConfig | None = None, lowering: Lowering = "auto",
+                  torchair_mode: TorchairMode = "reduce-overhead") -> CompiledForward:
+    """Compile `module.forward` with cp_ascend (fullgraph) and dynamic token dims.
+
+    For modules you cannot decorate (built elsewhere); `cp_module` uses the same path.
+    The returned callable's `.backend.pass_managers` record what the passes rewrote.
+    """
+    backend = CpAscendBackend(config=config, lowering=lowering, torchair_mode=torchair_mode)
+    return CompiledForward(module, module.forward, dynamic_args, backend)
+
+
+def _check_roles(module: nn.Module, roles: dict[str, str | None]) -> dict[str, str]:
+    names = [n for n, _ in module.named_modules()]
+    for role, path in roles.items():
+        if path is not None and not any(n == path or n.endswith("." + path) for n in names):
+            raise ValueError(f"cp_module({type(module).__name__}): role {role}={path!r} names no submodule. "
+                             f"Fix: give the attribute path of the {role} module, e.g. 'self_attn.o_proj'")
+    return {k: v for k, v in roles.items() if v is not None}
+
+
 def cp_module(cls: M | None = None, *, o_proj: str | None = None, indexer: str | None = None,
               dynamic_args: Sequence[str] = ("input_ids", "positions", "meta"), config: CPConfig | None = None,
               lowering: Lowering = "auto", torchair_mode: TorchairMode = "reduce-overhead",
@@ -55,44 +102,22 @@ def cp_module(cls: M | None = None, *, o_proj: str | None = None, indexer: str |
     def wrap(klass: M) -> M:
         orig_init = klass.__init__
         orig_forward = klass.forward
-        params = list(inspect.signature(orig_forward).parameters)[1:]
-        unknown = [a for a in dynamic_args if a not in params]
-        if unknown:
-            raise TypeError(f"cp_module({klass.__name__}): dynamic_args {unknown} are not arguments of forward "
-                            f"{params}. Fix: name forward's token-count arguments")
 
         @functools.wraps(orig_init)
         def __init__(self: nn.Module, *args: Any, **kwargs: Any) -> None:
             orig_init(self, *args, **kwargs)
-            roles = {"o_proj": o_proj, "indexer": indexer}
-            for role, path in roles.items():
-                if path is None:
-                    continue
-                for name, mod in self.named_modules():
-                    if name == path or name.endswith("." + path):
-                        break
-                else:
-                    raise ValueError(f"cp_module({klass.__name__}): role {role}={path!r} names no submodule. "
-                                     f"Fix: give the attribute path of the {role} module, e.g. 'self_attn.o_proj'")
-            self.cp_roles = {k: v for k, v in roles.items() if v is not None}
-            self.cp_backend = CpAscendBackend(config=config, lowering=lowering, torchair_mode=torchair_mode)
-            self._cp_compiled = None
+            self.cp_roles = _check_roles(self, {"o_proj": o_proj, "indexer": indexer})
+            self.cp_compiled = None
+            if compile:
+                self.cp_compiled = CompiledForward(
+                    self, functools.partial(orig_forward, self), dynamic_args,
+                    CpAscendBackend(config=config, lowering=lowering, torchair_mode=torchair_mode))
 
         @functools.wraps(orig_forward)
         def forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
-            if not compile:
+            if self.cp_compiled is None:
                 return orig_forward(self, *args, **kwargs)
-            bound = inspect.signature(orig_forward).bind(self, *args, **kwargs)
-            for name in dynamic_args:
-                if name in bound.arguments:
-                    _mark_dynamic(bound.arguments[name])
-            if self._cp_compiled is None:
-                self._cp_compiled = torch.compile(functools.partial(orig_forward, self), backend=self.cp_backend,
-                                                  fullgraph=True)
-            # Token count and request count often coincide (decode): no duck-sizing
-            # equality between them, or the next mixed batch would recompile.
-            with torch.fx.experimental._config.patch(use_duck_shape=False):
-                return self._cp_compiled(*args, **kwargs)
+            return self.cp_compiled(*args, **kwargs)
 
         def cp_eager_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
             return orig_forward(self, *args, **kwargs)

@@ -6,3 +6,6 @@ compositions (`dcp_attention`).
 """
 
 from cp_compile.ops import attention, dcp, dcp_attention, layout, reference  # noqa: F401
+from cp_compile.ops.kernels.registry import register_device_kernels
+
+register_device_kernels()

@@ -96,11 +96,13 @@ def lse_rescale(out: Tensor, lse: Tensor, lse_all: Tensor) -> tuple[Tensor, Tens
     merged LSE [T,G]. Empty shards weigh 0; all-empty rows give 0, never NaN.
     """
     T, G = lse.shape
-    parts = torch.nan_to_num(lse_all.view(-1, G, T).permute(0, 2, 1), nan=float("-inf"))  # [N, T, G]
+    parts = reference.clean_lse(lse_all.view(-1, G, T).permute(0, 2, 1))  # [N, T, G]
     total = torch.logsumexp(parts, dim=0)  # [T, G]; -inf when every shard is empty
-    mine = torch.nan_to_num(lse, nan=float("-inf"))
-    w = torch.where(torch.isfinite(total) & torch.isfinite(mine), torch.exp(mine - total), torch.zeros_like(mine))
-    return out.float() * w[..., None], total
+    mine = reference.clean_lse(lse)
+    keep = torch.isfinite(total) & torch.isfinite(mine)
+    w = torch.where(keep, torch.exp(mine - total), torch.zeros_like(mine))
+    scaled = torch.where(keep[..., None], out.float() * w[..., None], torch.zeros((), dtype=torch.float32))
+    return scaled, total
 
 
 @lse_rescale.register_fake
@@ -114,7 +116,7 @@ def lse_combine(outs: Tensor, lses: Tensor) -> tuple[Tensor, Tensor]:
     (out [..., Dv] fp32, lse [...] fp32). Used after the all-to-all, and to combine
     the context and new-token parts of chunked prefill."""
     merged = reference.merge_partials(outs, lses)
-    return merged, torch.logsumexp(torch.nan_to_num(lses.float(), nan=float("-inf")), dim=0)
+    return merged, torch.logsumexp(reference.clean_lse(lses), dim=0)
 
 
 @lse_combine.register_fake

@@ -73,6 +73,13 @@ def paged_attention_with_lse(
     return out.to(q.dtype), lse
 
 
+def clean_lse(lse: torch.Tensor) -> torch.Tensor:
+    """fp32 LSE with NaN (a garbage partial) read as -inf (an empty one). Not
+    `nan_to_num`, which would also turn -inf into the finite fp32 minimum."""
+    lse = lse.float()
+    return torch.where(torch.isnan(lse), torch.full_like(lse, float("-inf")), lse)
+
+
 def merge_partials(outs: torch.Tensor, lses: torch.Tensor) -> torch.Tensor:
     """Exact merge of partial attentions over disjoint key sets.
 
@@ -80,12 +87,13 @@ def merge_partials(outs: torch.Tensor, lses: torch.Tensor) -> torch.Tensor:
     -inf or NaN (empty shard) weighs 0; when all are empty the result is 0.
     Independent of the order of the N partials.
     """
-    lses = torch.nan_to_num(lses.float(), nan=float("-inf"))
+    lses = clean_lse(lses)
     m = lses.max(dim=0).values  # [...]
     m_safe = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
     w = torch.exp(lses - m_safe)  # exp(-inf) = 0 for empty shards
     denom = w.sum(dim=0)
-    num = (outs.float() * w[..., None]).sum(dim=0)
+    # where, not multiply: an empty shard's out may be garbage (NaN) and must weigh 0.
+    num = torch.where(w[..., None] > 0, outs.float() * w[..., None], torch.zeros((), dtype=torch.float32)).sum(0)
     return torch.where(denom[..., None] > 0, num / denom.clamp(min=1e-30)[..., None], torch.zeros_like(num))
 
 

@@ -1,0 +1,58 @@
+"""Triton kernels written once for Triton and Triton-Ascend (DESIGN.md §8).
+
+Importable without triton: `triton_available()` says whether the launchers can be
+used; touching a launcher without triton raises ImportError. Each launcher takes
+torch tensors and returns new tensors; CPU tensors run only under TRITON_INTERPRET=1
+(set before triton is first imported), which is how the tests check them.
+
+- `paged_attention_with_lse_triton`  (paged_decode_lse.py)
+- `merge_partials_triton`, `lse_rescale_triton`  (lse_merge.py)
+- `local_slot_mapping_triton`  (localize_slots.py)
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import importlib.util
+from typing import Any
+
+_LAUNCHERS = {
+    "paged_attention_with_lse_triton": "paged_decode_lse",
+    "merge_partials_triton": "lse_merge",
+    "lse_rescale_triton": "lse_merge",
+    "local_slot_mapping_triton": "localize_slots",
+}
+
+__all__ = ["triton_available", *_LAUNCHERS]
+
+
+@functools.lru_cache(maxsize=None)
+def triton_available() -> bool:
+    """True when a `triton` package (upstream or triton-ascend) is installed.
+
+    Checked with find_spec, not an import: importing triton fixes the interpreter
+    mode (TRITON_INTERPRET is read at @triton.jit decoration), so a mere probe from
+    op registration must not do it before a test sets the variable.
+    """
+    try:
+        return importlib.util.find_spec("triton") is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def __getattr__(name: str) -> Any:
+    # Lazy: importing cp_compile.ops.kernels must not import triton (nor fix the
+    # TRITON_INTERPRET mode) until a launcher is actually asked for.
+    module = _LAUNCHERS.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    if not triton_available():
+        raise ImportError(f"{name} needs triton (pip install triton, or triton-ascend on NPU)")
+    value = getattr(importlib.import_module(f"{__name__}.{module}"), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

@@ -1,0 +1,86 @@
+"""A minimal greedy serving loop over the example models (shared by the quick start,
+the compiled-model tests and the benchmark).
+
+Requests join and leave between steps, so the batch composition and the token
+count change every step: prefills of joining requests ride in the same flattened
+batch as the decodes of running ones (mixed batches). The metadata is global (what
+one device would see); the model, compiled or not, receives exactly that.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+
+from cp_compile.config import CPConfig
+from cp_compile.metadata import BlockAllocator, build_attention_metadata
+
+
+@dataclass
+class Schedule:
+    """prompts[rid]: prompt tokens; joins[step]: rids that start at that step;
+    leaves[step]: rids that finish before that step; padding: padding tokens per step."""
+
+    prompts: dict[int, list[int]]
+    joins: dict[int, list[int]]
+    leaves: dict[int, list[int]] = field(default_factory=dict)
+    num_steps: int = 10
+    padding: int = 0
+
+
+@dataclass
+class StepResult:
+    req_ids: list[int]
+    last_logits: torch.Tensor  # [B, vocab] logits of each request's last token
+    next_tokens: list[int]
+
+
+def tiny_schedule(vocab: int, seed: int = 0, num_steps: int = 10) -> Schedule:
+    """Prefill of two requests, then decodes; a third joins mid-way (mixed batch,
+    several prefill tokens beside decodes) and one leaves: lengths and batch
+    composition change every step."""
+    g = torch.Generator().manual_seed(seed)
+    prompts = {0: torch.randint(0, vocab, (7,), generator=g).tolist(),
+               1: torch.randint(0, vocab, (3,), generator=g).tolist(),
+               2: torch.randint(0, vocab, (5,), generator=g).tolist()}
+    return Schedule(prompts=prompts, joins={0: [0, 1], 3: [2]}, leaves={7: [1]}, num_steps=num_steps, padding=2)
+
+
+def run_schedule(forward: Callable[..., torch.Tensor], kv_layers: list[tuple[torch.Tensor, ...]], cfg: CPConfig,
+                 num_blocks: int, schedule: Schedule, max_blocks_per_req: int = 8,
+                 on_step: Callable[[int, Any], None] | None = None) -> list[StepResult]:
+    """Greedy decoding through `forward(input_ids, positions, kv_layers, meta)`.
+
+    `cfg` gives the virtual block size (block_size * dcp), the same on every rank
+    and for the single-device reference with pages of that size.
+    """
+    alloc = BlockAllocator(num_blocks, cfg.virtual_block_size)
+    tokens: dict[int, list[int]] = {}
+    cached: dict[int, int] = {}
+    results: list[StepResult] = []
+    for step in range(schedule.num_steps):
+        for rid in schedule.leaves.get(step, []):
+            tokens.pop(rid)
+            cached.pop(rid)
+            alloc.free(rid)
+        for rid in schedule.joins.get(step, []):
+            tokens[rid] = list(schedule.prompts[rid])
+            cached[rid] = 0
+        rids = sorted(tokens)
+        reqs = [(cached[r], len(tokens[r]) - cached[r]) for r in rids]
+        meta = build_attention_metadata(reqs, alloc, req_ids=rids, num_padding_tokens=schedule.padding,
+                                        max_blocks_per_req=max_blocks_per_req)
+        ids = torch.tensor([t for r in rids for t in tokens[r][cached[r]:]] + [0] * schedule.padding)
+        with torch.no_grad():
+            logits = forward(ids, meta.positions, kv_layers, meta)  # [T, vocab]
+        last = logits[meta.query_start_loc[1:].long() - 1]  # [B, vocab]
+        nxt = last.argmax(-1).tolist()
+        for r, t in zip(rids, nxt):
+            cached[r] = len(tokens[r])
+            tokens[r].append(t)
+        results.append(StepResult(rids, last.clone(), nxt))
+        if on_step is not None:
+            on_step(step, meta)
+    return results

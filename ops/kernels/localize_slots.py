@@ -1,0 +1,76 @@
+"""Global slot mapping -> this DCP rank's physical slots (DESIGN.md §5).
+
+A global slot is `block_id * (Bk * N) + offset` in a virtual block of Bk*N tokens;
+virtual blocks start at multiples of Bk*N, so `offset` is the request-local position
+modulo Bk*N and the owner / local offset follow from it alone. Non-owned and
+padding (-1) slots map to -1. Torch oracle: `cp_compile.ops.layout.local_slot_mapping`.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from cp_compile.ops.kernels._common import grid_size, kernel_for, next_pow2
+
+
+@triton.jit
+def _local_slot_mapping_kernel(
+    slot_ptr, res_ptr, T,
+    block_size, dcp, rank, interleave,
+    BLOCK: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    nprog = tl.num_programs(0)
+    offs = tl.arange(0, BLOCK)
+    vbs = block_size * dcp  # tokens of one virtual block
+    n_blocks = (T + BLOCK - 1) // BLOCK
+    for b in range(pid, n_blocks, nprog):
+        i = b * BLOCK + offs
+        i_mask = i < T
+        slot = tl.load(slot_ptr + i, mask=i_mask, other=-1).to(tl.int64)
+        valid = slot >= 0
+        # Clamp so the division never sees a negative slot (Triton divides toward zero,
+        # torch floors); invalid lanes are overwritten with -1 below anyway.
+        slot = tl.where(valid, slot, 0)
+        vb = slot // vbs  # virtual block id: int64, the slot range may pass 2**31
+        off = (slot - vb * vbs).to(tl.int32)  # < Bk*N: int32 is enough from here on
+        owner = (off // interleave) % dcp
+        local_off = (off // (dcp * interleave)) * interleave + off % interleave
+        local = vb * block_size + local_off.to(tl.int64)
+        keep = valid & (owner == rank)
+        tl.store(res_ptr + i, tl.where(keep, local, -1).to(res_ptr.dtype.element_ty), mask=i_mask)
+
+
+def local_slot_mapping_triton(
+    slot_mapping: torch.Tensor,  # [T] int64 (or int32) global slots, -1 = skip
+    block_size: int,
+    dcp: int,
+    rank: int,
+    interleave: int,
+    *,
+    num_programs: int | None = None,
+    block: int | None = None,
+) -> torch.Tensor:
+    """Triton twin of `layout.local_slot_mapping` -> [T] local slots, -1 elsewhere.
+
+    Output dtype is slot_mapping's (int64 for the usual vLLM slot mapping), as in the
+    reference. block_size is the per-rank page size Bk; a virtual block is Bk * dcp.
+    """
+    if slot_mapping.dim() != 1:
+        raise ValueError(f"slot_mapping must be 1-D, got shape {tuple(slot_mapping.shape)}")
+    if not (0 <= rank < dcp) or interleave < 1 or block_size < 1:
+        raise ValueError(f"bad layout: block_size={block_size} dcp={dcp} rank={rank} interleave={interleave}")
+    slot_mapping = slot_mapping.contiguous()
+    T = slot_mapping.shape[0]
+    res = torch.empty_like(slot_mapping)
+    if T == 0:
+        return res
+    if block is None:
+        block = min(next_pow2(T), 1024)
+    grid = (grid_size(triton.cdiv(T, block), num_programs),)
+    kernel_for(_local_slot_mapping_kernel, slot_mapping.device)[grid](
+        slot_mapping, res, T, int(block_size), int(dcp), int(rank), int(interleave), BLOCK=block,
+    )
+    return res

@@ -1,0 +1,239 @@
+"""DCP decode merge of partial attentions by their LSEs (DESIGN.md §5).
+
+Two kernels, one per communication strategy:
+- `merge_partials_triton`: all-to-all of [out | lse], then every rank combines the N
+  partials of its own heads: out = sum_n out_n * exp(lse_n - LSE).
+- `lse_rescale_triton`: all-gather of the LSEs only, each rank scales its own partial
+  by exp(lse_r - LSE) and a reduce-scatter sums them.
+Empty shards (lse -inf or NaN) weigh 0 and an all-empty row is 0, never NaN. The max
+is taken before any sum, so the result does not depend on shard order beyond fp32
+rounding. Torch oracle: `cp_compile.ops.reference.merge_partials`.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from cp_compile.ops.kernels._common import grid_size, kernel_for, next_pow2, prev_pow2
+
+# Rows x padded head dim held by one tile.
+_TILE_BUDGET = 4096
+
+
+@triton.jit
+def _merge_partials_kernel(
+    outs_ptr, lses_ptr, res_ptr, lse_out_ptr,
+    N, n_rows, H, Dv,
+    s_on, s_ot, s_oh, s_od,
+    s_ln, s_lt, s_lh,
+    s_rt, s_rh, s_rd,
+    s_mt, s_mh,
+    BLOCK_R: tl.constexpr, DV_PAD: tl.constexpr, WRITE_LSE: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    nprog = tl.num_programs(0)
+    offs_r = tl.arange(0, BLOCK_R)
+    offs_d = tl.arange(0, DV_PAD)
+    d_mask = offs_d < Dv
+    n_blocks = (n_rows + BLOCK_R - 1) // BLOCK_R
+    for rb in range(pid, n_blocks, nprog):
+        r = rb * BLOCK_R + offs_r  # flattened (token, head) rows
+        r_mask = r < n_rows
+        t = (r // H).to(tl.int64)
+        h = r % H
+        l_row = t * s_lt + h * s_lh
+        o_row = t * s_ot + h * s_oh
+        tile_mask = r_mask[:, None] & d_mask[None, :]
+
+        # Pass 1: max over shards of the NaN-cleaned LSEs (inlined, not a helper
+        # function, so an interpreted twin of this kernel has no jitted callees).
+        # Shard offsets are carried in int64 (row offsets are int64) and advanced by
+        # the shard stride: n * N-stride can pass 2**31 for [N, T, H, Dv] partials.
+        m = tl.full([BLOCK_R], float("-inf"), tl.float32)
+        l_off = l_row
+        for n in range(0, N):
+            l = tl.load(lses_ptr + l_off, mask=r_mask, other=float("-inf")).to(tl.float32)
+            l = tl.where(l != l, float("-inf"), l)  # NaN marks an empty shard too
+            m = tl.maximum(m, l)
+            l_off += s_ln
+        # All shards empty: m = -inf; use 0 so exp(-inf - 0) = 0 instead of NaN.
+        m_safe = tl.where(tl.abs(m) < float("inf"), m, 0.0)
+        denom = tl.zeros([BLOCK_R], dtype=tl.float32)
+        num = tl.zeros([BLOCK_R, DV_PAD], dtype=tl.float32)
+        l_off = l_row
+        o_off = o_row
+        for n in range(0, N):
+            l = tl.load(lses_ptr + l_off, mask=r_mask, other=float("-inf")).to(tl.float32)
+            l = tl.where(l != l, float("-inf"), l)
+            w = tl.exp(l - m_safe)
+            o = tl.load(outs_ptr + o_off[:, None] + offs_d[None, :] * s_od,
+                        mask=tile_mask, other=0.0).to(tl.float32)
+            l_off += s_ln
+            o_off += s_on
+            denom += w
+            # Select rather than multiply: an empty shard's out may be garbage/NaN.
+            num += tl.where(w[:, None] > 0.0, o * w[:, None], 0.0)
+        has = denom > 0.0
+        res = tl.where(has[:, None], num / tl.where(has, denom, 1.0)[:, None], 0.0)
+        tl.store(res_ptr + t[:, None] * s_rt + h[:, None] * s_rh + offs_d[None, :] * s_rd, res, mask=tile_mask)
+        if WRITE_LSE:  # merged LSE, -inf for all-empty rows (feeds a later merge)
+            lse_tot = tl.where(has, m_safe + tl.log(tl.where(has, denom, 1.0)), float("-inf"))
+            tl.store(lse_out_ptr + t * s_mt + h * s_mh, lse_tot, mask=r_mask)
+
+
+@triton.jit
+def _lse_rescale_kernel(
+    out_ptr, lse_ptr, lse_all_ptr, res_ptr, lse_out_ptr,
+    N, n_rows, H, Dv,
+    s_ot, s_oh, s_od,
+    s_lt, s_lh,
+    s_an, s_at, s_ah,
+    s_rt, s_rh, s_rd,
+    s_mt, s_mh,
+    BLOCK_R: tl.constexpr, DV_PAD: tl.constexpr, WRITE_LSE: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    nprog = tl.num_programs(0)
+    offs_r = tl.arange(0, BLOCK_R)
+    offs_d = tl.arange(0, DV_PAD)
+    d_mask = offs_d < Dv
+    n_blocks = (n_rows + BLOCK_R - 1) // BLOCK_R
+    for rb in range(pid, n_blocks, nprog):
+        r = rb * BLOCK_R + offs_r
+        r_mask = r < n_rows
+        t = (r // H).to(tl.int64)
+        h = r % H
+        a_row = t * s_at + h * s_ah
+        tile_mask = r_mask[:, None] & d_mask[None, :]
+
+        m = tl.full([BLOCK_R], float("-inf"), tl.float32)
+        a_off = a_row  # int64, advanced by the shard stride
+        for n in range(0, N):
+            l = tl.load(lse_all_ptr + a_off, mask=r_mask, other=float("-inf")).to(tl.float32)
+            l = tl.where(l != l, float("-inf"), l)
+            m = tl.maximum(m, l)
+            a_off += s_an
+        m_safe = tl.where(tl.abs(m) < float("inf"), m, 0.0)
+        denom = tl.zeros([BLOCK_R], dtype=tl.float32)
+        a_off = a_row
+        for n in range(0, N):
+            l = tl.load(lse_all_ptr + a_off, mask=r_mask, other=float("-inf")).to(tl.float32)
+            l = tl.where(l != l, float("-inf"), l)
+            denom += tl.exp(l - m_safe)
+            a_off += s_an
+        has = denom > 0.0
+        lse_tot = m_safe + tl.log(tl.where(has, denom, 1.0))  # logsumexp_n, finite when has
+
+        own = tl.load(lse_ptr + t * s_lt + h * s_lh, mask=r_mask, other=float("-inf")).to(tl.float32)
+        own = tl.where(own != own, float("-inf"), own)
+        # Own shard empty, or every shard empty: weight 0 (never exp(-inf - -inf)).
+        keep = has & (own > float("-inf"))
+        w = tl.where(keep, tl.exp(own - lse_tot), 0.0)
+        o = tl.load(out_ptr + t[:, None] * s_ot + h[:, None] * s_oh + offs_d[None, :] * s_od,
+                    mask=tile_mask, other=0.0).to(tl.float32)
+        res = tl.where(keep[:, None], o * w[:, None], 0.0)
+        tl.store(res_ptr + t[:, None] * s_rt + h[:, None] * s_rh + offs_d[None, :] * s_rd, res, mask=tile_mask)
+        if WRITE_LSE:
+            tl.store(lse_out_ptr + t * s_mt + h * s_mh, tl.where(has, lse_tot, float("-inf")), mask=r_mask)
+
+
+def _row_block(dv_pad: int, n_rows: int, block_r: int | None) -> int:
+    if block_r is None:
+        block_r = min(prev_pow2(max(_TILE_BUDGET // dv_pad, 1)), next_pow2(n_rows), 64)
+    if block_r & (block_r - 1):
+        raise ValueError(f"block_r={block_r} must be a power of two")
+    return block_r
+
+
+def _check_lse_out(lse_out: torch.Tensor | None, T: int, H: int) -> bool:
+    if lse_out is None:
+        return False
+    if tuple(lse_out.shape) != (T, H) or lse_out.dtype != torch.float32:
+        raise ValueError(f"lse_out must be fp32 [{T}, {H}], got {lse_out.dtype} {tuple(lse_out.shape)}")
+    return True
+
+
+def merge_partials_triton(
+    outs: torch.Tensor,  # [N, T, H, Dv] partial outputs, any float dtype / strides
+    lses: torch.Tensor,  # [N, T, H] their LSEs (natural log)
+    *,
+    lse_out: torch.Tensor | None = None,
+    num_programs: int | None = None,
+    block_r: int | None = None,
+) -> torch.Tensor:
+    """Triton twin of `reference.merge_partials` -> out [T, H, Dv] fp32.
+
+    LSE = logsumexp_n(lse_n); out = sum_n out_n * exp(lse_n - LSE). A partial with
+    lse -inf or NaN weighs 0 (its out is not read into the sum, even if NaN); a row
+    whose partials are all empty is 0. If `lse_out` ([T, H] fp32, any strides) is
+    given, the merged LSE is written there (-inf for all-empty rows).
+    """
+    N, T, H, Dv = outs.shape
+    if tuple(lses.shape) != (N, T, H):
+        raise ValueError(f"lses {tuple(lses.shape)} does not fit outs {tuple(outs.shape)}")
+    res = torch.empty(T, H, Dv, dtype=torch.float32, device=outs.device)
+    n_rows = T * H
+    if n_rows == 0:
+        return res
+    write_lse = _check_lse_out(lse_out, T, H)
+    if N == 0:  # no shard at all: every row is empty
+        if write_lse:
+            lse_out.fill_(float("-inf"))
+        return res.zero_()
+    dv_pad = next_pow2(Dv)
+    block_r = _row_block(dv_pad, n_rows, block_r)
+    grid = (grid_size(triton.cdiv(n_rows, block_r), num_programs),)
+    kernel_for(_merge_partials_kernel, outs.device)[grid](
+        outs, lses, res, lse_out if write_lse else res,
+        N, n_rows, H, Dv,
+        *outs.stride(), *lses.stride(), *res.stride(),
+        *(lse_out.stride() if write_lse else (0, 0)),
+        BLOCK_R=block_r, DV_PAD=dv_pad, WRITE_LSE=write_lse,
+    )
+    return res
+
+
+def lse_rescale_triton(
+    out: torch.Tensor,  # [T, H, Dv] this shard's partial output
+    lse: torch.Tensor,  # [T, H] this shard's LSE
+    lse_all: torch.Tensor,  # [N, T, H] every shard's LSE (all-gathered)
+    *,
+    lse_out: torch.Tensor | None = None,
+    num_programs: int | None = None,
+    block_r: int | None = None,
+) -> torch.Tensor:
+    """out * exp(lse - logsumexp_n(lse_all)) in fp32 -> [T, H, Dv].
+
+    Summing the results over the N shards (reduce-scatter) equals
+    `merge_partials(outs, lse_all)`. A row whose own lse is -inf/NaN, or whose
+    shards are all empty, gets 0. lse_all may be a strided view, e.g. a head-major
+    all-gather buffer [N*H, T] passed as `.view(N, H, T).permute(0, 2, 1)`.
+    If `lse_out` ([T, H] fp32) is given, logsumexp_n(lse_all) is written there
+    (-inf for all-empty rows).
+    """
+    T, H, Dv = out.shape
+    N = lse_all.shape[0]
+    if tuple(lse.shape) != (T, H) or tuple(lse_all.shape[1:]) != (T, H):
+        raise ValueError(f"lse {tuple(lse.shape)} / lse_all {tuple(lse_all.shape)} do not fit out {tuple(out.shape)}")
+    res = torch.empty(T, H, Dv, dtype=torch.float32, device=out.device)
+    n_rows = T * H
+    if n_rows == 0:
+        return res
+    write_lse = _check_lse_out(lse_out, T, H)
+    if N == 0:  # no shard at all: every row is empty
+        if write_lse:
+            lse_out.fill_(float("-inf"))
+        return res.zero_()
+    dv_pad = next_pow2(Dv)
+    block_r = _row_block(dv_pad, n_rows, block_r)
+    grid = (grid_size(triton.cdiv(n_rows, block_r), num_programs),)
+    kernel_for(_lse_rescale_kernel, out.device)[grid](
+        out, lse, lse_all, res, lse_out if write_lse else res,
+        N, n_rows, H, Dv,
+        *out.stride(), *lse.stride(), *lse_all.stride(), *res.stride(),
+        *(lse_out.stride() if write_lse else (0, 0)),
+        BLOCK_R=block_r, DV_PAD=dv_pad, WRITE_LSE=write_lse,
+    )
+    return res

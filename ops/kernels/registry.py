@@ -1,0 +1,94 @@
+"""Register the Triton kernels as the CUDA (and, with torch_npu, NPU) kernels of the cp::* ops.
+
+CPU keeps the torch references, so a CPU `torch.compile` never traces into
+Triton. Registration itself imports no triton: each kernel body fetches its
+launcher on first call. Without triton installed nothing is registered and the
+references serve every device.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from cp_compile.ops import kernels, layout, reference
+
+_REGISTERED: list[str] = []
+
+
+def _paged_attention_lse(q, k_cache, v_cache, block_table, query_start_loc, kv_lens, scale):
+    return kernels.paged_attention_with_lse_triton(q, k_cache, v_cache, block_table, query_start_loc,
+                                                   kv_lens, scale)
+
+
+def _mla_partial_attention(q_nope, q_pe, kv_cache, block_table, query_start_loc, kv_lens, scale):
+    L = q_nope.shape[-1]
+    return kernels.paged_attention_with_lse_triton(torch.cat([q_nope, q_pe], -1), kv_cache.unsqueeze(2),
+                                                   kv_cache[..., :L].unsqueeze(2), block_table, query_start_loc,
+                                                   kv_lens, scale)
+
+
+def _lse_rescale(out, lse, lse_all):
+    T, G = lse.shape
+    total = lse.new_empty(T, G)
+    scaled = kernels.lse_rescale_triton(out, lse, lse_all.view(-1, G, T).permute(0, 2, 1), lse_out=total)
+    return scaled, total
+
+
+def _lse_combine(outs, lses):
+    total = lses.new_empty(lses.shape[1:], dtype=torch.float32)
+    return kernels.merge_partials_triton(outs, lses, lse_out=total), total
+
+
+def _localize(slot_mapping, query_start_loc, seq_lens, block_size, dcp, rank, interleave):
+    T = slot_mapping.shape[0]
+    slots = kernels.local_slot_mapping_triton(slot_mapping.long(), block_size, dcp, rank, interleave)
+    return (slots, layout.local_len(seq_lens, dcp, rank, interleave).to(torch.int32),
+            layout.local_causal_lens(query_start_loc, seq_lens, T, dcp, rank, interleave),
+            layout.local_context_lens(query_start_loc, seq_lens, T, dcp, rank, interleave))
+
+
+def _gqa_paged_attention(q, k, v, k_cache, v_cache, slot_mapping, block_table, seq_lens, query_start_loc, scale):
+    reference.write_cache(k_cache, k, slot_mapping)
+    reference.write_cache(v_cache, v, slot_mapping)
+    kv_lens = layout.causal_lens(query_start_loc, seq_lens, q.shape[0])
+    return _paged_attention_lse(q, k_cache, v_cache, block_table, query_start_loc, kv_lens, scale)[0]
+
+
+def _mla_attention(q_nope, q_pe, kv_c, k_pe, kv_cache, slot_mapping, block_table, seq_lens, query_start_loc, scale):
+    reference.write_cache(kv_cache, torch.cat([kv_c, k_pe], -1), slot_mapping)
+    kv_lens = layout.causal_lens(query_start_loc, seq_lens, q_nope.shape[0])
+    return _mla_partial_attention(q_nope, q_pe, kv_cache, block_table, query_start_loc, kv_lens, scale)[0]
+
+
+DEVICE_KERNELS = {
+    "cp::paged_attention_lse": _paged_attention_lse,
+    "cp::mla_partial_attention": _mla_partial_attention,
+    "cp::lse_rescale": _lse_rescale,
+    "cp::lse_combine": _lse_combine,
+    "cp::dcp_localize_metadata": _localize,
+    "cp::gqa_paged_attention": _gqa_paged_attention,
+    "cp::mla_attention": _mla_attention,
+}
+
+
+def device_types() -> list[str]:
+    """Devices whose kernels are Triton: CUDA always, the NPU when torch_npu imports."""
+    types = ["cuda"]
+    try:
+        import torch_npu  # noqa: F401  (renames PrivateUse1 to "npu")
+
+        types.append("npu")
+    except (ImportError, OSError, RuntimeError):  # not installed, or no Ascend driver libraries
+        pass
+    return types
+
+
+def register_device_kernels() -> list[str]:
+    """Idempotent; returns the '<op>@<device>' registrations made."""
+    if _REGISTERED or not kernels.triton_available():
+        return _REGISTERED
+    for device in device_types():
+        for op, fn in DEVICE_KERNELS.items():
+            torch.library.register_kernel(op, device, fn)
+            _REGISTERED.append(f"{op}@{device}")
+    return _REGISTERED
