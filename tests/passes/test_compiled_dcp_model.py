@@ -10,6 +10,7 @@ replaced by the DCP building blocks and collectives.
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -120,7 +121,8 @@ def test_pass_uuid_tracks_config_fields():
     assert DCPAttentionPass(base).uuid() == DCPAttentionPass(DCPContext(**base.__dict__)).uuid()
 
 
-def _dcp1_world(rank: int, world: int, hf_config, state_dict):
+def _dcp1_world(rank: int, world: int, hf_config, state_dict, dump_dir: str):
+    os.environ["CP_COMPILE_DUMP_GRAPHS"] = dump_dir
     cfg = cp_compile.CPConfig(tensor_parallel_size=1, block_size=BLOCK)
     cp_compile.init_parallel(cfg, device="cpu")
     model = example_from_config(hf_config, state_dict)
@@ -131,11 +133,14 @@ def _dcp1_world(rank: int, world: int, hf_config, state_dict):
     return res, (h.rewrites, h.before, h.after)
 
 
-def test_dcp1_leaves_graph_unchanged():
+def test_dcp1_leaves_graph_unchanged_and_dumps_graphs(tmp_path):
     hf = hf_qwen3()
     sd = {k: v.detach().clone() for k, v in hf.state_dict().items()}
-    (res, (rewrites, before, after)), = run_on_ranks(_dcp1_world, 1, hf.config, sd)
+    (res, (rewrites, before, after)), = run_on_ranks(_dcp1_world, 1, hf.config, sd, str(tmp_path))
     assert rewrites == 0 and before == after and _count(after, "cp.gqa_paged_attention") == 2
+    dumps = sorted(p.name for p in tmp_path.iterdir())
+    assert dumps == ["graph000-00-dcp_attention-after.txt", "graph000-00-dcp_attention-before.txt"]
+    assert "cp.gqa_paged_attention" in (tmp_path / dumps[0]).read_text()
     ref, _ = _reference(hf.config, sd, 1)
     for got, want in zip(res, ref[:3]):
         torch.testing.assert_close(got.last_logits, want.last_logits, atol=1e-5, rtol=1e-5)
