@@ -12,7 +12,7 @@ Python control flow, no `.item()`, no in-place ops on inputs.
 
 from __future__ import annotations
 
-from typing import Mapping
+from typing import Any, Callable, Mapping
 
 import torch
 import torch.distributed as dist
@@ -246,3 +246,84 @@ def load_norm(norm: RMSNorm, sd: StateDictReader, name: str) -> None:
 
 def load_replicated(param: torch.Tensor, value: torch.Tensor, name: str) -> None:
     _copy_param(param, value, name)
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm decoder layer: x + attn(norm(x)), then x + mlp(norm(x))."""
+
+    def __init__(self, self_attn: nn.Module, hidden: int, intermediate: int, eps: float, tp_size: int,
+                 tp_rank: int, tp_group: dist.ProcessGroup | None) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(hidden, eps)
+        self.self_attn = self_attn
+        self.post_attention_layernorm = RMSNorm(hidden, eps)
+        self.mlp = SwiGLUMLP(hidden, intermediate, tp_size, tp_rank, tp_group)
+
+    def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                kv_cache: tuple[torch.Tensor, ...], meta: Any) -> torch.Tensor:
+        h = h + self.self_attn(self.input_layernorm(h), cos, sin, kv_cache, meta)  # [T, hidden]
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+    def load_hf(self, sd: "StateDictReader", prefix: str) -> None:
+        load_norm(self.input_layernorm, sd, f"{prefix}.input_layernorm.weight")
+        load_norm(self.post_attention_layernorm, sd, f"{prefix}.post_attention_layernorm.weight")
+        self.self_attn.load_hf(sd, f"{prefix}.self_attn")
+        self.mlp.load_hf(sd, f"{prefix}.mlp")
+
+
+class CausalLM(nn.Module):
+    """Embedding, decoder layers, final norm and lm_head (replicated) on one TP rank.
+
+    Subclasses pass the attention module factory and the rotary dim; `cfg` needs
+    vocab_size, hidden_size, num_layers, intermediate_size, rms_norm_eps, rope_theta
+    and tie_word_embeddings.
+    """
+
+    def __init__(self, cfg: Any, tp_size: int, tp_rank: int, tp_group: dist.ProcessGroup | None,
+                 make_attention: Callable[[], nn.Module], rotary_dim: int) -> None:
+        super().__init__()
+        if not 0 <= tp_rank < tp_size:
+            raise ValueError(f"tp_rank={tp_rank} outside tp_size={tp_size}")
+        self.cfg = cfg
+        self.tp_size = tp_size
+        self.tp_rank = tp_rank
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.rotary = RotaryEmbedding(rotary_dim, cfg.rope_theta)
+        self.layers = nn.ModuleList(
+            DecoderLayer(make_attention(), cfg.hidden_size, cfg.intermediate_size, cfg.rms_norm_eps, tp_size,
+                         tp_rank, tp_group) for _ in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                kv_caches: list[tuple[torch.Tensor, ...]], meta: Any) -> torch.Tensor:
+        """input_ids [T] int64, positions [T] int64 -> logits [T, vocab] fp32."""
+        h = self.embed_tokens(input_ids)  # [T, hidden]
+        cos, sin = self.rotary(positions)  # [T, rotary_dim/2] each
+        for i, layer in enumerate(self.layers):
+            h = layer(h, cos, sin, kv_caches[i], meta)
+        h = self.norm(h)
+        w = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(h, w).float()  # [T, vocab]
+
+    def load_hf_state_dict(self, hf_state_dict: Mapping[str, torch.Tensor]) -> None:
+        """Load an HF *ForCausalLM state dict, slicing this rank's TP shards (strict)."""
+        sd = StateDictReader(hf_state_dict)
+        load_replicated(self.embed_tokens.weight, sd.take("model.embed_tokens.weight"), "model.embed_tokens.weight")
+        for i, layer in enumerate(self.layers):
+            layer.load_hf(sd, f"model.layers.{i}")
+        load_norm(self.norm, sd, "model.norm.weight")
+        if self.lm_head is not None:
+            load_replicated(self.lm_head.weight, sd.take("lm_head.weight"), "lm_head.weight")
+        else:
+            sd.get("lm_head.weight")  # tied: HF may or may not list it; it is the embedding
+        sd.check_all_used()
+
+
+def load_hf_state_dict(model: CausalLM, hf_state_dict: Mapping[str, torch.Tensor],
+                       tp_size: int | None = None, tp_rank: int | None = None) -> None:
+    """Slice HF weights into `model` (built for its own tp_size / tp_rank)."""
+    if (tp_size is not None and tp_size != model.tp_size) or (tp_rank is not None and tp_rank != model.tp_rank):
+        raise ValueError(f"model was built for tp_size={model.tp_size}, tp_rank={model.tp_rank}; "
+                         f"got tp_size={tp_size}, tp_rank={tp_rank}")
+    model.load_hf_state_dict(hf_state_dict)

@@ -17,11 +17,10 @@ tp // num_kv_heads consecutive ranks (rank r holds KV head r // (tp // num_kv_he
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 
 import cp_compile.ops.attention  # noqa: F401  (registers torch.ops.cp.*)
@@ -29,16 +28,15 @@ from cp_compile.config import AttentionSpec
 from cp_compile.kv_cache import KVCacheSpec
 from cp_compile.metadata import AttentionMetadata
 
+from examples.models.common import load_hf_state_dict as common_load_hf_state_dict
 from examples.models.common import (
+    CausalLM,
     ColumnParallelLinear,
     RMSNorm,
-    RotaryEmbedding,
     RowParallelLinear,
     StateDictReader,
-    SwiGLUMLP,
     apply_rope_neox,
     load_norm,
-    load_replicated,
 )
 
 
@@ -127,53 +125,13 @@ class Qwen3Attention(nn.Module):
         load_norm(self.k_norm, sd, f"{prefix}.k_norm.weight")
 
 
-class Qwen3DecoderLayer(nn.Module):
-    def __init__(self, cfg: Qwen3Config, tp_size: int, tp_rank: int, tp_group: dist.ProcessGroup | None) -> None:
-        super().__init__()
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Qwen3Attention(cfg, tp_size, tp_rank, tp_group)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = SwiGLUMLP(cfg.hidden_size, cfg.intermediate_size, tp_size, tp_rank, tp_group)
-
-    def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                kv_cache: tuple[torch.Tensor, ...], meta: AttentionMetadata) -> torch.Tensor:
-        h = h + self.self_attn(self.input_layernorm(h), cos, sin, kv_cache, meta)  # [T, hidden]
-        return h + self.mlp(self.post_attention_layernorm(h))
-
-    def load_hf(self, sd: StateDictReader, prefix: str) -> None:
-        load_norm(self.input_layernorm, sd, f"{prefix}.input_layernorm.weight")
-        load_norm(self.post_attention_layernorm, sd, f"{prefix}.post_attention_layernorm.weight")
-        self.self_attn.load_hf(sd, f"{prefix}.self_attn")
-        self.mlp.load_hf(sd, f"{prefix}.mlp")
-
-
-class Qwen3Model(nn.Module):
+class Qwen3Model(CausalLM):
     """Qwen3 causal LM on one TP rank. Embedding and lm_head are replicated."""
 
-    def __init__(self, cfg: Qwen3Config, tp_size: int = 1, tp_rank: int = 0,
+    def __init__(self, cfg, tp_size: int = 1, tp_rank: int = 0,
                  tp_group: dist.ProcessGroup | None = None) -> None:
-        super().__init__()
-        if not 0 <= tp_rank < tp_size:
-            raise ValueError(f"tp_rank={tp_rank} outside tp_size={tp_size}")
-        self.cfg = cfg
-        self.tp_size = tp_size
-        self.tp_rank = tp_rank
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.rotary = RotaryEmbedding(cfg.head_dim, cfg.rope_theta)
-        self.layers = nn.ModuleList(Qwen3DecoderLayer(cfg, tp_size, tp_rank, tp_group) for _ in range(cfg.num_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                kv_caches: list[tuple[torch.Tensor, ...]], meta: AttentionMetadata) -> torch.Tensor:
-        """input_ids [T] int64, positions [T] int64 -> logits [T, vocab] fp32."""
-        h = self.embed_tokens(input_ids)  # [T, hidden]
-        cos, sin = self.rotary(positions)  # [T, D/2] each
-        for i, layer in enumerate(self.layers):
-            h = layer(h, cos, sin, kv_caches[i], meta)
-        h = self.norm(h)
-        w = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(h, w).float()  # [T, vocab]
+        super().__init__(cfg, tp_size, tp_rank, tp_group, lambda: Qwen3Attention(cfg, tp_size, tp_rank, tp_group),
+                         rotary_dim=cfg.head_dim)
 
     # -- what the runtime / config validation need
     def kv_cache_spec(self) -> KVCacheSpec:
@@ -184,24 +142,5 @@ class Qwen3Model(nn.Module):
     def attention_spec(self) -> AttentionSpec:
         return AttentionSpec("gqa", self.cfg.num_heads, self.cfg.num_kv_heads)
 
-    def load_hf_state_dict(self, hf_state_dict: Mapping[str, torch.Tensor]) -> None:
-        """Load an HF Qwen3ForCausalLM state dict, slicing this rank's TP shards."""
-        sd = StateDictReader(hf_state_dict)
-        load_replicated(self.embed_tokens.weight, sd.take("model.embed_tokens.weight"), "model.embed_tokens.weight")
-        for i, layer in enumerate(self.layers):
-            layer.load_hf(sd, f"model.layers.{i}")
-        load_norm(self.norm, sd, "model.norm.weight")
-        if self.lm_head is not None:
-            load_replicated(self.lm_head.weight, sd.take("lm_head.weight"), "lm_head.weight")
-        else:
-            sd.get("lm_head.weight")  # tied: HF may or may not list it; it is the embedding
-        sd.check_all_used()
 
-
-def load_hf_state_dict(model: Qwen3Model, hf_state_dict: Mapping[str, torch.Tensor],
-                       tp_size: int | None = None, tp_rank: int | None = None) -> None:
-    """Slice HF weights into `model` (built for its own tp_size / tp_rank)."""
-    if (tp_size is not None and tp_size != model.tp_size) or (tp_rank is not None and tp_rank != model.tp_rank):
-        raise ValueError(f"model was built for tp_size={model.tp_size}, tp_rank={model.tp_rank}; "
-                         f"got tp_size={tp_size}, tp_rank={tp_rank}")
-    model.load_hf_state_dict(hf_state_dict)
+load_hf_state_dict = common_load_hf_state_dict

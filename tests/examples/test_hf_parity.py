@@ -10,7 +10,6 @@ step's logits must equal HF's full-sequence forward at the same positions.
 
 from __future__ import annotations
 
-import math
 import sys
 from pathlib import Path
 
@@ -28,8 +27,8 @@ from cp_compile.config import CPConfig  # noqa: E402
 from cp_compile.kv_cache import allocate_kv_cache  # noqa: E402
 from cp_compile.metadata import BlockAllocator, build_attention_metadata  # noqa: E402
 from examples.models import deepseek_mla, qwen3  # noqa: E402
-from examples.models.deepseek_mla import DeepseekMLAConfig, DeepseekMLAModel  # noqa: E402
-from examples.models.qwen3 import Qwen3Config, Qwen3Model  # noqa: E402
+from examples.models.deepseek_mla import DeepseekMLAConfig  # noqa: E402
+from examples.models.qwen3 import Qwen3Model  # noqa: E402
 from examples.models.tiny import VOCAB, example_from_hf, hf_deepseek_v2_lite, hf_deepseek_v3, hf_qwen3  # noqa: E402
 
 ATOL = RTOL = 1e-4

@@ -134,7 +134,6 @@ def _run_cases(rank: int, world: int, cases: list[Case]) -> list[list[torch.Tens
 
 def _check(cases: list[Case]) -> None:
     per_rank = run_on_ranks(_run_cases, TP, cases, timeout=600)
-    hq = HQ // TP
     worst: dict[str, float] = {}
     for i, case in enumerate(cases):
         ref = _reference(case)

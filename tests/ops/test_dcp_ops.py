@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import cp_compile.ops  # noqa: F401
-from cp_compile.ops import kernels, layout, reference
+from cp_compile.ops import kernels, layout
 from cp_compile.ops.kernels.registry import DEVICE_KERNELS, register_device_kernels
 
 cp = torch.ops.cp
