@@ -60,16 +60,16 @@ def paged_attention_with_lse(
         n = int(kv_lens[toks].max())
         k = gather_request_pages(k_cache, block_table[b], n).float()  # [n, Hkv, D]
         v = gather_request_pages(v_cache, block_table[b], n).float()  # [n, Hkv, Dv]
-        k = k.repeat_interleave(group, dim=1)  # [n, Hq, D]
-        v = v.repeat_interleave(group, dim=1)
-        qb = q[toks].float()  # [t, Hq, D]
-        s = torch.einsum("thd,nhd->htn", qb, k) * scale  # [Hq, t, n]
+        # Query head h = kv * group + j reads KV head kv: group the query heads
+        # instead of repeating K/V per head (no H-fold copy of the keys).
+        qb = q[toks].float().unflatten(1, (Hkv, group))  # [t, Hkv, g, D]
+        s = torch.einsum("tkgd,nkd->kgtn", qb, k) * scale  # [Hkv, g, t, n]
         mask = torch.arange(n, device=q.device)[None, :] < kv_lens[toks][:, None]  # [t, n]
-        s = s.masked_fill(~mask[None], float("-inf"))
-        l = torch.logsumexp(s, dim=-1)  # [Hq, t]
+        s = s.masked_fill(~mask, float("-inf"))
+        l = torch.logsumexp(s, dim=-1)  # [Hkv, g, t]
         p = torch.exp(s - l[..., None])
-        out[toks] = torch.einsum("htn,nhd->thd", p, v)
-        lse[toks] = l.transpose(0, 1)
+        out[toks] = torch.einsum("kgtn,nkd->tkgd", p, v).flatten(1, 2)
+        lse[toks] = l.flatten(0, 1).transpose(0, 1)
     return out.to(q.dtype), lse
 
 
