@@ -176,28 +176,24 @@ def dcp_mla_chunked_prefill(q_nope: Tensor, q_pe: Tensor, kv_c: Tensor, k_pe: Te
     gathered = _c10d.wait_tensor.default(
         _c10d.all_gather_into_tensor.default(packed, ctx.dcp, ctx.group_name)).view(ctx.dcp, -1, packed.shape[-1])
     # Restore order: position p of request b sits on rank owner(p) at local index local_len(owner, p).
-    full, full_starts = [], []
-    offset = 0
+    full = []
     for b in range(ctx_lens.shape[0]):
         p = torch.arange(int(ctx_lens[b]))
         owner = layout.token_owner(p, ctx.dcp, ctx.interleave, ctx.block_size)
         j = layout.local_len(p, ctx.dcp, owner, ctx.interleave)  # packed local index on the owner
         full.append(gathered[owner, starts[b] + j])
-        full_starts.append(offset)
-        offset += int(ctx_lens[b])
     context = torch.cat(full) if full else kv_cache.new_zeros(0, kv_cache.shape[-1])  # [sum ctx, L+R]
     # The restored context as a paged cache of block size 1: table row b = its token indices.
     width = max(int(ctx_lens.max()) if ctx_lens.numel() else 0, 1)
-    table = (torch.tensor(full_starts, dtype=torch.int64)[:, None] + torch.arange(width)).clamp(
-        max=max(context.shape[0] - 1, 0))
+    ctx_starts = torch.cumsum(ctx_lens, 0) - ctx_lens
+    table = (ctx_starts[:, None] + torch.arange(width)).clamp(max=max(context.shape[0] - 1, 0))
     req = layout.request_index(query_start_loc, T)
     kv_lens = torch.where(req >= 0, ctx_lens[req.clamp(min=0)], torch.zeros_like(req, dtype=torch.int64))
     if context.shape[0] == 0:
         context = kv_cache.new_zeros(1, kv_cache.shape[-1])
     q = torch.cat([q_nope, q_pe], dim=-1)
-    ctx_out, ctx_lse = reference.paged_attention_with_lse(q, context[:, None, None], context[:, None, None, :L],
-                                                          table, query_start_loc, kv_lens, scale)
-    new_out, new_lse = _cp.varlen_causal_attention_lse.default(q, latent_new[:, None], kv_c[:, None],
-                                                               query_start_loc, scale)
-    merged, _ = _cp.lse_combine.default(torch.stack([ctx_out, new_out]), torch.stack([ctx_lse, new_lse]))
-    return merged.to(q_nope.dtype)
+    old = _cp.paged_attention_lse.default(q, context[:, None, None], context[:, None, None, :L], table,
+                                          query_start_loc, kv_lens.to(torch.int32), scale)
+    new = _cp.varlen_causal_attention_lse.default(q, latent_new[:, None], kv_c[:, None], query_start_loc, scale)
+    merged = _cp.lse_combine.default(torch.stack([old[0], new[0]]), torch.stack([old[1], new[1]]))
+    return merged[0].to(q_nope.dtype)
