@@ -87,13 +87,9 @@ def mla_attention(
     every head shares one key ([L+R]) and one value (the first L columns) per token.
     """
     _write_latent(kv_cache, kv_c, k_pe, slot_mapping)
-    T, L = q_nope.shape[0], q_nope.shape[-1]
-    q = torch.cat([q_nope, q_pe], dim=-1)  # [T, H, L+R]
-    kv_lens = layout.causal_lens(query_start_loc, seq_lens, T)
-    # One KV head (MQA); the value cache is a view of the key cache's first L columns.
-    out, _ = reference.paged_attention_with_lse(
-        q, kv_cache.unsqueeze(2), kv_cache[..., :L].unsqueeze(2), block_table, query_start_loc, kv_lens, scale)
-    return out
+    kv_lens = layout.causal_lens(query_start_loc, seq_lens, q_nope.shape[0])
+    return reference.mla_attention_with_lse(q_nope, q_pe, kv_cache, block_table, query_start_loc, kv_lens,
+                                            scale)[0]
 
 
 @mla_attention.register_fake

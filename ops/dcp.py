@@ -74,10 +74,7 @@ def mla_partial_attention(q_nope: Tensor, q_pe: Tensor, kv_cache: Tensor, block_
                           query_start_loc: Tensor, kv_lens: Tensor, scale: float) -> tuple[Tensor, Tensor]:
     """Partial absorbed-MLA attention over the local latent shard.
     q_nope [T,H,L], q_pe [T,H,R], kv_cache [NB,BS,L+R] -> out [T,H,L], lse [T,H] fp32."""
-    L = q_nope.shape[-1]
-    q = torch.cat([q_nope, q_pe], dim=-1)
-    return reference.paged_attention_with_lse(q, kv_cache.unsqueeze(2), kv_cache[..., :L].unsqueeze(2), block_table,
-                                              query_start_loc, kv_lens, scale)
+    return reference.mla_attention_with_lse(q_nope, q_pe, kv_cache, block_table, query_start_loc, kv_lens, scale)
 
 
 @mla_partial_attention.register_fake

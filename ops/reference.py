@@ -73,6 +73,18 @@ def paged_attention_with_lse(
     return out.to(q.dtype), lse
 
 
+def mla_attention_with_lse(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor,
+                           block_table: torch.Tensor, query_start_loc: torch.Tensor, kv_lens: torch.Tensor,
+                           scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Absorbed MLA as MQA over a paged latent cache [NB, BS, L+R]: keys are the cached
+    [c; k_pe], values their first L columns (a view). q_nope [T,H,L], q_pe [T,H,R]
+    -> out [T,H,L], lse [T,H] fp32, with the semantics of paged_attention_with_lse."""
+    L = q_nope.shape[-1]
+    q = torch.cat([q_nope, q_pe], dim=-1)  # [T, H, L+R]
+    return paged_attention_with_lse(q, kv_cache.unsqueeze(2), kv_cache[..., :L].unsqueeze(2), block_table,
+                                    query_start_loc, kv_lens, scale)
+
+
 def clean_lse(lse: torch.Tensor) -> torch.Tensor:
     """fp32 LSE with NaN (a garbage partial) read as -inf (an empty one). Not
     `nan_to_num`, which would also turn -inf into the finite fp32 minimum."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import abc
 import hashlib
 import inspect
 import sys
@@ -10,7 +11,7 @@ from typing import Any
 import torch.fx as fx
 
 
-class CPPass:
+class CPPass(abc.ABC):
     """A graph-to-graph rewrite on the Dynamo FX graph (before AOTAutograd).
 
     Subclasses list in `config_fields` every setting they read, so that `uuid()` —
@@ -21,9 +22,9 @@ class CPPass:
     name: str = "cp_pass"
     config_fields: tuple[str, ...] = ()
 
+    @abc.abstractmethod
     def __call__(self, gm: fx.GraphModule) -> int:
         """Rewrite `gm` in place; return the number of rewrites made."""
-        raise NotImplementedError(f"{type(self).__name__} must implement __call__")
 
     def config_values(self) -> dict[str, Any]:
         return {f: getattr(self, f) for f in self.config_fields}

@@ -155,6 +155,35 @@ def _check_lse_out(lse_out: torch.Tensor | None, T: int, H: int) -> bool:
     return True
 
 
+def _launch_rows(kernel, inputs: tuple[torch.Tensor, ...], N: int, T: int, H: int, Dv: int,
+                 device: torch.device, lse_out: torch.Tensor | None, num_programs: int | None,
+                 block_r: int | None) -> torch.Tensor:
+    """Shared launch of the two row kernels: fp32 result [T, H, Dv], empty cases
+    handled on the host, then `kernel(*inputs, res, lse_out, N, rows, H, Dv,
+    *strides of inputs, res and lse_out, ...)` over a persistent grid of row blocks."""
+    res = torch.empty(T, H, Dv, dtype=torch.float32, device=device)
+    n_rows = T * H
+    if n_rows == 0:
+        return res
+    write_lse = _check_lse_out(lse_out, T, H)
+    if N == 0:  # no shard at all: every row is empty
+        if write_lse:
+            lse_out.fill_(float("-inf"))
+        return res.zero_()
+    dv_pad = next_pow2(Dv)
+    block_r = _row_block(dv_pad, n_rows, block_r)
+    grid = (grid_size(triton.cdiv(n_rows, block_r), num_programs),)
+    strides = [st for t in inputs for st in t.stride()]
+    kernel_for(kernel, device)[grid](
+        *inputs, res, lse_out if write_lse else res,
+        N, n_rows, H, Dv,
+        *strides, *res.stride(),
+        *(lse_out.stride() if write_lse else (0, 0)),
+        BLOCK_R=block_r, DV_PAD=dv_pad, WRITE_LSE=write_lse,
+    )
+    return res
+
+
 def merge_partials_triton(
     outs: torch.Tensor,  # [N, T, H, Dv] partial outputs, any float dtype / strides
     lses: torch.Tensor,  # [N, T, H] their LSEs (natural log)
@@ -173,26 +202,8 @@ def merge_partials_triton(
     N, T, H, Dv = outs.shape
     if tuple(lses.shape) != (N, T, H):
         raise ValueError(f"lses {tuple(lses.shape)} does not fit outs {tuple(outs.shape)}")
-    res = torch.empty(T, H, Dv, dtype=torch.float32, device=outs.device)
-    n_rows = T * H
-    if n_rows == 0:
-        return res
-    write_lse = _check_lse_out(lse_out, T, H)
-    if N == 0:  # no shard at all: every row is empty
-        if write_lse:
-            lse_out.fill_(float("-inf"))
-        return res.zero_()
-    dv_pad = next_pow2(Dv)
-    block_r = _row_block(dv_pad, n_rows, block_r)
-    grid = (grid_size(triton.cdiv(n_rows, block_r), num_programs),)
-    kernel_for(_merge_partials_kernel, outs.device)[grid](
-        outs, lses, res, lse_out if write_lse else res,
-        N, n_rows, H, Dv,
-        *outs.stride(), *lses.stride(), *res.stride(),
-        *(lse_out.stride() if write_lse else (0, 0)),
-        BLOCK_R=block_r, DV_PAD=dv_pad, WRITE_LSE=write_lse,
-    )
-    return res
+    return _launch_rows(_merge_partials_kernel, (outs, lses), N, T, H, Dv, outs.device, lse_out, num_programs,
+                        block_r)
 
 
 def lse_rescale_triton(
@@ -217,23 +228,5 @@ def lse_rescale_triton(
     N = lse_all.shape[0]
     if tuple(lse.shape) != (T, H) or tuple(lse_all.shape[1:]) != (T, H):
         raise ValueError(f"lse {tuple(lse.shape)} / lse_all {tuple(lse_all.shape)} do not fit out {tuple(out.shape)}")
-    res = torch.empty(T, H, Dv, dtype=torch.float32, device=out.device)
-    n_rows = T * H
-    if n_rows == 0:
-        return res
-    write_lse = _check_lse_out(lse_out, T, H)
-    if N == 0:  # no shard at all: every row is empty
-        if write_lse:
-            lse_out.fill_(float("-inf"))
-        return res.zero_()
-    dv_pad = next_pow2(Dv)
-    block_r = _row_block(dv_pad, n_rows, block_r)
-    grid = (grid_size(triton.cdiv(n_rows, block_r), num_programs),)
-    kernel_for(_lse_rescale_kernel, out.device)[grid](
-        out, lse, lse_all, res, lse_out if write_lse else res,
-        N, n_rows, H, Dv,
-        *out.stride(), *lse.stride(), *lse_all.stride(), *res.stride(),
-        *(lse_out.stride() if write_lse else (0, 0)),
-        BLOCK_R=block_r, DV_PAD=dv_pad, WRITE_LSE=write_lse,
-    )
-    return res
+    return _launch_rows(_lse_rescale_kernel, (out, lse, lse_all), N, T, H, Dv, out.device, lse_out, num_programs,
+                        block_r)

@@ -6,15 +6,10 @@ import json
 import sys
 from pathlib import Path
 
-import pytest
-
 try:
     import examples.models  # noqa: F401
 except ImportError:  # plain `pytest` does not put the repo root on sys.path
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-
-pytest.importorskip("transformers")
-pytest.importorskip("matplotlib")
 
 from examples import bench_decode  # noqa: E402
 

@@ -21,7 +21,6 @@ try:
 except ImportError:  # plain `pytest` (not `python -m pytest`) does not put the repo root on sys.path
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-transformers = pytest.importorskip("transformers")
 
 from cp_compile.config import CPConfig  # noqa: E402
 from cp_compile.kv_cache import allocate_kv_cache  # noqa: E402

@@ -31,8 +31,8 @@ import pytest  # noqa: E402
 from cp_compile.ops import layout, reference  # noqa: E402
 from cp_compile.ops.kernels import triton_available  # noqa: E402
 
-if not triton_available():
-    pytest.skip("triton is not installed", allow_module_level=True)
+# triton is part of the test extra: a missing install must fail, not skip.
+assert triton_available(), "triton is not installed: pip install -e '.[test]'"
 
 from cp_compile.ops.kernels import (  # noqa: E402
     local_slot_mapping_triton,
