@@ -8,6 +8,10 @@ torch tensors and returns new tensors; CPU tensors run only under TRITON_INTERPR
 - `paged_attention_with_lse_triton`  (paged_decode_lse.py)
 - `merge_partials_triton`, `lse_rescale_triton`  (lse_merge.py)
 - `local_slot_mapping_triton`  (localize_slots.py)
+
+Each kernel module also declares `LOWERING` (`_common.LoweringDeclaration`): the
+launches the Triton-Ascend lowering check compiles (`python -m
+cp_compile.ops.kernels.ascend_check`, in .venv-ascend).
 """
 
 from __future__ import annotations

@@ -1,19 +1,29 @@
 """Launch helpers shared by the Triton kernels (DESIGN.md §8).
 
 Kept free of kernel code so every kernel file stays one kernel plus its launcher.
+Also holds what the Triton-Ascend lowering check (`ascend_check.py`) needs from a
+kernel module: the launch capture and the `LoweringDeclaration` each module keeps
+next to its kernels.
 """
 
 from __future__ import annotations
 
+import contextlib
+import functools
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import triton
 
-# Upper bound of the persistent 1D grid. Ascend 910B has 20 cube / 40 vector cores
-# and Triton-Ascend wants grid <= physical cores; on CUDA a persistent grid this size
-# is already enough for decode-sized work. Callers may pass their own `num_programs`.
-DEFAULT_MAX_PROGRAMS = 32
+# Persistent-grid size where there is no hardware to size for: CPU tensors (the
+# interpreter) and the lowering capture. Device grids come from `max_programs`.
+CPU_MAX_PROGRAMS = 32
+
+# The kernels index in int32 (DESIGN.md §8, and Triton-Ascend's vector units are
+# slower on int64); launchers refuse tensors whose element offsets do not fit.
+INT32_MAX = 2**31 - 1
 
 # Interpreted twins of jitted kernels, keyed by the kernel object.
 _INTERPRETED: dict[int, Any] = {}
@@ -29,12 +39,63 @@ def prev_pow2(n: int) -> int:
     return 1 << (max(int(n), 1).bit_length() - 1)
 
 
-def grid_size(work_items: int, num_programs: int | None) -> int:
-    """Persistent grid: never more programs than work items or than the core budget."""
-    cap = DEFAULT_MAX_PROGRAMS if num_programs is None else int(num_programs)
+# ----------------------------------------------------------------------------- grid
+
+
+@functools.lru_cache(maxsize=None)
+def _device_cores(device_type: str, index: int, uses_cube: bool) -> int:
+    if device_type == "npu":
+        # triton-ascend's driver; a kernel with tl.dot runs on AI cores (each a cube
+        # plus its vector cores), a vector-only kernel on the vector cores.
+        props = triton.runtime.driver.active.utils.get_device_properties(index)
+        return int(props["num_aicore"] if uses_cube else props["num_vectorcore"])
+    if device_type == "cuda":
+        return int(torch.cuda.get_device_properties(index).multi_processor_count)
+    raise ValueError(f"no core count for device type {device_type!r}")
+
+
+def max_programs(device: torch.device, *, uses_cube: bool = False) -> int:
+    """Programs a persistent 1D grid may launch on `device`: one per physical core.
+
+    NPU: `num_vectorcore` (vector-only kernels) or `num_aicore` (kernels using
+    tl.dot) from triton-ascend's driver; CUDA: the SM count; CPU (interpreter):
+    CPU_MAX_PROGRAMS.
+    """
+    if device.type == "cpu":
+        return CPU_MAX_PROGRAMS
+    index = device.index
+    if index is None:
+        index = torch.npu.current_device() if device.type == "npu" else torch.cuda.current_device()
+    return _device_cores(device.type, int(index), uses_cube)
+
+
+def grid_size(work_items: int, device: torch.device, num_programs: int | None = None, *,
+              uses_cube: bool = False) -> int:
+    """Persistent grid: never more programs than work items or than the device's cores.
+
+    num_programs overrides the core count (tests use it to force several work
+    items per program).
+    """
+    cap = max_programs(device, uses_cube=uses_cube) if num_programs is None else int(num_programs)
     if cap < 1:
         raise ValueError(f"num_programs must be >= 1, got {num_programs}")
     return max(1, min(int(work_items), cap))
+
+
+def require_int32_offsets(**tensors: torch.Tensor) -> None:
+    """Raise unless every element offset of each tensor (from its data pointer) fits int32."""
+    for name, t in tensors.items():
+        if t.numel() == 0:
+            continue
+        span = sum((size - 1) * abs(stride) for size, stride in zip(t.shape, t.stride()))
+        if span > INT32_MAX:
+            raise ValueError(
+                f"{name} {tuple(t.shape)} strides {t.stride()} spans {span} elements; the Triton kernels index "
+                f"in int32 (max {INT32_MAX}, DESIGN.md §8). Pass a smaller view: one tensor per layer, or fewer "
+                "blocks per cache tensor.")
+
+
+# ----------------------------------------------------------------------------- launch
 
 
 def interpreter_active() -> bool:
@@ -49,6 +110,45 @@ def interpreter_active() -> bool:
     return isinstance(tl.standard.sum, InterpretedFunction)
 
 
+@dataclass(frozen=True)
+class Launch:
+    """One kernel launch as a launcher issued it (recorded by `capture_launches`)."""
+
+    kernel: Any  # the @triton.jit function (not an interpreted twin)
+    grid: tuple[int, ...]
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
+
+
+_CAPTURE: list[Launch] | None = None
+
+
+@contextlib.contextmanager
+def capture_launches() -> Iterator[list[Launch]]:
+    """Within the block, launchers record their kernel launches instead of running them.
+
+    The lowering check runs the launchers on small CPU tensors this way, so the
+    argument types and constexprs it compiles are exactly what the launcher passes.
+    """
+    global _CAPTURE
+    previous, _CAPTURE = _CAPTURE, []
+    try:
+        yield _CAPTURE
+    finally:
+        _CAPTURE = previous
+
+
+class _Recorder:
+    def __init__(self, kernel: Any, sink: list[Launch]) -> None:
+        self.kernel, self.sink = kernel, sink
+
+    def __getitem__(self, grid: tuple[int, ...]) -> Callable[..., None]:
+        def record(*args: Any, **kwargs: Any) -> None:
+            self.sink.append(Launch(self.kernel, tuple(grid), args, kwargs))
+
+        return record
+
+
 def kernel_for(kernel: Any, device: torch.device) -> Any:
     """The launchable form of `kernel` for tensors on `device`.
 
@@ -58,7 +158,10 @@ def kernel_for(kernel: Any, device: torch.device) -> Any:
     module was not (the variable was set in between), build an interpreted twin of
     the same Python function; if triton itself was imported without the variable,
     fail with a clear message instead of a pointer error deep in the launcher.
+    Inside `capture_launches()` the launch is recorded, not run.
     """
+    if _CAPTURE is not None:
+        return _Recorder(kernel, _CAPTURE)
     if device.type != "cpu":
         return kernel
     from triton.runtime.interpreter import InterpretedFunction
@@ -76,4 +179,26 @@ def kernel_for(kernel: Any, device: torch.device) -> Any:
     return twin
 
 
-__all__ = ["DEFAULT_MAX_PROGRAMS", "next_pow2", "prev_pow2", "grid_size", "interpreter_active", "kernel_for"]
+# ----------------------------------------------------------------------------- lowering declaration
+
+
+@dataclass(frozen=True)
+class LoweringDeclaration:
+    """What the Triton-Ascend lowering check needs from one kernel module (`LOWERING`).
+
+    examples: () -> [(label, thunk)]; each thunk calls the module's launcher the way
+        the project does (same dtypes, head dims, batch kinds), on small CPU tensors.
+        The check records the launches and lowers every distinct (signature,
+        constexprs) specialisation; a @triton.jit kernel of the module that no
+        example launches fails the check.
+    int64: kernel name -> why it needs int64 values (DESIGN.md §8 wants int32).
+    helpers: @triton.jit device functions of the module, called from kernels only.
+    """
+
+    examples: Callable[[], Iterable[tuple[str, Callable[[], Any]]]]
+    int64: dict[str, str] = field(default_factory=dict)
+    helpers: tuple[str, ...] = ()
+
+
+__all__ = ["CPU_MAX_PROGRAMS", "INT32_MAX", "Launch", "LoweringDeclaration", "capture_launches", "grid_size",
+           "interpreter_active", "kernel_for", "max_programs", "next_pow2", "prev_pow2", "require_int32_offsets"]

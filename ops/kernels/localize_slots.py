@@ -8,11 +8,14 @@ padding (-1) slots map to -1. Torch oracle: `cp_compile.ops.layout.local_slot_ma
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
+from cp_compile.ops.kernels._common import LoweringDeclaration, grid_size, kernel_for, next_pow2
 
-from cp_compile.ops.kernels._common import grid_size, kernel_for, next_pow2
+_MAX_BLOCK = 1024  # tokens per tile
 
 
 @triton.jit
@@ -68,9 +71,32 @@ def local_slot_mapping_triton(
     if T == 0:
         return res
     if block is None:
-        block = min(next_pow2(T), 1024)
-    grid = (grid_size(triton.cdiv(T, block), num_programs),)
+        block = min(next_pow2(T), _MAX_BLOCK)
+    grid = (grid_size(triton.cdiv(T, block), slot_mapping.device, num_programs),)
     kernel_for(_local_slot_mapping_kernel, slot_mapping.device)[grid](
         slot_mapping, res, T, int(block_size), int(dcp), int(rank), int(interleave), BLOCK=block,
     )
     return res
+
+
+# ----------------------------------------------------------------------------- lowering check
+
+
+def _lowering_examples():
+    from cp_compile.ops.kernels import registry  # the registry's calls are what device runs launch
+
+    # BLOCK = next_pow2(T) up to _MAX_BLOCK: every power of two a batch can produce.
+    for i in range(_MAX_BLOCK.bit_length()):
+        T = 1 << i
+        slots = torch.zeros(T, dtype=torch.int64)
+        qsl = torch.tensor([0, T], dtype=torch.int32)
+        seq_lens = torch.tensor([T], dtype=torch.int32)
+        yield f"{T} tokens", functools.partial(registry._localize, slots, qsl, seq_lens, 128, 2, 0, 1)
+
+
+LOWERING = LoweringDeclaration(
+    examples=_lowering_examples,
+    int64={"_local_slot_mapping_kernel": (
+        "slot values are int64 data (the slot mapping's dtype, global slots may pass 2**31); "
+        "one division per token, no int64 addressing")},
+)

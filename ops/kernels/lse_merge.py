@@ -12,14 +12,23 @@ rounding. Torch oracle: `cp_compile.ops.reference.merge_partials`.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
-
-from cp_compile.ops.kernels._common import grid_size, kernel_for, next_pow2, prev_pow2
+from cp_compile.ops.kernels._common import (
+    LoweringDeclaration,
+    grid_size,
+    kernel_for,
+    next_pow2,
+    prev_pow2,
+    require_int32_offsets,
+)
 
 # Rows x padded head dim held by one tile.
 _TILE_BUDGET = 4096
+_MAX_BLOCK_R = 64
 
 
 @triton.jit
@@ -41,7 +50,7 @@ def _merge_partials_kernel(
     for rb in range(pid, n_blocks, nprog):
         r = rb * BLOCK_R + offs_r  # flattened (token, head) rows
         r_mask = r < n_rows
-        t = (r // H).to(tl.int64)
+        t = r // H  # int32: the launcher checked every tensor's span fits
         h = r % H
         l_row = t * s_lt + h * s_lh
         o_row = t * s_ot + h * s_oh
@@ -49,8 +58,7 @@ def _merge_partials_kernel(
 
         # Pass 1: max over shards of the NaN-cleaned LSEs (inlined, not a helper
         # function, so an interpreted twin of this kernel has no jitted callees).
-        # Shard offsets are carried in int64 (row offsets are int64) and advanced by
-        # the shard stride: n * N-stride can pass 2**31 for [N, T, H, Dv] partials.
+        # Shard offsets are advanced by the shard stride, never recomputed as n * stride.
         m = tl.full([BLOCK_R], float("-inf"), tl.float32)
         l_off = l_row
         for n in range(0, N):
@@ -103,13 +111,13 @@ def _lse_rescale_kernel(
     for rb in range(pid, n_blocks, nprog):
         r = rb * BLOCK_R + offs_r
         r_mask = r < n_rows
-        t = (r // H).to(tl.int64)
+        t = r // H
         h = r % H
         a_row = t * s_at + h * s_ah
         tile_mask = r_mask[:, None] & d_mask[None, :]
 
         m = tl.full([BLOCK_R], float("-inf"), tl.float32)
-        a_off = a_row  # int64, advanced by the shard stride
+        a_off = a_row  # advanced by the shard stride
         for n in range(0, N):
             l = tl.load(lse_all_ptr + a_off, mask=r_mask, other=float("-inf")).to(tl.float32)
             l = tl.where(l != l, float("-inf"), l)
@@ -141,7 +149,7 @@ def _lse_rescale_kernel(
 
 def _row_block(dv_pad: int, n_rows: int, block_r: int | None) -> int:
     if block_r is None:
-        block_r = min(prev_pow2(max(_TILE_BUDGET // dv_pad, 1)), next_pow2(n_rows), 64)
+        block_r = min(prev_pow2(max(_TILE_BUDGET // dv_pad, 1)), next_pow2(n_rows), _MAX_BLOCK_R)
     if block_r & (block_r - 1):
         raise ValueError(f"block_r={block_r} must be a power of two")
     return block_r
@@ -170,9 +178,11 @@ def _launch_rows(kernel, inputs: tuple[torch.Tensor, ...], N: int, T: int, H: in
         if write_lse:
             lse_out.fill_(float("-inf"))
         return res.zero_()
+    require_int32_offsets(**{f"input {i}": t for i, t in enumerate(inputs)}, result=res,
+                          **({"lse_out": lse_out} if write_lse else {}))
     dv_pad = next_pow2(Dv)
     block_r = _row_block(dv_pad, n_rows, block_r)
-    grid = (grid_size(triton.cdiv(n_rows, block_r), num_programs),)
+    grid = (grid_size(triton.cdiv(n_rows, block_r), device, num_programs),)
     strides = [st for t in inputs for st in t.stride()]
     kernel_for(kernel, device)[grid](
         *inputs, res, lse_out if write_lse else res,
@@ -230,3 +240,33 @@ def lse_rescale_triton(
         raise ValueError(f"lse {tuple(lse.shape)} / lse_all {tuple(lse_all.shape)} do not fit out {tuple(out.shape)}")
     return _launch_rows(_lse_rescale_kernel, (out, lse, lse_all), N, T, H, Dv, out.device, lse_out, num_programs,
                         block_r)
+
+
+# ----------------------------------------------------------------------------- lowering check
+
+
+def _lowering_examples():
+    from cp_compile.ops.kernels import registry  # the registry's calls are what device runs launch
+
+    # The row count picks BLOCK_R (_row_block): every power of two until it stops
+    # growing; Dv 128 (GQA) and 512 (MLA latent); partials in bf16 and fp32.
+    for dv in (128, 512):
+        rows = [1]
+        while _row_block(next_pow2(dv), 2 * rows[-1], None) == 2 * rows[-1]:
+            rows.append(2 * rows[-1])
+        cap = rows[-1]
+        for dtype in (torch.bfloat16, torch.float32):
+            for n_rows in rows if dtype == torch.bfloat16 else [cap]:
+                name = f"Dv {dv} {str(dtype)[6:]} {n_rows} rows"
+                outs = torch.empty(2, n_rows, 1, dv, dtype=dtype)
+                lses = torch.empty(2, n_rows, 1)
+                yield f"lse_combine {name}", functools.partial(registry._lse_combine, outs, lses)
+                yield (f"lse_rescale {name}",
+                       functools.partial(registry._lse_rescale, outs[0], lses[0], lses.permute(0, 2, 1).reshape(-1, n_rows)))
+        # Without lse_out (WRITE_LSE=False): the launchers' default.
+        outs, lses = torch.empty(2, cap, 1, dv), torch.empty(2, cap, 1)
+        yield f"merge_partials Dv {dv} no lse_out", functools.partial(merge_partials_triton, outs, lses)
+        yield f"lse_rescale Dv {dv} no lse_out", functools.partial(lse_rescale_triton, outs[0], lses[0], lses)
+
+
+LOWERING = LoweringDeclaration(examples=_lowering_examples)

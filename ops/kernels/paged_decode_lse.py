@@ -8,11 +8,19 @@ Torch oracle: `cp_compile.ops.reference.paged_attention_with_lse`.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
-
-from cp_compile.ops.kernels._common import grid_size, kernel_for, next_pow2, prev_pow2
+from cp_compile.ops.kernels._common import (
+    LoweringDeclaration,
+    grid_size,
+    kernel_for,
+    next_pow2,
+    prev_pow2,
+    require_int32_offsets,
+)
 from cp_compile.ops.layout import request_index
 
 # Elements of the [BLOCK_H, BLOCK_N, D] broadcast product a tile may hold. Bounds
@@ -57,11 +65,12 @@ def _paged_attention_lse_kernel(
         n_kv = tl.load(kvlen_ptr + t)
         n_kv = tl.where(req >= 0, n_kv, 0)  # padding tokens attend nothing
         req = tl.maximum(req, 0)
-        t64 = t.to(tl.int64)  # T * row stride may pass 2**31 on big batches
 
-        q = tl.load(q_ptr + t64 * s_qt + h[:, None] * s_qh + offs_d[None, :] * s_qd,
-                    mask=h_mask[:, None] & d_mask[None, :], other=0.0).to(tl.float32)
-        q = q * scale  # [BLOCK_H, D_PAD], scale folded once instead of per tile
+        # int32 offsets throughout: the launcher checked every tensor's span fits.
+        q = tl.load(q_ptr + t * s_qt + h[:, None] * s_qh + offs_d[None, :] * s_qd,
+                    mask=h_mask[:, None] & d_mask[None, :], other=0.0)  # [BLOCK_H, D_PAD]
+        if not USE_DOT:
+            q = q.to(tl.float32) * scale  # scale folded once instead of per tile
 
         m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)  # running max
         l_i = tl.zeros([BLOCK_H], dtype=tl.float32)  # running sum of exp
@@ -70,21 +79,21 @@ def _paged_attention_lse_kernel(
             j = start + offs_n  # request-local key positions [BLOCK_N]
             j_mask = j < n_kv
             page = tl.load(bt_ptr + req * s_bt + j // block_size, mask=j_mask, other=0)
-            # Page ids index the whole cache: only this product needs int64.
-            page = page.to(tl.int64)
             in_page = j % block_size
-            k_row = page * s_kb + in_page * s_ks + g * s_kh  # [BLOCK_N] int64
+            k_row = page * s_kb + in_page * s_ks + g * s_kh  # [BLOCK_N]
             v_row = page * s_vb + in_page * s_vs + g * s_vh
             k = tl.load(k_ptr + k_row[:, None] + offs_d[None, :] * s_kd,
-                        mask=j_mask[:, None] & d_mask[None, :], other=0.0).to(tl.float32)
+                        mask=j_mask[:, None] & d_mask[None, :], other=0.0)
             v = tl.load(v_ptr + v_row[:, None] + offs_dv[None, :] * s_vd,
-                        mask=j_mask[:, None] & dv_mask[None, :], other=0.0).to(tl.float32)
+                        mask=j_mask[:, None] & dv_mask[None, :], other=0.0)
             if USE_DOT:
-                s = tl.dot(q, tl.trans(k))  # [BLOCK_H, BLOCK_N]; needs all dims >= 16
+                # Cube path: operands in their own dtype, fp32 accumulation (needs
+                # BLOCK_H, BLOCK_N and the padded head dims >= 16).
+                s = tl.dot(q, tl.trans(k)) * scale  # [BLOCK_H, BLOCK_N]
             else:
-                # Broadcast-multiply-reduce: valid for any tile size (GQA groups are
-                # small) and runs everywhere, including the interpreter.
-                s = tl.sum(q[:, None, :] * k[None, :, :], axis=2)
+                # Broadcast-multiply-reduce in fp32: valid for any tile size (GQA
+                # groups are small) and runs everywhere, including the interpreter.
+                s = tl.sum(q[:, None, :] * k.to(tl.float32)[None, :, :], axis=2)
             s = tl.where(j_mask[None, :], s, float("-inf"))
             # The tile holds >= 1 valid key (start < n_kv), so m_new is finite.
             m_new = tl.maximum(m_i, tl.max(s, axis=1))
@@ -92,9 +101,9 @@ def _paged_attention_lse_kernel(
             p = tl.exp(s - m_new[:, None])  # masked keys -> 0
             l_i = l_i * alpha + tl.sum(p, axis=1)
             if USE_DOT:
-                pv = tl.dot(p, v)
+                pv = tl.dot(p.to(v.dtype), v)  # fp32 accumulator
             else:
-                pv = tl.sum(p[:, :, None] * v[None, :, :], axis=1)  # [BLOCK_H, DV_PAD]
+                pv = tl.sum(p[:, :, None] * v.to(tl.float32)[None, :, :], axis=1)  # [BLOCK_H, DV_PAD]
             acc = acc * alpha[:, None] + pv
             m_i = m_new
 
@@ -103,9 +112,9 @@ def _paged_attention_lse_kernel(
         l_safe = tl.where(has, l_i, 1.0)
         out = tl.where(has[:, None], acc / l_safe[:, None], 0.0)
         lse = tl.where(has, m_i + tl.log(l_safe), float("-inf"))
-        tl.store(out_ptr + t64 * s_ot + h[:, None] * s_oh + offs_dv[None, :] * s_od,
+        tl.store(out_ptr + t * s_ot + h[:, None] * s_oh + offs_dv[None, :] * s_od,
                  out.to(out_ptr.dtype.element_ty), mask=h_mask[:, None] & dv_mask[None, :])
-        tl.store(lse_ptr + t64 * s_lt + h * s_lh, lse, mask=h_mask)
+        tl.store(lse_ptr + t * s_lt + h * s_lh, lse, mask=h_mask)
 
 
 def paged_attention_with_lse_triton(
@@ -130,10 +139,11 @@ def paged_attention_with_lse_triton(
     MLA (absorbed) passes k_cache = kv_cache.unsqueeze(2) [NB, BS, 1, L+R] and
     v_cache = kv_cache[..., :L].unsqueeze(2); no copy is made, strides are honoured.
 
-    num_programs: persistent grid size (default min(work items, 32)).
+    num_programs: persistent grid size (default: the device's core count).
     block_h / block_n: query heads / keys per tile (powers of two).
-    use_dot: score and PV products with tl.dot (needs block_h, block_n and padded
-    head dims >= 16; on CUDA fp32 inputs may then run in tf32).
+    use_dot: score and PV products with tl.dot in the input dtype, fp32 accumulation
+    (cube units; needs block_h, block_n and padded head dims >= 16; on CUDA fp32
+    inputs may then run in tf32).
     """
     T, Hq, D = q.shape
     NB, BS, Hkv, Dk = k_cache.shape
@@ -149,17 +159,10 @@ def paged_attention_with_lse_triton(
     lse = torch.empty(T, Hq, dtype=torch.float32, device=device)
     if T == 0:
         return out, lse
+    require_int32_offsets(q=q, k_cache=k_cache, v_cache=v_cache, block_table=block_table, out=out)
 
     d_pad, dv_pad = next_pow2(D), next_pow2(Dv)
-    d_max = max(d_pad, dv_pad)
-    if block_h is None:
-        block_h = min(next_pow2(group), 16)
-        while block_h > 1 and block_h * 8 * d_max > _TILE_BUDGET:
-            block_h //= 2  # wide (MLA) heads: fewer heads per tile, not tiny key tiles
-    if block_n is None:
-        block_n = max(8, min(64, prev_pow2(_TILE_BUDGET // (block_h * d_max))))
-    if block_h & (block_h - 1) or block_n & (block_n - 1):
-        raise ValueError(f"block_h={block_h} and block_n={block_n} must be powers of two")
+    block_h, block_n = _tiles(group, max(d_pad, dv_pad), block_h, block_n)
     n_hblk = triton.cdiv(group, block_h)
 
     # Request of each token (-1 = padding), found once on the host side of the launch.
@@ -167,7 +170,7 @@ def paged_attention_with_lse_triton(
     kv_lens = kv_lens.to(device=device, dtype=torch.int32).contiguous()
     block_table = block_table.to(torch.int32).contiguous()  # kernel assumes unit column stride
     n_work = T * Hkv * n_hblk
-    grid = (grid_size(n_work, num_programs),)
+    grid = (grid_size(n_work, device, num_programs, uses_cube=use_dot),)
     kernel_for(_paged_attention_lse_kernel, device)[grid](
         q, k_cache, v_cache, block_table, req, kv_lens, out, lse,
         float(scale),
@@ -181,3 +184,54 @@ def paged_attention_with_lse_triton(
         BLOCK_H=block_h, BLOCK_N=block_n, D_PAD=d_pad, DV_PAD=dv_pad, USE_DOT=use_dot,
     )
     return out, lse
+
+
+def _tiles(group: int, d_max: int, block_h: int | None, block_n: int | None) -> tuple[int, int]:
+    """(BLOCK_H, BLOCK_N): the heads of one GQA group per tile, shrunk for wide (MLA)
+    heads before the key tile is, within _TILE_BUDGET elements."""
+    if block_h is None:
+        block_h = min(next_pow2(group), 16)
+        while block_h > 1 and block_h * 8 * d_max > _TILE_BUDGET:
+            block_h //= 2
+    if block_n is None:
+        block_n = max(8, min(64, prev_pow2(_TILE_BUDGET // (block_h * d_max))))
+    if block_h & (block_h - 1) or block_n & (block_n - 1):
+        raise ValueError(f"block_h={block_h} and block_n={block_n} must be powers of two")
+    return block_h, block_n
+
+
+# ----------------------------------------------------------------------------- lowering check
+
+# Per-rank attention shapes the project serves: GQA head dims and query heads per KV
+# head after TP; MLA over the 512 + 64 latent with 1 .. 128 local heads (DeepSeek-V3
+# at tp 1 .. 128). Small T and cache: only shapes, dtypes and constexprs matter here.
+_GQA_SHAPES = [(group, d) for d in (64, 128, 256) for group in (1, 2, 4, 8, 16)]
+_MLA_HEADS = (1, 16, 128)
+
+
+def _lowering_examples():
+    from cp_compile.ops.kernels import registry  # the registry's calls are what device runs launch
+
+    bt = torch.zeros(1, 2, dtype=torch.int32)
+    qsl = torch.tensor([0, 2], dtype=torch.int32)
+    kv_lens = torch.ones(2, dtype=torch.int32)
+    for dtype in (torch.bfloat16, torch.float16, torch.float32):
+        for group, d in _GQA_SHAPES if dtype == torch.bfloat16 else [(8, 128)]:
+            q = torch.empty(2, group, d, dtype=dtype)
+            kv = torch.empty(2, 16, 1, d, dtype=dtype)
+            yield (f"GQA {str(dtype)[6:]} group {group} D {d}",
+                   functools.partial(registry._paged_attention_lse, q, kv, kv, bt, qsl, kv_lens, d ** -0.5))
+    for heads in _MLA_HEADS:
+        q_nope, q_pe = torch.empty(2, heads, 512, dtype=torch.bfloat16), torch.empty(2, heads, 64, dtype=torch.bfloat16)
+        cache = torch.empty(2, 16, 576, dtype=torch.bfloat16)
+        yield (f"MLA bf16 {heads} heads 512+64",
+               functools.partial(registry._mla_partial_attention, q_nope, q_pe, cache, bt, qsl, kv_lens, 0.1))
+    # The cube path (tests launch it; the intended MLA path on AI cores).
+    q = torch.empty(2, 16, 576, dtype=torch.bfloat16)
+    cache = torch.empty(2, 16, 576, dtype=torch.bfloat16)
+    yield ("MLA bf16 16 heads 512+64, tl.dot",
+           functools.partial(paged_attention_with_lse_triton, q, cache.unsqueeze(2), cache[..., :512].unsqueeze(2),
+                             bt, qsl, kv_lens, 0.1, block_h=16, block_n=16, use_dot=True))
+
+
+LOWERING = LoweringDeclaration(examples=_lowering_examples)

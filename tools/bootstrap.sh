@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# Make the project's virtual environments; the README's two commands and .ci/run call it.
+#   .venv          the CPU torch 2.13.0, cp-compile (editable) with the test extra (upstream triton)
+#   .venv-ascend   with --with-ascend: the CPU torch, triton-ascend 3.2.0 + pybind11 and
+#                  cp-compile (editable), for the Triton-Ascend lowering check
+#                  (python -m cp_compile.ops.kernels.ascend_check). triton-ascend owns the
+#                  `triton` module name, so it cannot share .venv with upstream triton.
+# torch goes first in each, pinned, so pip takes the CPU build on this machine's disk
+# (an unpinned torch would pull a multi-GB CUDA build). Versions: .ci/constraints.txt.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+with_ascend=0
+for arg in "$@"; do
+  case "$arg" in
+    --with-ascend) with_ascend=1 ;;
+    *) echo "usage: $0 [--with-ascend]" >&2; exit 2 ;;
+  esac
+done
+python=${PYTHON:-python3}
+pins=.ci/constraints.txt
+
+echo "[bootstrap] .venv: torch (CPU), cp-compile[test]" >&2
+"$python" -m venv .venv
+.venv/bin/pip install -q torch==2.13.0
+.venv/bin/pip install -q -c "$pins" -e '.[test]'
+
+if [ "$with_ascend" = 1 ]; then
+  echo "[bootstrap] .venv-ascend: torch (CPU), triton-ascend, cp-compile" >&2
+  "$python" -m venv .venv-ascend
+  .venv-ascend/bin/pip install -q torch==2.13.0
+  .venv-ascend/bin/pip install -q -c "$pins" -e . triton-ascend pybind11
+fi
