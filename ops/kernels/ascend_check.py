@@ -50,8 +50,6 @@ _TRITON_DTYPES = {
     torch.int64: "i64", torch.int32: "i32", torch.int16: "i16", torch.int8: "i8", torch.uint8: "u8",
     torch.bool: "i1",
 }
-# Modules of the kernels package that hold no kernels by design.
-_NOT_KERNEL_MODULES = {"ascend_check", "registry"}
 
 
 @dataclass
@@ -92,8 +90,8 @@ def kernel_modules(targets: list[str] | None = None) -> list[ModuleType]:
     if not targets:
         import cp_compile.ops.kernels as package
 
-        names = [m.name for m in pkgutil.iter_modules(package.__path__)
-                 if not m.name.startswith("_") and m.name not in _NOT_KERNEL_MODULES]
+        # Every module but this one: a module without kernels contributes nothing.
+        names = [m.name for m in pkgutil.iter_modules(package.__path__) if m.name != "ascend_check"]
         return [importlib.import_module(f"{package.__name__}.{n}") for n in sorted(names)]
     modules = []
     for target in targets:
@@ -249,6 +247,12 @@ def _error_text(exc: Exception) -> str:
     return text
 
 
+class _StageError(Exception):
+    def __init__(self, stage: str, text: str) -> None:
+        super().__init__(text)
+        self.stage, self.text = stage, text
+
+
 def lower(spec: _Spec, arch: str, npubin: bool) -> tuple[str, str, str]:
     """(stage reached, ttir, linalg) of one specialisation; raises with the failing stage."""
     import triton
@@ -278,12 +282,6 @@ def lower(spec: _Spec, arch: str, npubin: bool) -> tuple[str, str, str]:
     except Exception as exc:
         raise _StageError(stage, _error_text(exc)) from exc
     return stage, ttir_text, linalg
-
-
-class _StageError(Exception):
-    def __init__(self, stage: str, text: str) -> None:
-        super().__init__(text)
-        self.stage, self.text = stage, text
 
 
 def check(modules: list[ModuleType], arch: str = "Ascend910B3", npubin: bool = False,
