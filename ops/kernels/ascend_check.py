@@ -43,6 +43,7 @@ from types import ModuleType
 from typing import Any
 
 import torch
+
 from cp_compile.ops.kernels._common import CPU_MAX_PROGRAMS, Launch, LoweringDeclaration, capture_launches
 
 _TRITON_DTYPES = {

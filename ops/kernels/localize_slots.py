@@ -13,6 +13,7 @@ import functools
 import torch
 import triton
 import triton.language as tl
+
 from cp_compile.ops.kernels._common import LoweringDeclaration, grid_size, kernel_for, next_pow2
 
 _MAX_BLOCK = 1024  # tokens per tile

@@ -13,6 +13,7 @@ import functools
 import torch
 import triton
 import triton.language as tl
+
 from cp_compile.ops.kernels._common import (
     LoweringDeclaration,
     grid_size,

@@ -12,6 +12,7 @@ import functools
 import torch
 import triton
 import triton.language as tl
+
 from cp_compile.ops.kernels._common import CPU_MAX_PROGRAMS, LoweringDeclaration, kernel_for
 
 BLOCK = 16
