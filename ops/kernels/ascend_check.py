@@ -71,10 +71,10 @@ class Result:
 
 @dataclass
 class _Spec:
-    module: str
     kernel: Any  # JITFunction
     signature: dict[str, str]
     constexprs: dict[str, Any]
+    int64_reason: str | None  # the module's LOWERING.int64 entry for this kernel
     examples: list[str] = field(default_factory=list)
     grids: set[tuple[int, ...]] = field(default_factory=set)
 
@@ -147,8 +147,9 @@ def _triton_type(name: str, value: Any) -> str:
 
 def specialise(launch: Launch) -> tuple[dict[str, str], dict[str, Any]]:
     """(runtime argument -> Triton type, constexpr -> value) of one captured launch."""
-    params = inspect.signature(launch.kernel.fn).parameters
-    bound = inspect.signature(launch.kernel.fn).bind(*launch.args, **launch.kwargs)
+    fn_signature = inspect.signature(launch.kernel.fn)
+    params = fn_signature.parameters
+    bound = fn_signature.bind(*launch.args, **launch.kwargs)
     signature, constexprs = {}, {}
     for name, value in bound.arguments.items():
         if _is_constexpr(params[name]):
@@ -191,7 +192,7 @@ def collect(module: ModuleType) -> tuple[list[_Spec], list[Result]]:
                 continue  # another module's kernel: checked with its own module
             signature, constexprs = specialise(launch)
             key = (name, tuple(signature.items()), tuple(constexprs.items()))
-            spec = specs.setdefault(key, _Spec(mod, launch.kernel, signature, constexprs))
+            spec = specs.setdefault(key, _Spec(launch.kernel, signature, constexprs, decl.int64.get(name)))
             spec.examples.append(label)
             spec.grids.add(launch.grid)
     launched = {s.name for s in specs.values()}
@@ -244,8 +245,7 @@ def rule_violations(ttir: str, grids: set[tuple[int, ...]], int64_reason: str | 
 def _error_text(exc: Exception) -> str:
     detail = getattr(exc, "stderr", None)
     detail = detail.decode(errors="replace") if isinstance(detail, bytes) else (detail or "")
-    text = f"{type(exc).__name__}: {exc}\n{detail}".strip()
-    return text
+    return f"{type(exc).__name__}: {exc}\n{detail}".strip()
 
 
 class _StageError(Exception):
@@ -292,7 +292,6 @@ def check(modules: list[ModuleType], arch: str = "Ascend910B3", npubin: bool = F
     for module in modules:
         specs, failures = collect(module)
         results += failures
-        int64 = getattr(getattr(module, "LOWERING", None), "int64", {})
         for i, spec in enumerate(specs):
             if progress:
                 print(f"[{module.__name__.rsplit('.', 1)[-1]} {i + 1}/{len(specs)}] {spec.name} "
@@ -303,7 +302,7 @@ def check(modules: list[ModuleType], arch: str = "Ascend910B3", npubin: bool = F
             try:
                 res.stage, ttir, linalg = lower(spec, arch, npubin)
                 res.linalg_lines = len(linalg.splitlines())
-                violations = rule_violations(ttir, spec.grids, int64.get(spec.name))
+                violations = rule_violations(ttir, spec.grids, spec.int64_reason)
                 if violations:
                     res.status, res.stage, res.message = "failed", "rules", "; ".join(violations)
                 if dump:
