@@ -3,15 +3,9 @@
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
-try:
-    import examples.models  # noqa: F401
-except ImportError:  # plain `pytest` does not put the repo root on sys.path
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-
-from examples import bench_decode  # noqa: E402
+from examples import bench_decode
 
 REQUIRED = ("kind", "tp", "dcp", "interleave", "batch", "context_len", "tpot_ms", "kv_cache_bytes_per_rank",
             "max_context_tokens_per_rank", "comm_bytes_per_step", "tp_allreduce_bytes_per_step", "lowering",
