@@ -28,31 +28,37 @@ if not __package__:  # run as a script: make the repo root, not examples/, the i
     sys.path[0] = str(Path(__file__).resolve().parents[1])
 
 from examples.bench.args import parse_args  # noqa: E402
-from examples.bench.decode import hf_source, run_world  # noqa: E402
+from examples.bench.decode import decode_source, run_world  # noqa: E402
 from examples.bench.launch import run  # noqa: E402
-from examples.bench.plot import plot_decode  # noqa: E402
+from examples.bench.plot import plot_breakdown, plot_decode  # noqa: E402
 from examples.bench.rows import write_json  # noqa: E402
-from examples.bench.table import format_table  # noqa: E402
+from examples.bench.table import format_breakdown, format_kv_budget, format_table, format_worlds  # noqa: E402
 
 
 def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
     """Run the sweep, write JSON + PNG (rank 0), print the table; returns the rows."""
     args = parse_args(argv, description=__doc__.split("\n\n")[0])
     t0 = time.perf_counter()
-    rows, writer = run(args, run_world, hf_source)
+    rows, writer = run(args, run_world, decode_source)
     if not writer:
         return rows
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     json_path = write_json(rows, out, "bench_decode.json")
     png_path = plot_decode(rows, args, out / "bench_decode.png")
-    print(f"\n{args.model} tp={args.tp} dcp={list(args.dcp)} lowering={args.lowering} dtype={args.dtype} "
-          f"merge={args.merge} block={args.block_size} interleave={args.interleave} "
-          f"steps={args.steps} warmup={args.warmup} ({time.perf_counter() - t0:.0f} s)")
-    print(format_table(rows, args))
+    bars_path = plot_breakdown(rows, args, out / "bench_decode_breakdown.png")
+    shape = args.model if args.shape == "tiny" else f"{args.shape} ({args.model})"
+    print(f"\n{shape} tp={args.tp} dcp={list(args.dcp)} lowering={args.lowering} dtype={args.dtype} "
+          f"merge={','.join(args.merge)} block={args.block_size} interleave={args.interleave} "
+          f"steps={args.steps} warmup={args.warmup} profile_steps={args.profile_steps} "
+          f"({time.perf_counter() - t0:.0f} s)")
+    for text in (format_table(rows, args), format_breakdown(rows, args), format_worlds(rows, args),
+                 format_kv_budget(rows, args)):
+        print(text + "\n")
     if any(r["recompiled_in_timed_steps"] for r in rows):
         print("WARNING: a graph was compiled during timed steps; raise --warmup", flush=True)
-    print(f"\nwrote {json_path} and {png_path}", flush=True)
+    written = ", ".join(str(p) for p in (json_path, png_path, bars_path) if p is not None)
+    print(f"wrote {written}", flush=True)
     return rows
 
 

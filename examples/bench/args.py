@@ -15,7 +15,7 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 class BenchArgs:
     """Everything a rank needs (picklable: shipped to spawned ranks)."""
 
-    model: str
+    model: str  # "qwen3" | "mla": the kind (for presets, the preset's)
     tp: int
     dcp: tuple[int, ...]
     context: tuple[int, ...]
@@ -25,13 +25,26 @@ class BenchArgs:
     steps: int
     warmup: int
     lowering: str
-    merge: str
+    merge: tuple[str, ...]  # DCP merges to compare (one world per (dcp > 1, merge))
     out: str
     dtype: str
+    shape: str = "tiny"
+    profile_steps: int = 3  # profiled steps per config after the timed ones (0: no breakdown)
+    compile_probe: bool = True  # compile time of cp_ascend vs the plain lowering, per DCP world
+    kv_budget_gib: float = 16.0  # KV bytes per rank for the largest-context figure
+
+    @property
+    def worlds(self) -> tuple[tuple[int, str], ...]:
+        """(dcp, merge) per world: the dcp = 1 baseline (no merge) first."""
+        worlds: list[tuple[int, str]] = []
+        for d in self.dcp:
+            worlds += [(d, "none")] if d == 1 else [(d, m) for m in self.merge]
+        return tuple(worlds)
 
     @property
     def decode_steps(self) -> int:
-        return self.warmup + self.steps
+        """Steps per config that advance the context: warm-up, timed and profiled."""
+        return self.warmup + self.steps + self.profile_steps
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -49,10 +62,24 @@ def int_list(text: str) -> tuple[int, ...]:
     return values
 
 
+def merge_list(text: str) -> tuple[str, ...]:
+    values = tuple(dict.fromkeys(v.strip() for v in text.split(",") if v.strip()))
+    bad = [v for v in values if v not in ("ag_rs", "a2a")]
+    if not values or bad:
+        raise argparse.ArgumentTypeError(f"expected ag_rs, a2a or ag_rs,a2a, got {text!r}")
+    return values
+
+
 def build_parser(description: str) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=description, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--model", choices=("qwen3", "mla"), default="qwen3",
-                   help="tiny Qwen3 (GQA, 1 KV head) or DeepSeek MLA (no q_lora)")
+    from examples.bench.shapes import PRESETS, SHAPES
+
+    p.add_argument("--shape", choices=SHAPES, default="tiny",
+                   help="tiny (CI) or a preset with a real deployment's per-rank attention "
+                        "(examples/bench/shapes.py): " + ", ".join(f"{k} ({v.source})" for k, v in PRESETS.items()))
+    p.add_argument("--model", choices=("qwen3", "mla"), default=None,
+                   help="tiny shape: tiny Qwen3 (GQA, 1 KV head) or DeepSeek MLA (no q_lora) [qwen3]; "
+                        "presets fix the kind")
     p.add_argument("--tp", type=int, default=2, help="tensor-parallel size = world size")
     p.add_argument("--dcp", type=int_list, default=(1, 2),
                    help="DCP sizes to compare; 1 (the TP baseline) is always included")
@@ -63,23 +90,41 @@ def build_parser(description: str) -> argparse.ArgumentParser:
     p.add_argument("--steps", type=int, default=5, help="timed decode steps per config")
     p.add_argument("--warmup", type=int, default=2, help="untimed decode steps per config")
     p.add_argument("--lowering", choices=("inductor", "aot_eager"), default="inductor")
-    p.add_argument("--merge", choices=("ag_rs", "a2a"), default="ag_rs", help="DCP LSE merge")
+    p.add_argument("--merge", type=merge_list, default=("ag_rs",),
+                   help="DCP LSE merges to compare side by side: ag_rs, a2a or ag_rs,a2a")
     p.add_argument("--out", default="results/bench_decode", help="output directory")
     p.add_argument("--dtype", choices=tuple(DTYPES), default="float32")
+    p.add_argument("--profile-steps", type=int, default=3,
+                   help="profiled steps per config after the timed ones: per-step time breakdown "
+                        "(attention, DCP/TP collectives, rest); 0 turns it off")
+    p.add_argument("--compile-probe", action=argparse.BooleanOptionalAction, default=True,
+                   help="per DCP world, time a fresh compile with cp_ascend vs the plain lowering")
+    p.add_argument("--kv-budget-gib", type=float, default=16.0,
+                   help="KV bytes per rank for the largest context that fits (real layer count of the shape)")
     return p
 
 
 def parse_args(argv: Sequence[str] | None = None, description: str = "") -> BenchArgs:
     p = build_parser(description)
     a = p.parse_args(argv)
-    if a.steps < 1 or a.warmup < 0:
-        p.error("--steps must be >= 1 and --warmup >= 0")
+    if a.steps < 1 or a.warmup < 0 or a.profile_steps < 0:
+        p.error("--steps must be >= 1, --warmup and --profile-steps >= 0")
+    if a.kv_budget_gib <= 0:
+        p.error("--kv-budget-gib must be > 0")
+    from examples.bench.shapes import PRESETS
+
+    model = a.model or "qwen3"
+    if a.shape != "tiny":
+        if a.model is not None and a.model != PRESETS[a.shape].kind:
+            p.error(f"--shape {a.shape} is a {PRESETS[a.shape].kind} model; drop --model {a.model}")
+        model = PRESETS[a.shape].kind
     # The baseline goes first: its world also checks the model builds at this tp.
     dcp = tuple(sorted(set(a.dcp) | {1}))
     bad = [d for d in dcp if a.tp % d]
     if bad:
         p.error(f"--dcp {bad} must divide --tp {a.tp}")
-    return BenchArgs(model=a.model, tp=a.tp, dcp=dcp, context=tuple(sorted(set(a.context))),
+    return BenchArgs(model=model, tp=a.tp, dcp=dcp, context=tuple(sorted(set(a.context))),
                      batch=tuple(sorted(set(a.batch))), interleave=a.interleave, block_size=a.block_size,
                      steps=a.steps, warmup=a.warmup, lowering=a.lowering, merge=a.merge, out=a.out,
-                     dtype=a.dtype)
+                     dtype=a.dtype, shape=a.shape, profile_steps=a.profile_steps, compile_probe=a.compile_probe,
+                     kv_budget_gib=a.kv_budget_gib)

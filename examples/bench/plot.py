@@ -17,6 +17,10 @@ def _pyplot():
     return matplotlib, plt
 
 
+def _shape(args: BenchArgs) -> str:
+    return args.model if args.shape == "tiny" else args.shape
+
+
 def plot_decode(rows: list[dict[str, Any]], args: BenchArgs, path: Path) -> Path:
     """TPOT vs context (one line per (dcp, batch)) and KV bytes per rank vs context."""
     matplotlib, plt = _pyplot()
@@ -24,19 +28,21 @@ def plot_decode(rows: list[dict[str, Any]], args: BenchArgs, path: Path) -> Path
 
     fig, (ax_t, ax_kv) = plt.subplots(1, 2, figsize=(13, 5))
     styles = ["-", "--", ":", "-."]
-    for i, dcp in enumerate(args.dcp):
+    for i, (dcp, merge) in enumerate(args.worlds):
         for j, batch in enumerate(args.batch):
-            pts = sorted((r["context_len"], r) for r in rows if r["dcp"] == dcp and r["batch"] == batch)
+            pts = sorted(((r["context_len"], r) for r in rows
+                          if (r["dcp"], r["merge"], r["batch"]) == (dcp, merge, batch)), key=lambda p: p[0])
             if not pts:
                 continue
             ctx = [c for c, _ in pts]
             color = f"C{i}"
             ls = styles[j % len(styles)]
-            label = f"dcp={dcp}, batch={batch}"
+            label = f"dcp={dcp}, batch={batch}" if len(args.merge) == 1 or dcp == 1 else \
+                f"dcp={dcp} {merge}, batch={batch}"
             ax_t.plot(ctx, [r["tpot_ms"] for _, r in pts], ls, marker="o", color=color, label=label)
             ax_kv.plot(ctx, [r["kv_cache_bytes_per_rank"] / 2**20 for _, r in pts], ls, marker="o", color=color,
                        label=label)
-    title = (f"{args.model}, tp={args.tp}, {args.lowering}, {args.dtype}, merge={args.merge}, "
+    title = (f"{_shape(args)}, tp={args.tp}, {args.lowering}, {args.dtype}, merge={','.join(args.merge)}, "
              f"block={args.block_size}, interleave={args.interleave}")
     for ax in (ax_t, ax_kv):
         ax.set_xscale("log", base=2)
@@ -55,5 +61,48 @@ def plot_decode(rows: list[dict[str, Any]], args: BenchArgs, path: Path) -> Path
     fig.suptitle(f"DCP vs TP baseline: {title}")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def plot_breakdown(rows: list[dict[str, Any]], args: BenchArgs, path: Path) -> Path | None:
+    """Stacked bars of the profiled step per (context, dcp[, merge]), one panel per batch size."""
+    from examples.bench.profile import CATEGORIES
+
+    if not any(r["breakdown_ms"] for r in rows):
+        return None
+    _, plt = _pyplot()
+    worlds = list(args.worlds)
+    fig, axes = plt.subplots(1, len(args.batch), figsize=(max(6.0, 1.2 * len(worlds) * len(args.context) + 2)
+                                                          * len(args.batch), 4.5), squeeze=False)
+    colors = {"attention": "C0", "dcp_local": "C1", "dcp_comm": "C3", "tp_comm": "C2", "other": "C7"}
+    by = {(r["dcp"], r["merge"], r["context_len"], r["batch"]): r for r in rows}
+    for ax, batch in zip(axes[0], args.batch):
+        x, labels = 0.0, []
+        ticks = []
+        for context in args.context:
+            for dcp, merge in worlds:
+                r = by.get((dcp, merge, context, batch))
+                if r is None or not r["breakdown_ms"]:
+                    continue
+                bottom = 0.0
+                for c in CATEGORIES:
+                    v = r["breakdown_ms"][c]
+                    ax.bar(x, v, bottom=bottom, color=colors[c], width=0.8,
+                           label=c if not labels else None)
+                    bottom += v
+                labels.append(f"{context}\ndcp={dcp}" + (f"\n{merge}" if dcp > 1 and len(args.merge) > 1 else ""))
+                ticks.append(x)
+                x += 1
+            x += 0.6
+        ax.set_xticks(ticks, labels, fontsize=7)
+        ax.set_ylabel("ms per decode step (median, mean over ranks)")
+        ax.set_title(f"batch {batch}")
+        ax.grid(True, axis="y", alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.suptitle(f"Where the decode step goes (torch profiler): {_shape(args)}, tp={args.tp}, {args.lowering}, "
+                 f"{args.dtype}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
     plt.close(fig)
     return path

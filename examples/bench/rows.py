@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import statistics
 from pathlib import Path
 from typing import Any
 
@@ -11,17 +13,46 @@ import torch
 import cp_compile
 from examples.bench.args import BenchArgs
 from examples.bench.models import comm_bytes_per_step
+from examples.bench.profile import CATEGORIES
 from examples.bench.timing import summarize
 
 
-def decode_row(args: BenchArgs, model: torch.nn.Module, cfg: cp_compile.CPConfig, context: int, batch: int,
-               step_ms: list[float], used_blocks: int, pool: cp_compile.KVCache, graphs: int,
-               recompiled: bool) -> dict[str, Any]:
-    """One (dcp, context, batch) decode config; step times are already the max over ranks."""
+def kv_budget(args: BenchArgs, model: torch.nn.Module, cfg: cp_compile.CPConfig, batch: int,
+              real_layers: int) -> dict[str, Any]:
+    """Largest context that fits `args.kv_budget_gib` of KV per rank, with the shape's real layer count.
+
+    Pages per rank = budget // bytes of one page (all layers); each page holds
+    `block_size` tokens of a virtual block of `block_size * dcp`, so a request of
+    the batch gets `pages // batch * block_size * dcp` tokens of context.
+    """
+    spec = dataclasses.replace(model.kv_cache_spec(), num_layers=real_layers)
+    page = cp_compile.allocate_kv_cache(cfg, spec, 1, dtype=args.torch_dtype, device="meta")
+    pages = int(args.kv_budget_gib * 2**30) // page.sharded_bytes
+    return dict(kv_budget_gib=args.kv_budget_gib, kv_budget_layers=real_layers,
+                kv_bytes_per_token_per_rank=page.sharded_bytes // cfg.block_size,
+                kv_budget_tokens_per_rank=pages * cfg.block_size,
+                kv_budget_max_context=pages // batch * cfg.block_size * cfg.dcp)
+
+
+def breakdown_fields(per_rank: list[dict[str, float]], num_layers: int) -> dict[str, Any]:
+    """Per-step breakdown: mean over ranks of each rank's median over the profiled steps."""
+    if not per_rank or not per_rank[0]:
+        return dict(breakdown_ms={}, breakdown_ms_per_rank=[], collectives_per_layer={}, attention_ms=None)
+    mean = {k: statistics.fmean(r[k] for r in per_rank) for k in ("step", *CATEGORIES)}
+    return dict(breakdown_ms=mean, breakdown_ms_per_rank=per_rank,
+                collectives_per_layer={"dcp": per_rank[0]["dcp_collectives"] / num_layers,
+                                       "tp": per_rank[0]["tp_collectives"] / num_layers},
+                attention_ms=mean["attention"])
+
+
+def decode_row(args: BenchArgs, model: torch.nn.Module, cfg: cp_compile.CPConfig, merge: str, context: int,
+               batch: int, step_ms: list[float], used_blocks: int, pool: cp_compile.KVCache, graphs: int,
+               recompiles: int, per_rank: list[dict[str, float]], real_layers: int) -> dict[str, Any]:
+    """One (dcp, merge, context, batch) decode config; step times are already the max over ranks."""
     dtype = args.torch_dtype
     # Right-sized shard for this config (the pages it used), measured off a meta allocation.
     used = cp_compile.allocate_kv_cache(cfg, model.kv_cache_spec(), used_blocks, dtype=dtype, device="meta")
-    dcp_bytes, tp_bytes = comm_bytes_per_step(model, batch, args.tp, cfg.dcp, args.merge, dtype)
+    dcp_bytes, tp_bytes = comm_bytes_per_step(model, batch, args.tp, cfg.dcp, cfg.dcp_merge, dtype)
     return dict(
         kind=args.model, tp=args.tp, dcp=cfg.dcp, interleave=args.interleave, batch=batch, context_len=context,
         **summarize(step_ms),
@@ -30,9 +61,13 @@ def decode_row(args: BenchArgs, model: torch.nn.Module, cfg: cp_compile.CPConfig
         kv_blocks_per_rank=used_blocks,
         pool_kv_cache_bytes_per_rank=pool.sharded_bytes, pool_tokens_per_rank=pool.tokens_per_rank,
         comm_bytes_per_step=dcp_bytes, tp_allreduce_bytes_per_step=tp_bytes,
-        lowering=args.lowering, dtype=args.dtype, merge=args.merge, block_size=args.block_size,
-        warmup=args.warmup, steps=args.steps, graphs_compiled=graphs, recompiled_in_timed_steps=recompiled,
+        lowering=args.lowering, dtype=args.dtype, merge=merge, block_size=args.block_size,
+        warmup=args.warmup, steps=args.steps, graphs_compiled=graphs, recompiled_in_timed_steps=recompiles > 0,
         device=str(pool.layers[0][0].device.type),
+        shape=args.shape, num_layers=model.cfg.num_layers, recompiles_after_warmup=recompiles,
+        profile_steps=args.profile_steps, **breakdown_fields(per_rank, model.cfg.num_layers),
+        **kv_budget(args, model, cfg, batch, real_layers),
+        compile_s_cp_ascend=None, compile_s_plain=None, compile_ratio=None,
     )
 
 

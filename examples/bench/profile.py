@@ -1,0 +1,111 @@
+"""Where a step's time goes, from the torch profiler on every rank.
+
+Each profiled step is one `bench::step` region; inside it the outermost events are
+put in buckets by name (an op inside a bucketed op counts for its parent only):
+
+- `attention`: the attention ops (`cp::gqa_paged_attention`, `cp::mla_attention`,
+  their DCP partials `cp::paged_attention_lse` / `cp::mla_partial_attention`, and
+  `cp::cache_write`, which the single-device ops do inside);
+- `dcp_local`: DCP's own local work (`cp::dcp_localize_metadata`, `cp::lse_rescale`,
+  `cp::lse_combine`);
+- `dcp_comm`: DCP collectives (all-gather, reduce-scatter, all-to-all), issue + wait;
+- `tp_comm`: TP all-reduces, issue + wait;
+- `other`: the rest of the step (projections, MLP, norms, rope, Python, launch).
+
+A `_c10d_functional::wait_tensor` is charged to the collective it waits for (the
+oldest one not yet waited on, in issue order). On gloo a wait also holds the time
+the other rank needed to reach the collective, i.e. load imbalance shows up as comm.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections import deque
+from contextlib import contextmanager
+from typing import Any, Iterator
+
+import torch
+
+CATEGORIES = ("attention", "dcp_local", "dcp_comm", "tp_comm", "other")
+STEP = "bench::step"
+ATTENTION_OPS = {"cp::gqa_paged_attention", "cp::mla_attention", "cp::paged_attention_lse",
+                 "cp::mla_partial_attention", "cp::cache_write", "cp::sparse_mla_attention",
+                 "cp::lightning_indexer", "cp::varlen_causal_attention_lse"}
+DCP_LOCAL_OPS = {"cp::dcp_localize_metadata", "cp::lse_rescale", "cp::lse_combine"}
+_COLL = "_c10d_functional::"
+
+
+def _collective_kind(name: str) -> str | None:
+    """'dcp' / 'tp' for a collective's issue op, None otherwise."""
+    if not name.startswith(_COLL) or "wait_tensor" in name:
+        return None
+    if "all_reduce" in name:
+        return "tp"
+    if any(k in name for k in ("all_gather", "reduce_scatter", "all_to_all")):
+        return "dcp"
+    return None
+
+
+def _bucket(name: str) -> str | None:
+    if name in ATTENTION_OPS:
+        return "attention"
+    if name in DCP_LOCAL_OPS:
+        return "dcp_local"
+    return None
+
+
+def step_breakdown(step: Any, events: list[Any]) -> dict[str, float]:
+    """ms per category (and collective counts) of one `bench::step` event."""
+    t0, t1 = step.time_range.start, step.time_range.end
+    inside = sorted((e for e in events if e.thread == step.thread and e is not step
+                     and t0 <= e.time_range.start and e.time_range.end <= t1),
+                    key=lambda e: (e.time_range.start, -e.time_range.end))
+    out = dict.fromkeys(CATEGORIES, 0.0)
+    counts = {"dcp": 0, "tp": 0}
+    pending: deque[str] = deque()
+    covered_until = t0  # end of the last bucketed event: anything starting before it is nested
+    for e in inside:
+        s, t = e.time_range.start, e.time_range.end
+        if s < covered_until:
+            continue
+        kind = _collective_kind(e.name)
+        if kind is not None:
+            counts[kind] += 1
+            pending.append(kind)
+            cat = f"{kind}_comm"
+        elif e.name.startswith(_COLL) and "wait_tensor" in e.name:
+            cat = f"{pending.popleft()}_comm" if pending else "other"
+        else:
+            cat = _bucket(e.name)
+        if cat is None:
+            continue
+        out[cat] += (t - s) / 1e3
+        covered_until = t
+    total = (t1 - t0) / 1e3
+    out["other"] += max(total - sum(out.values()), 0.0)
+    return dict(step=total, **out, dcp_collectives=counts["dcp"], tp_collectives=counts["tp"])
+
+
+@contextmanager
+def profiling(enabled: bool) -> Iterator[Any]:
+    """A CPU (and CUDA when present) profiler, or nothing."""
+    if not enabled:
+        yield None
+        return
+    acts = [torch.profiler.ProfilerActivity.CPU]
+    if torch.cuda.is_available():
+        acts.append(torch.profiler.ProfilerActivity.CUDA)
+    with torch.profiler.profile(activities=acts) as prof:
+        yield prof
+
+
+def breakdown(prof: Any) -> list[dict[str, float]]:
+    """One dict per profiled step, in order."""
+    events = list(prof.events())
+    steps = sorted((e for e in events if e.name == STEP), key=lambda e: e.time_range.start)
+    return [step_breakdown(s, events) for s in steps]
+
+
+def median_breakdown(steps: list[dict[str, float]]) -> dict[str, float]:
+    """Median over steps of each field (the step's own median, not the sum of medians)."""
+    return {k: statistics.median(s[k] for s in steps) for k in steps[0]} if steps else {}
