@@ -7,7 +7,8 @@ Public API: `CPConfig`, `ConfigError`, `AttentionSpec`, `init_parallel`,
 
 from cp_compile.config import AttentionSpec, ConfigError, CPConfig
 from cp_compile.kv_cache import KVCache, KVCacheSpec, allocate_kv_cache
-from cp_compile.metadata import AttentionMetadata, BlockAllocator, CapacityError, build_attention_metadata
+from cp_compile.metadata import (AttentionMetadata, BlockAllocator, CapacityError, MetadataError,
+                                 build_attention_metadata, validate_step)
 from cp_compile.parallel_state import ParallelState, destroy_parallel, get_parallel_state, init_parallel
 from cp_compile.backend import CpAscendBackend, backend
 from cp_compile.decorator import compile_model, cp_module
@@ -16,5 +17,5 @@ __all__ = [
     "AttentionMetadata", "AttentionSpec", "BlockAllocator", "CPConfig", "CapacityError", "ConfigError",
     "KVCache", "KVCacheSpec", "ParallelState", "allocate_kv_cache", "build_attention_metadata",
     "destroy_parallel", "get_parallel_state", "init_parallel", "CpAscendBackend", "backend", "compile_model",
-    "cp_module",
+    "cp_module", "MetadataError", "validate_step",
 ]

@@ -15,6 +15,10 @@ from typing import Literal
 AttentionKind = Literal["gqa", "mla", "sfa"]
 
 
+def _is_int(v: object) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
 class ConfigError(ValueError):
     """A configuration breaks one of the rules of DESIGN.md §7."""
 
@@ -40,6 +44,14 @@ class AttentionSpec:
         if self.kind not in ("gqa", "mla", "sfa"):
             raise ConfigError("attention kind is gqa|mla|sfa", f"kind={self.kind!r}",
                               "describe the model's attention as 'gqa', 'mla' or 'sfa'")
+        for name in ("num_heads", "num_kv_heads"):
+            v = getattr(self, name)
+            if not _is_int(v) or v < 1:
+                raise ConfigError(f"{name} >= 1", f"{name}={v!r} ({type(v).__name__})",
+                                  f"describe the model's {name.replace('_', ' ')} as a positive integer")
+        if not isinstance(self.has_indexer, bool):
+            raise ConfigError("AttentionSpec.has_indexer is a bool", f"has_indexer={self.has_indexer!r}",
+                              "set has_indexer to True or False")
         if self.kind == "sfa" and not self.has_indexer:
             raise ConfigError("sfa models have an indexer", "kind='sfa', has_indexer=False",
                               "set has_indexer=True or use kind='mla'")
@@ -69,11 +81,19 @@ class CPConfig:
         for name in ("tensor_parallel_size", "decode_context_parallel_size",
                      "prefill_context_parallel_size", "block_size"):
             v = getattr(self, name)
-            if not isinstance(v, int) or v < 1:
-                raise ConfigError(f"{name} >= 1", f"{name}={v!r}", f"set {name} to a positive integer")
+            # bool is an int subclass: True would pass as 1 and hide a wrong argument.
+            if not _is_int(v) or v < 1:
+                raise ConfigError(f"{name} >= 1", f"{name}={v!r} ({type(v).__name__})",
+                                  f"set {name} to a positive integer (int, not bool or float)")
+        for name in ("enable_dsa_cp", "kv_transfer"):
+            v = getattr(self, name)
+            if not isinstance(v, bool):
+                raise ConfigError(f"{name} is a bool", f"{name}={v!r} ({type(v).__name__})",
+                                  f"set {name} to True or False")
         i = self.cp_kv_cache_interleave_size
-        if not isinstance(i, int) or i < 1:
-            raise ConfigError("cp_kv_cache_interleave_size >= 1", f"cp_kv_cache_interleave_size={i!r}",
+        if not _is_int(i) or i < 1:
+            raise ConfigError("cp_kv_cache_interleave_size >= 1",
+                              f"cp_kv_cache_interleave_size={i!r} ({type(i).__name__})",
                               "use 1 (token interleave) or a divisor of block_size")
         if self.block_size % i != 0:
             raise ConfigError("block_size % cp_kv_cache_interleave_size == 0",
@@ -117,7 +137,13 @@ class CPConfig:
         return dataclasses.replace(self, **changes)
 
     def validate_for(self, spec: AttentionSpec) -> None:
-        """Check the model-dependent rules of DESIGN.md §7 for `spec`."""
+        """Check every rule of DESIGN.md §7 that needs no launched world, for `spec`.
+
+        Only the world size (`validate_world_size`) is left to `init_parallel`.
+        """
+        if not isinstance(spec, AttentionSpec):
+            raise ConfigError("validate_for takes an AttentionSpec", f"got {type(spec).__name__}",
+                              "pass model.attention_spec() (a cp_compile.AttentionSpec)")
         tp, dcp = self.tp, self.dcp
         if spec.kind in ("mla", "sfa"):
             if tp < dcp or tp % dcp != 0:
@@ -135,6 +161,19 @@ class CPConfig:
                                   f"tensor_parallel_size={tp}, num_kv_heads={kv} (tp // kv = {rep}), "
                                   f"decode_context_parallel_size={dcp}",
                                   "DCP ranks must share KV heads: raise tp or lower dcp so that dcp divides tp // num_kv_heads")
+            # DCP groups are consecutive runs of dcp ranks inside a TP group: they must
+            # tile it. init_parallel's rule, which the per-head rule misses for e.g.
+            # tp = 5, kv = 2, dcp = 2 (tp // kv = 2).
+            if tp % dcp != 0:
+                raise ConfigError("tp % dcp == 0", f"tensor_parallel_size={tp}, decode_context_parallel_size={dcp}",
+                                  "choose a decode_context_parallel_size that divides tensor_parallel_size")
+            if dcp > 1 and tp % kv != 0:
+                # Each KV head must sit on the same number of consecutive ranks, or a DCP
+                # group straddles two heads (tp = 10, kv = 4: ranks 8, 9 hold no head).
+                raise ConfigError("tp % num_kv_heads == 0 (GQA with DCP)",
+                                  f"tensor_parallel_size={tp}, num_kv_heads={kv}, decode_context_parallel_size={dcp}",
+                                  "choose tp as a multiple of num_kv_heads so every KV head is replicated "
+                                  "on tp // num_kv_heads ranks")
         if spec.kind == "sfa" and self.pcp == 1 and dcp > 1 and dcp != tp:
             raise ConfigError("dcp == tp for SFA DCP with replicated indexer",
                               f"tensor_parallel_size={tp}, decode_context_parallel_size={dcp}",

@@ -30,7 +30,7 @@ from torch import nn
 from cp_compile.backend import CpAscendBackend
 from cp_compile.config import CPConfig
 from cp_compile.lowering import Lowering, TorchairMode
-from cp_compile.metadata import AttentionMetadata
+from cp_compile.metadata import AttentionMetadata, validate_forward_args
 
 M = TypeVar("M", bound=type[nn.Module])
 
@@ -60,9 +60,15 @@ class CompiledForward:
         self.dynamic_args = tuple(dynamic_args)
         self.backend = backend
         self.compiled = torch.compile(forward, backend=backend, fullgraph=True)
+        # Check each step's metadata against the caches before the graph runs (outside
+        # it; `validate_forward_args`). Set False only for a measured hot path.
+        self.validate_inputs = True
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         bound = self.signature.bind(*args, **kwargs)
+        if self.validate_inputs:
+            # Global metadata: every rank refuses the same step, before any collective.
+            validate_forward_args(bound.arguments)
         for name in self.dynamic_args:
             if name in bound.arguments:
                 _mark_dynamic(bound.arguments[name])

@@ -9,11 +9,12 @@ sees the whole sequence (DESIGN.md §6).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
+from typing import Any
 
 import torch
 
-from cp_compile.config import AttentionSpec, CPConfig
+from cp_compile.config import AttentionSpec, ConfigError, CPConfig
 
 
 @dataclass
@@ -27,6 +28,10 @@ class KVCacheSpec:
     num_kv_heads_per_rank: int = 0  # GQA
     latent_dim: int = 0  # MLA: kv_lora_rank + rope dim
     index_dim: int = 0  # SFA indexer key dim
+    # GQA: global ids of the KV heads this TP rank holds. The ranks of a DCP group
+    # shard one head's tokens, so they must hold the same heads; equal shapes alone
+    # do not show that (tp = 2, 2 KV heads: one different head per rank).
+    kv_head_ids: tuple[int, ...] = ()
 
 
 @dataclass
@@ -52,18 +57,83 @@ class KVCache:
         return self.num_blocks * self.block_size
 
 
+def tp_kv_head_ids(num_kv_heads: int, tp_size: int, tp_rank: int) -> tuple[int, ...]:
+    """KV heads TP rank `tp_rank` holds under Megatron-style sharding: a contiguous
+    1/tp of them when tp <= num_kv_heads, else head tp_rank // (tp // num_kv_heads)."""
+    if tp_size <= num_kv_heads:
+        per = num_kv_heads // tp_size
+        return tuple(range(tp_rank * per, (tp_rank + 1) * per))
+    return (tp_rank // max(tp_size // num_kv_heads, 1),)
+
+
+def _layout(cfg: CPConfig, spec: KVCacheSpec, num_blocks: int, dtype: torch.dtype) -> dict[str, Any]:
+    return dict(asdict(spec), num_blocks=num_blocks, block_size=cfg.block_size, dtype=str(dtype),
+                interleave=cfg.interleave)
+
+
+def check_dcp_layout(cfg: CPConfig, spec: KVCacheSpec, num_blocks: int, dtype: torch.dtype) -> None:
+    """One all-gather over this rank's DCP group: every rank must hold the same cache
+    layout (kind, KV heads or latent dims, pages, dtype). A mismatch raises
+    `ConfigError` on every rank of the group (they all see all layouts), before any
+    step could merge partials of different heads. No-op without DCP."""
+    from cp_compile.parallel_state import parallel_state_or_none
+
+    state = parallel_state_or_none()
+    if state is None or cfg.dcp == 1:
+        return
+    import torch.distributed as dist
+
+    mine = _layout(cfg, spec, num_blocks, dtype)
+    layouts: list[Any] = [None] * cfg.dcp
+    dist.all_gather_object(layouts, mine, group=state.dcp_group)
+    ranks = dist.get_process_group_ranks(state.dcp_group)
+    ref = layouts[0]
+    for r, other in enumerate(layouts[1:], start=1):
+        diff = {k: (ref[k], other[k]) for k in ref if ref[k] != other[k]}
+        if diff:
+            shown = ", ".join(f"{k}: DCP rank 0 (global {ranks[0]}) has {a!r}, DCP rank {r} (global {ranks[r]}) "
+                              f"has {b!r}" for k, (a, b) in diff.items())
+            fix = ("DCP ranks must share KV heads: choose tp, num_kv_heads and dcp so that dcp divides "
+                   "tp // num_kv_heads (cfg.validate_for(model.attention_spec()))" if "kv_head_ids" in diff else
+                   "allocate the cache with the same config, model spec, num_blocks and dtype on every rank")
+            raise ConfigError("the ranks of a DCP group hold the same KV-cache layout", shown, fix)
+
+
 def allocate_kv_cache(cfg: CPConfig, spec: KVCacheSpec, num_blocks: int,
                       dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
-                      attention: AttentionSpec | None = None) -> KVCache:
+                      attention: AttentionSpec | None = None, check_layout: bool = True) -> KVCache:
     """Allocate this rank's shard: `num_blocks` pages of `cfg.block_size` tokens per layer.
 
     The token capacity of the whole DCP group is `num_blocks * block_size * dcp`.
     Pass `attention` to validate the config against the model first.
+
+    With DCP on an initialised parallel state (cfg.dcp > 1) this is collective over
+    the DCP group: every rank of the group must call it, and the ranks compare their
+    cache layouts (`check_dcp_layout`, one small all-gather) so that a group holding
+    different KV heads fails here with `ConfigError` on every rank instead of merging
+    the wrong partials later. `check_layout=False` skips it (meta-device allocations,
+    which hold no data, never check).
     """
     if attention is not None:
         cfg.validate_for(attention)
-    if num_blocks < 1:
-        raise ValueError(f"num_blocks={num_blocks} must be >= 1")
+    if isinstance(num_blocks, bool) or not isinstance(num_blocks, int) or num_blocks < 1:
+        raise ValueError(f"num_blocks={num_blocks!r} must be an integer >= 1")
+    from cp_compile.parallel_state import parallel_state_or_none
+
+    state = parallel_state_or_none()
+    if state is not None and cfg.dcp > 1:
+        mismatch = {k: (getattr(cfg, k), getattr(state.cfg, k)) for k in
+                    ("tensor_parallel_size", "decode_context_parallel_size", "cp_kv_cache_interleave_size",
+                     "block_size") if getattr(cfg, k) != getattr(state.cfg, k)}
+        if mismatch:
+            raise ConfigError("allocate_kv_cache config == init_parallel config (DCP)",
+                              ", ".join(f"{k}={a} here but {b} in init_parallel" for k, (a, b) in mismatch.items()),
+                              "allocate the DCP cache with the CPConfig passed to cp_compile.init_parallel")
+        if spec.kind == "gqa" and not spec.kv_head_ids and attention is not None:
+            spec = KVCacheSpec(**{**asdict(spec), "kv_head_ids": tp_kv_head_ids(
+                attention.num_kv_heads, cfg.tp, state.tp_rank)})
+    if check_layout and torch.device(device).type != "meta":
+        check_dcp_layout(cfg, spec, num_blocks, dtype)
     bs = cfg.block_size
     layers: list[tuple[torch.Tensor, ...]] = []
     replicated: list[torch.Tensor] = []

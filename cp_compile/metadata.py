@@ -1,16 +1,43 @@
-"""Global attention metadata and a simple block allocator (DESIGN.md §4).
+"""Global attention metadata, its validation, and a simple block allocator (DESIGN.md §4).
 
 The metadata is what one device would see: identical on every rank. Block ids
 name *virtual* blocks of `block_size * dcp` tokens; each rank's page with the same
 id holds its `block_size` of them, so block tables need no localisation.
+
+Validation (`validate_metadata`, `AttentionMetadata.validate`, `validate_step`)
+runs before any cache write. It reads only the global metadata and the cache
+geometry, which are identical on every rank of a DCP group, so every rank reaches
+the same verdict before any collective: no rank waits on a peer that refused.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
-from typing import Sequence
+from typing import Any, Mapping, Sequence
 
 import torch
+
+# Dtypes the ops accept for metadata. Documented: query_start_loc / seq_lens /
+# block_table int32, slot_mapping / positions int64; either width works everywhere
+# (the ops widen before indexing). Floats are refused: a float32 slot is exact only
+# up to 2**24.
+_INDEX_DTYPES = (torch.int32, torch.int64)
+
+
+class MetadataError(ValueError):
+    """Attention metadata that would write or read the wrong cache entries.
+
+    Raised before any cache write. `field`, `request` (request index, or None) and
+    `value` locate the problem; the message ends with the fix.
+    """
+
+    def __init__(self, field: str, problem: str, fix: str, *, request: int | None = None,
+                 value: Any = None) -> None:
+        self.field = field
+        self.request = request
+        self.value = value
+        where = f" (request {request})" if request is not None else ""
+        super().__init__(f"{field}{where}: {problem}. Fix: {fix}")
 
 
 @dataclass
@@ -34,49 +61,292 @@ class AttentionMetadata:
     def to(self, device: torch.device | str) -> "AttentionMetadata":
         return AttentionMetadata(**{f.name: getattr(self, f.name).to(device) for f in fields(self)})
 
+    def validate(self, *, num_blocks: int, block_size: int, dcp: int = 1, num_tokens: int | None = None) -> None:
+        """Raise `MetadataError` unless this step is safe for a cache of `num_blocks`
+        pages of `block_size` tokens per rank (virtual blocks of block_size * dcp)."""
+        validate_metadata(self, num_blocks=num_blocks, block_size=block_size, dcp=dcp, num_tokens=num_tokens)
+
+
+def _first(mask: torch.Tensor) -> int:
+    return int(torch.nonzero(mask.flatten())[0, 0])
+
+
+def validate_metadata(meta: AttentionMetadata, *, num_blocks: int, block_size: int, dcp: int = 1,
+                      num_tokens: int | None = None) -> None:
+    """Every check a step needs before it writes a cache; `MetadataError` on the first failure.
+
+    num_blocks: pages per layer cache (the block-id range); block_size: tokens per
+    page on this rank; dcp: DCP size (a block id covers block_size * dcp tokens);
+    num_tokens: the step's token count (input_ids / q rows) when known.
+
+    Checks, in order: field types and dtypes (int32/int64), shapes, a non-empty
+    batch; query_start_loc starts at 0, is non-decreasing and ends <= T; seq_lens >=
+    each request's new tokens; the block table is wide enough for seq_lens; every
+    block a request uses is in [0, num_blocks); each new token's slot is the one its
+    position maps to through its request's blocks and padding slots are -1; no two
+    tokens write one slot; positions of real tokens match. Values are checked with
+    vectorised ops and one host sync; locating a failure costs more, but only then.
+    """
+    vbs = block_size * dcp
+    # -- types, dtypes, shapes: host-side, free.
+    for f in fields(AttentionMetadata):
+        t = getattr(meta, f.name)
+        if not isinstance(t, torch.Tensor):
+            raise MetadataError(f.name, f"is a {type(t).__name__}, not a tensor", f"pass {f.name} as a torch tensor",
+                                value=type(t).__name__)
+        if t.dtype not in _INDEX_DTYPES:
+            raise MetadataError(f.name, f"dtype {t.dtype} is not an integer index dtype",
+                                f"build {f.name} as torch.int32 or torch.int64 (floats lose slots past 2**24)",
+                                value=t.dtype)
+    qsl, seq, bt, slots, pos = (meta.query_start_loc, meta.seq_lens, meta.block_table, meta.slot_mapping,
+                                meta.positions)
+    devices = {t.device for t in (qsl, seq, bt, slots, pos)}
+    if len(devices) > 1:
+        raise MetadataError("metadata", f"fields are on several devices {sorted(map(str, devices))}",
+                            "move the whole metadata with meta.to(device)")
+    if qsl.dim() != 1 or qsl.shape[0] < 1:
+        raise MetadataError("query_start_loc", f"shape {tuple(qsl.shape)} is not [B+1]",
+                            "pass the B+1 cumulative token offsets, starting at 0", value=tuple(qsl.shape))
+    B = qsl.shape[0] - 1
+    if B == 0:
+        raise MetadataError("query_start_loc", "the batch is empty (B = 0 requests)",
+                            "skip the step when no request has tokens to run", value=0)
+    if seq.dim() != 1 or seq.shape[0] != B:
+        raise MetadataError("seq_lens", f"shape {tuple(seq.shape)} does not match B = {B} requests "
+                            f"(query_start_loc has {B + 1} entries)", "pass one length per request",
+                            value=tuple(seq.shape))
+    if bt.dim() != 2 or bt.shape[0] != B:
+        raise MetadataError("block_table", f"shape {tuple(bt.shape)} is not [B = {B}, blocks per request]",
+                            "pass one row of block ids per request", value=tuple(bt.shape))
+    if slots.dim() != 1:
+        raise MetadataError("slot_mapping", f"shape {tuple(slots.shape)} is not [T]", "pass one slot per token",
+                            value=tuple(slots.shape))
+    T = slots.shape[0]
+    if pos.shape != slots.shape:
+        raise MetadataError("positions", f"shape {tuple(pos.shape)} differs from slot_mapping's [T = {T}]",
+                            "pass one position per token (0 for padding)", value=tuple(pos.shape))
+    if num_tokens is not None and num_tokens != T:
+        raise MetadataError("slot_mapping", f"has {T} tokens but the step has {num_tokens}",
+                            "build the metadata for the same tokens as input_ids (pad slot_mapping with -1)",
+                            value=T)
+
+    # -- values: every mask computed on clamped indices (nothing here may raise),
+    # then one sync for all of them.
+    qsl64, seq64, bt64, slots64, pos64 = (x.long() for x in (qsl, seq, bt, slots, pos))
+    q_len = qsl64[1:] - qsl64[:-1]  # [B]
+    nb = bt.shape[1]
+    need = (seq64.clamp(min=0) + vbs - 1) // vbs  # [B] blocks each request reads
+    col = torch.arange(nb, device=bt.device)
+    used = col[None, :] < need[:, None]  # [B, nb]
+    bad_block = used & ((bt64 < 0) | (bt64 >= num_blocks))
+    end = qsl64[-1].clamp(0, T)
+    t = torch.arange(T, device=slots.device)
+    real = t < end
+    req = (torch.searchsorted(qsl64[1:].contiguous(), t, right=True)).clamp(max=B - 1)
+    p = (seq64 - q_len)[req] + (t - qsl64[req])  # [T] position of each real token
+    blk = bt64[req, (p // vbs).clamp(0, max(nb - 1, 0))] if nb > 0 else torch.zeros_like(p)
+    expect = blk * vbs + p % vbs
+    bad_slot = torch.where(real, slots64 != expect, slots64 != -1)
+    real_slots = torch.where(real, slots64, torch.full_like(slots64, -1))
+    srt = torch.sort(real_slots).values
+    dup = (srt[1:] == srt[:-1]) & (srt[1:] >= 0)
+    masks = {
+        "qsl0": qsl64[0] != 0,
+        "qsl_dec": (q_len < 0).any(),
+        "qsl_end": qsl64[-1] > T,
+        "seq": (seq64 < q_len).any(),
+        "width": (need > nb).any(),
+        "block": bad_block.any(),
+        "slot": bad_slot.any(),
+        "dup": dup.any(),
+        "pos": (real & (pos64 != p)).any(),
+    }
+    flags = dict(zip(masks, torch.stack(list(masks.values())).tolist()))
+    if not any(flags.values()):
+        return
+
+    # -- a failure: locate it (host syncs are fine now).
+    if flags["qsl0"]:
+        raise MetadataError("query_start_loc", f"query_start_loc[0] = {int(qsl64[0])}, must be 0",
+                            "start the cumulative token offsets at 0", value=int(qsl64[0]))
+    if flags["qsl_dec"]:
+        b = _first(q_len < 0)
+        raise MetadataError("query_start_loc", f"decreases: query_start_loc[{b}] = {int(qsl64[b])} > "
+                            f"query_start_loc[{b + 1}] = {int(qsl64[b + 1])}",
+                            "query_start_loc must be non-decreasing (cumulative new-token counts)",
+                            request=b, value=int(qsl64[b + 1]))
+    if flags["qsl_end"]:
+        raise MetadataError("query_start_loc", f"ends at {int(qsl64[-1])} but the step has only T = {T} tokens",
+                            "query_start_loc[-1] must be <= len(slot_mapping) (padding comes after it)",
+                            value=int(qsl64[-1]))
+    if flags["seq"]:
+        b = _first(seq64 < q_len)
+        raise MetadataError("seq_lens", f"seq_lens = {int(seq64[b])} is smaller than the request's "
+                            f"{int(q_len[b])} new tokens", "seq_lens counts context + new tokens: "
+                            "set it to context_len + new_tokens", request=b, value=int(seq64[b]))
+    if flags["width"]:
+        b = _first(need > nb)
+        raise MetadataError("block_table", f"has {nb} columns but seq_lens = {int(seq64[b])} needs "
+                            f"{int(need[b])} blocks of {vbs} tokens",
+                            f"widen the block table to >= {int(need.max())} columns (max_blocks_per_req) or "
+                            "shorten the request", request=b, value=nb)
+    if flags["block"]:
+        b, j = divmod(_first(bad_block), nb)
+        raise MetadataError("block_table", f"block_table[{b}, {j}] = {int(bt64[b, j])} is outside the cache's "
+                            f"blocks [0, {num_blocks})", "use block ids from a BlockAllocator sized to this "
+                            "cache (num_blocks), or allocate more blocks", request=b, value=int(bt64[b, j]))
+    if flags["slot"]:
+        i = _first(bad_slot)
+        if bool(real[i]):
+            b = int(req[i])
+            raise MetadataError("slot_mapping", f"slot_mapping[{i}] = {int(slots64[i])} but the token at position "
+                                f"{int(p[i])} maps to slot {int(expect[i])} through block_table[{b}, "
+                                f"{int(p[i]) // vbs}] (block of {vbs} tokens)",
+                                "set slot = block_table[b, pos // block_tokens] * block_tokens + pos % "
+                                "block_tokens for every new token (build_attention_metadata does)",
+                                request=b, value=int(slots64[i]))
+        raise MetadataError("slot_mapping", f"padding token {i} (at or past query_start_loc[-1] = {int(end)}) "
+                            f"has slot {int(slots64[i])}; it would overwrite a cached token",
+                            "give padding tokens slot -1", value=int(slots64[i]))
+    if flags["dup"]:
+        s = int(srt[1:][dup][0])
+        toks = torch.nonzero(real_slots == s).flatten().tolist()
+        b = int(req[toks[1]])
+        raise MetadataError("slot_mapping", f"tokens {toks} all write slot {s} (requests share a block)",
+                            "give each request its own blocks for the positions it writes", request=b, value=s)
+    i = _first(real & (pos64 != p))
+    b = int(req[i])
+    raise MetadataError("positions", f"positions[{i}] = {int(pos64[i])} but the token is at position {int(p[i])} "
+                        f"(seq_lens - new tokens + offset)", "set positions to the request-local position of "
+                        "each token", request=b, value=int(pos64[i]))
+
+
+def _cache_geometry(kv_caches: Sequence[Sequence[torch.Tensor]]) -> tuple[int, int, torch.device]:
+    """(num_blocks, block_size, device) shared by every cache tensor of every layer."""
+    tensors = [c for layer in kv_caches for c in (layer if isinstance(layer, (list, tuple)) else (layer,))]
+    if not tensors:
+        raise MetadataError("kv_caches", "holds no cache tensors", "pass the per-layer caches of allocate_kv_cache")
+    geo = {(c.shape[0], c.shape[1], c.device) for c in tensors if isinstance(c, torch.Tensor) and c.dim() >= 2}
+    if len(geo) != 1:
+        raise MetadataError("kv_caches", f"tensors disagree on (num_blocks, block_size, device): {sorted(map(str, geo))}",
+                            "allocate every layer's cache with one allocate_kv_cache call")
+    return next(iter(geo))
+
+
+def validate_step(meta: AttentionMetadata, kv_caches: Sequence[Sequence[torch.Tensor]], dcp: int | None = None,
+                  num_tokens: int | None = None) -> None:
+    """Validate one step's metadata against this rank's caches before anything is written.
+
+    kv_caches: one tuple of cache tensors per layer, each [num_blocks, block_size, ...]
+    (this rank's shard). dcp defaults to the initialised parallel state's (1 without
+    one). Run on every rank: the verdict depends only on global data, so all ranks
+    refuse the same step before any collective.
+    """
+    if dcp is None:
+        from cp_compile.parallel_state import parallel_state_or_none
+
+        state = parallel_state_or_none()
+        dcp = state.cfg.dcp if state is not None else 1
+    num_blocks, block_size, device = _cache_geometry(kv_caches)
+    sm = meta.slot_mapping
+    if isinstance(sm, torch.Tensor) and sm.device != device:
+        raise MetadataError("metadata", f"is on {meta.slot_mapping.device} but the KV cache is on {device}",
+                            f"move it with meta.to({str(device)!r})", value=str(meta.slot_mapping.device))
+    validate_metadata(meta, num_blocks=num_blocks, block_size=block_size, dcp=dcp, num_tokens=num_tokens)
+
 
 class CapacityError(RuntimeError):
     """The KV cache has no free block for a request."""
+
+
+def _check_count(name: str, value: Any, minimum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"{name}={value!r} must be an integer >= {minimum}")
+    return value
 
 
 class BlockAllocator:
     """Hands out virtual block ids for requests; frees them when requests finish.
 
     `block_tokens` is the virtual block size (block_size * dcp). Running out of
-    blocks raises `CapacityError` instead of reusing a live block.
+    blocks raises `CapacityError` instead of reusing a live block. Every operation
+    is transactional: one that raises leaves the allocator exactly as it was, and
+    `transaction()` extends that to a group of operations (a whole batch).
     """
 
     def __init__(self, num_blocks: int, block_tokens: int) -> None:
-        if num_blocks < 1 or block_tokens < 1:
-            raise ValueError(f"num_blocks={num_blocks} and block_tokens={block_tokens} must be >= 1")
+        _check_count("num_blocks", num_blocks, 1)
+        _check_count("block_tokens", block_tokens, 1)
         self.num_blocks = num_blocks
         self.block_tokens = block_tokens
         self._free = list(range(num_blocks - 1, -1, -1))  # pop() hands out 0, 1, 2, ...
         self._tables: dict[int, list[int]] = {}
+        # Undo log of the open transaction: (req_id, table length before, table existed).
+        self._undo: list[tuple[int, int, bool]] | None = None
 
     @property
     def num_free(self) -> int:
         return len(self._free)
 
     def blocks(self, req_id: int) -> list[int]:
-        return self._tables.get(req_id, [])
+        return list(self._tables.get(req_id, []))
+
+    def blocks_needed(self, req_id: int, num_tokens: int) -> int:
+        """More blocks request `req_id` needs to hold `num_tokens` tokens (0 if none)."""
+        return max(-(-num_tokens // self.block_tokens) - len(self._tables.get(req_id, [])), 0)
 
     def ensure(self, req_id: int, num_tokens: int) -> list[int]:
         """Grow request `req_id` to hold `num_tokens` tokens; returns its block ids."""
-        table = self._tables.setdefault(req_id, [])
-        need = -(-num_tokens // self.block_tokens) - len(table)
+        _check_count("num_tokens", num_tokens, 0)
+        need = self.blocks_needed(req_id, num_tokens)
         if need > len(self._free):
             raise CapacityError(
                 f"request {req_id} needs {need} more blocks of {self.block_tokens} tokens for "
                 f"{num_tokens} tokens but only {len(self._free)} of {self.num_blocks} are free. "
                 f"Fix: allocate a larger KV cache (more blocks), raise decode_context_parallel_size, "
                 f"or finish requests first")
-        for _ in range(max(need, 0)):
+        existed = req_id in self._tables
+        table = self._tables.setdefault(req_id, [])
+        if self._undo is not None:
+            self._undo.append((req_id, len(table), existed))
+        for _ in range(need):
             table.append(self._free.pop())
-        return table
+        return list(table)
 
     def free(self, req_id: int) -> None:
+        if self._undo is not None:
+            raise RuntimeError("free() inside a transaction cannot be undone; free requests between batches")
         self._free.extend(reversed(self._tables.pop(req_id, [])))
+
+    def transaction(self) -> "_Transaction":
+        """`with allocator.transaction(): ...` — an exception inside undoes every `ensure`."""
+        return _Transaction(self)
+
+    def _rollback(self, undo: list[tuple[int, int, bool]]) -> None:
+        for req_id, length, existed in reversed(undo):
+            table = self._tables[req_id]
+            # Blocks go back in the reverse order they were popped: the free list is
+            # restored exactly, so the next allocation hands out the same ids.
+            while len(table) > length:
+                self._free.append(table.pop())
+            if not existed:
+                del self._tables[req_id]
+
+
+class _Transaction:
+    def __init__(self, alloc: BlockAllocator) -> None:
+        self.alloc = alloc
+
+    def __enter__(self) -> BlockAllocator:
+        if self.alloc._undo is not None:
+            raise RuntimeError("BlockAllocator transactions do not nest")
+        self.alloc._undo = []
+        return self.alloc
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        undo, self.alloc._undo = self.alloc._undo, None
+        if exc_type is not None and undo:
+            self.alloc._rollback(undo)
 
 
 def build_attention_metadata(
@@ -94,40 +364,88 @@ def build_attention_metadata(
     (request ids default to 0..B-1). `num_padding_tokens` appends padding tokens
     (slot -1), as a graph-mode runtime pads a batch to a captured size.
     `max_blocks_per_req` fixes the block-table width (so shapes stay static).
+    Every argument and the capacity of the whole batch are checked before the first
+    block is taken; a batch that fails leaves the allocator exactly as it was.
     """
+    if len(requests) == 0:
+        raise ValueError("empty batch: requests is empty. Fix: skip the step when no request has tokens to run "
+                         "(a batch needs at least one (context_len, new_tokens) request)")
     if req_ids is None:
         req_ids = list(range(len(requests)))
     if len(req_ids) != len(requests):
         raise ValueError(f"{len(requests)} requests but {len(req_ids)} request ids")
+    if len(set(req_ids)) != len(req_ids):
+        dup = next(r for r in req_ids if list(req_ids).count(r) > 1)
+        raise ValueError(f"request id {dup} appears twice in one batch. Fix: one (context_len, new_tokens) entry "
+                         f"per request; put all of its new tokens in that entry")
+    _check_count("num_padding_tokens", num_padding_tokens, 0)
+    for i, (rid, req) in enumerate(zip(req_ids, requests)):
+        ctx, new = req
+        if (isinstance(ctx, bool) or not isinstance(ctx, int) or ctx < 0 or isinstance(new, bool)
+                or not isinstance(new, int) or new < 1):
+            raise ValueError(f"request {i} (id {rid}): context_len={ctx!r} must be an integer >= 0 and "
+                             f"new_tokens={new!r} an integer >= 1")
     bt_tokens = allocator.block_tokens
-    q_lens, seq_lens, tables, slots, positions = [], [], [], [], []
-    for rid, (ctx, new) in zip(req_ids, requests):
-        if ctx < 0 or new < 1:
-            raise ValueError(f"request {rid}: context_len={ctx} must be >= 0 and new_tokens={new} >= 1")
-        table = allocator.ensure(rid, ctx + new)
-        pos = torch.arange(ctx, ctx + new)
-        blk = torch.tensor(table, dtype=torch.int64)[pos // bt_tokens]
-        slots.append(blk * bt_tokens + pos % bt_tokens)
-        positions.append(pos)
-        q_lens.append(new)
-        seq_lens.append(ctx + new)
-        tables.append(table)
-    width = max(len(t) for t in tables)
+    # Whole-batch checks first, so a refused batch takes no block at all.
+    widths = [max(len(allocator.blocks(rid)), -(-(ctx + new) // bt_tokens)) for rid, (ctx, new) in
+              zip(req_ids, requests)]
     if max_blocks_per_req is not None:
-        if width > max_blocks_per_req:
-            raise CapacityError(f"a request needs {width} blocks but max_blocks_per_req={max_blocks_per_req}")
-        width = max_blocks_per_req
-    block_table = torch.zeros(len(requests), width, dtype=torch.int32)
-    for i, t in enumerate(tables):
-        block_table[i, : len(t)] = torch.tensor(t, dtype=torch.int32)
-    qsl = torch.zeros(len(requests) + 1, dtype=torch.int32)
-    qsl[1:] = torch.cumsum(torch.tensor(q_lens), 0)
-    pad = torch.full((num_padding_tokens,), -1, dtype=torch.int64)
-    meta = AttentionMetadata(
-        query_start_loc=qsl,
-        seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
-        block_table=block_table,
-        slot_mapping=torch.cat(slots + [pad]),
-        positions=torch.cat(positions + [torch.zeros(num_padding_tokens, dtype=torch.int64)]),
-    )
-    return meta.to(device)
+        _check_count("max_blocks_per_req", max_blocks_per_req, 1)
+        over = [i for i, w in enumerate(widths) if w > max_blocks_per_req]
+        if over:
+            i = over[0]
+            raise CapacityError(f"request {i} (id {req_ids[i]}) needs {widths[i]} blocks of {bt_tokens} tokens for "
+                                f"{sum(requests[i])} tokens but max_blocks_per_req={max_blocks_per_req}. Fix: raise "
+                                f"max_blocks_per_req or cap the request's length")
+    total_need = sum(allocator.blocks_needed(rid, ctx + new) for rid, (ctx, new) in zip(req_ids, requests))
+    if total_need > allocator.num_free:
+        raise CapacityError(f"the batch needs {total_need} more blocks of {bt_tokens} tokens but only "
+                            f"{allocator.num_free} of {allocator.num_blocks} are free. Fix: allocate a larger KV "
+                            f"cache (more blocks), raise decode_context_parallel_size, run fewer requests per "
+                            f"step, or finish requests first")
+    q_lens, seq_lens, tables, slots, positions = [], [], [], [], []
+    with allocator.transaction():
+        for rid, (ctx, new) in zip(req_ids, requests):
+            table = allocator.ensure(rid, ctx + new)
+            pos = torch.arange(ctx, ctx + new)
+            blk = torch.tensor(table, dtype=torch.int64)[pos // bt_tokens]
+            slots.append(blk * bt_tokens + pos % bt_tokens)
+            positions.append(pos)
+            q_lens.append(new)
+            seq_lens.append(ctx + new)
+            tables.append(table)
+        width = max(len(t) for t in tables) if max_blocks_per_req is None else max_blocks_per_req
+        block_table = torch.zeros(len(requests), width, dtype=torch.int32)
+        for i, t in enumerate(tables):
+            block_table[i, : len(t)] = torch.tensor(t, dtype=torch.int32)
+        qsl = torch.zeros(len(requests) + 1, dtype=torch.int32)
+        qsl[1:] = torch.cumsum(torch.tensor(q_lens), 0)
+        pad = torch.full((num_padding_tokens,), -1, dtype=torch.int64)
+        meta = AttentionMetadata(
+            query_start_loc=qsl,
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+            block_table=block_table,
+            slot_mapping=torch.cat(slots + [pad]),
+            positions=torch.cat(positions + [torch.zeros(num_padding_tokens, dtype=torch.int64)]),
+        )
+        return meta.to(device)
+
+
+
+def validate_forward_args(arguments: Mapping[str, Any], dcp: int | None = None) -> None:
+    """`validate_step` for a model forward's bound arguments (the compiled entry).
+
+    Finds the `AttentionMetadata` argument, the KV caches (`kv_caches`, else the first
+    list of per-layer tuples of tensors) and the token count (`input_ids`); does
+    nothing when the forward takes no metadata or caches.
+    """
+    meta = next((v for v in arguments.values() if isinstance(v, AttentionMetadata)), None)
+    caches = arguments.get("kv_caches")
+    if caches is None:
+        caches = next((v for v in arguments.values() if isinstance(v, (list, tuple)) and v
+                       and all(isinstance(layer, (list, tuple)) and layer
+                               and all(isinstance(c, torch.Tensor) for c in layer) for layer in v)), None)
+    if meta is None or not caches:
+        return
+    ids = arguments.get("input_ids")
+    validate_step(meta, caches, dcp=dcp, num_tokens=ids.shape[0] if isinstance(ids, torch.Tensor) else None)

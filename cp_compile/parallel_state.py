@@ -4,12 +4,19 @@ Ranks are laid out as world = pcp x tp: TP group g is ranks [g*tp, (g+1)*tp); DC
 groups are consecutive runs of `dcp` ranks inside each TP group (so GQA DCP ranks
 share KV heads); PCP groups join the ranks with the same TP rank across TP groups.
 Works on a world set up by `torchrun` (env://) or by the test harness.
+
+Every group gets a bounded timeout (`init_parallel(timeout=...)`, else the
+`CP_COMPILE_PG_TIMEOUT_S` environment variable, else `DEFAULT_PG_TIMEOUT_S` = 600 s,
+NCCL's own default): a rank whose peer stopped taking part in a collective (it
+raised and went on, or hangs) raises after that long instead of waiting forever.
+A peer whose process died fails the collective at once on gloo (connection closed).
 """
 
 from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -30,6 +37,7 @@ class ParallelState:
     dcp_rank: int
     pcp_group: dist.ProcessGroup
     pcp_rank: int
+    timeout_s: float = 0.0  # collective timeout of the TP / DCP / PCP groups
 
     @property
     def tp_size(self) -> int:
@@ -70,22 +78,52 @@ def backend_for(device: torch.device) -> str:
     return {"cpu": "gloo", "cuda": "nccl", "npu": "hccl"}[device.type]
 
 
-def init_parallel(cfg: CPConfig, device: torch.device | str | None = None) -> ParallelState:
+DEFAULT_PG_TIMEOUT_S = 600.0
+PG_TIMEOUT_ENV = "CP_COMPILE_PG_TIMEOUT_S"
+
+
+def resolve_timeout(timeout: float | timedelta | None) -> float:
+    """Seconds: the argument, else $CP_COMPILE_PG_TIMEOUT_S, else DEFAULT_PG_TIMEOUT_S."""
+    if timeout is None:
+        raw = os.environ.get(PG_TIMEOUT_ENV)
+        if raw is None:
+            return DEFAULT_PG_TIMEOUT_S
+        try:
+            timeout = float(raw)
+        except ValueError:
+            raise ConfigError("process-group timeout is a number of seconds", f"{PG_TIMEOUT_ENV}={raw!r}",
+                              f"set {PG_TIMEOUT_ENV} to a positive number, e.g. 600") from None
+    seconds = timeout.total_seconds() if isinstance(timeout, timedelta) else timeout
+    if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not seconds > 0:
+        raise ConfigError("process-group timeout > 0", f"timeout={timeout!r}",
+                          "pass a positive number of seconds (or a timedelta) as init_parallel(timeout=...)")
+    return float(seconds)
+
+
+def init_parallel(cfg: CPConfig, device: torch.device | str | None = None,
+                  timeout: float | timedelta | None = None) -> ParallelState:
     """Create the TP / DCP / PCP groups for `cfg` and make them current.
 
     Initialises torch.distributed from the environment (torchrun) when it is not
     initialised yet. Every rank must call this with the same config.
+    `timeout` (seconds or timedelta) bounds every collective of the groups created
+    here (and of the default group when this call creates it): a rank whose peer
+    stopped taking part raises after that long. Default: $CP_COMPILE_PG_TIMEOUT_S,
+    else 600 s. Leave room for the slowest rank's first-step compile, which peers
+    wait out inside their first collective.
     """
     global _STATE
     if _STATE is not None:
         raise RuntimeError("parallel state already initialised; call cp_compile.destroy_parallel() first")
+    timeout_s = resolve_timeout(timeout)
+    pg_timeout = timedelta(seconds=timeout_s)
     device = torch.device(device) if device is not None else default_device()
     backend = backend_for(device)
     if not dist.is_initialized():
         if "RANK" not in os.environ:
             raise RuntimeError("torch.distributed is not initialised and RANK is not set. Fix: launch with "
                                "`torchrun --nproc-per-node=N ...` or call dist.init_process_group first")
-        dist.init_process_group(backend=backend)
+        dist.init_process_group(backend=backend, timeout=pg_timeout)
     world, rank = dist.get_world_size(), dist.get_rank()
     cfg.validate_world_size(world)  # raises ConfigError; before any group is created
     tp, dcp, pcp = cfg.tp, cfg.dcp, cfg.pcp
@@ -96,23 +134,24 @@ def init_parallel(cfg: CPConfig, device: torch.device | str | None = None) -> Pa
     tp_group = dcp_group = pcp_group = None
     for g in range(pcp):
         ranks = list(range(g * tp, (g + 1) * tp))
-        grp = dist.new_group(ranks)
+        grp = dist.new_group(ranks, timeout=pg_timeout)
         if rank in ranks:
             tp_group = grp
         for d in range(tp // dcp):
             dranks = ranks[d * dcp: (d + 1) * dcp]
-            dgrp = dist.new_group(dranks)
+            dgrp = dist.new_group(dranks, timeout=pg_timeout)
             if rank in dranks:
                 dcp_group = dgrp
     for t in range(tp):
         pranks = list(range(t, world, tp))
-        pgrp = dist.new_group(pranks)
+        pgrp = dist.new_group(pranks, timeout=pg_timeout)
         if rank in pranks:
             pcp_group = pgrp
     assert tp_group is not None and dcp_group is not None and pcp_group is not None
     _STATE = ParallelState(cfg=cfg, rank=rank, world_size=world, device=device, backend=backend,
                            tp_group=tp_group, tp_rank=rank % tp, dcp_group=dcp_group,
-                           dcp_rank=(rank % tp) % dcp, pcp_group=pcp_group, pcp_rank=rank // tp)
+                           dcp_rank=(rank % tp) % dcp, pcp_group=pcp_group, pcp_rank=rank // tp,
+                           timeout_s=timeout_s)
     return _STATE
 
 

@@ -44,6 +44,7 @@ def gqa_paged_attention(
     back from the cache (so the new tokens are seen exactly as stored, in the cache
     dtype). Query head h reads KV head h // (Hq // Hkv). Output in q's dtype.
     """
+    reference.check_paged_step((k_cache, v_cache), slot_mapping, block_table, seq_lens, query_start_loc)
     reference.write_cache(k_cache, k, slot_mapping)
     reference.write_cache(v_cache, v, slot_mapping)
     T = q.shape[0]
@@ -86,6 +87,7 @@ def mla_attention(
     With W_UK absorbed into the query and W_UV applied by the model after this op,
     every head shares one key ([L+R]) and one value (the first L columns) per token.
     """
+    reference.check_paged_step((kv_cache,), slot_mapping, block_table, seq_lens, query_start_loc)
     _write_latent(kv_cache, kv_c, k_pe, slot_mapping)
     kv_lens = layout.causal_lens(query_start_loc, seq_lens, q_nope.shape[0])
     return reference.mla_attention_with_lse(q_nope, q_pe, kv_cache, block_table, query_start_loc, kv_lens,
@@ -119,6 +121,7 @@ def lightning_indexer(
     keys s = 0..pos (causal). Sorted by descending score, ties to the lower position;
     -1 padded when fewer than topk keys exist; padding tokens are all -1.
     """
+    reference.check_paged_step((index_cache,), slot_mapping, block_table, seq_lens, query_start_loc)
     reference.write_cache(index_cache, k_i, slot_mapping)
     T = q_i.shape[0]
     kv_lens = layout.causal_lens(query_start_loc, seq_lens, T)
@@ -154,6 +157,7 @@ def sparse_mla_attention(
     the indexer already restricted them to 0..pos, and under SFA DCP they are local
     coordinates where a causal bound would not line up.
     """
+    reference.check_paged_step((kv_cache,), slot_mapping, block_table, seq_lens, query_start_loc)
     _write_latent(kv_cache, kv_c, k_pe, slot_mapping)
     L = q_nope.shape[-1]
     q = torch.cat([q_nope, q_pe], dim=-1)  # [T, H, L+R]

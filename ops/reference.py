@@ -14,6 +14,56 @@ import torch
 from cp_compile.ops.layout import request_index
 
 
+def check_paged_step(caches: tuple[torch.Tensor, ...], slot_mapping: torch.Tensor, block_table: torch.Tensor,
+                     seq_lens: torch.Tensor, query_start_loc: torch.Tensor) -> None:
+    """Refuse, before a single-device op writes anything, metadata that would make it
+    fail half-way (one cache written, the next not; or written, then an IndexError
+    while reading) or write the wrong slot. Cheap: dtypes, shapes and three ranges,
+    one host sync. The full semantic check (slots match positions, seq_lens cover the
+    new tokens, ...) is `cp_compile.metadata.validate_metadata`, run once per step
+    by the runtime and model entry points."""
+    from cp_compile.metadata import MetadataError
+
+    for name, t in (("slot_mapping", slot_mapping), ("block_table", block_table), ("seq_lens", seq_lens),
+                    ("query_start_loc", query_start_loc)):
+        if t.dtype not in (torch.int32, torch.int64):
+            raise MetadataError(name, f"dtype {t.dtype} is not an integer index dtype",
+                                f"build {name} as torch.int32 or torch.int64 (floats lose slots past 2**24)",
+                                value=t.dtype)
+    nb_cache, bs = caches[0].shape[0], caches[0].shape[1]
+    B = seq_lens.shape[0]
+    if block_table.dim() != 2 or block_table.shape[0] != B or query_start_loc.shape[0] != B + 1:
+        raise MetadataError("block_table", f"shape {tuple(block_table.shape)} with query_start_loc "
+                            f"{tuple(query_start_loc.shape)} does not fit seq_lens [B = {B}]",
+                            "pass block_table [B, nb], query_start_loc [B+1], seq_lens [B]",
+                            value=tuple(block_table.shape))
+    width = block_table.shape[1]
+    seq = seq_lens.long()
+    need = (seq.clamp(min=0) + bs - 1) // bs  # [B] blocks read per request
+    used = torch.arange(width, device=block_table.device)[None, :] < need[:, None]
+    bt = block_table.long()
+    bad_block = used & ((bt < 0) | (bt >= nb_cache))
+    slots = slot_mapping.long()
+    bad_slot = (slots < -1) | (slots >= nb_cache * bs)
+    flags = torch.stack([(need > width).any(), bad_block.any(), bad_slot.any()]).tolist()
+    if flags[0]:
+        b = int(torch.nonzero(need > width)[0, 0])
+        raise MetadataError("block_table", f"has {width} columns but seq_lens = {int(seq[b])} needs {int(need[b])} "
+                            f"blocks of {bs} tokens", "widen the block table (max_blocks_per_req) or shorten the "
+                            "request", request=b, value=width)
+    if flags[1]:
+        b, j = divmod(int(torch.nonzero(bad_block.flatten())[0, 0]), width)
+        raise MetadataError("block_table", f"block_table[{b}, {j}] = {int(bt[b, j])} is outside the cache's blocks "
+                            f"[0, {nb_cache})", "use block ids from a BlockAllocator sized to this cache",
+                            request=b, value=int(bt[b, j]))
+    if flags[2]:
+        i = int(torch.nonzero(bad_slot)[0, 0])
+        raise MetadataError("slot_mapping", f"slot_mapping[{i}] = {int(slots[i])} is outside the cache's slots "
+                            f"[0, {nb_cache * bs}) and is not -1 (padding)",
+                            "slots are block_id * block_size + offset for block ids of this cache; -1 skips",
+                            value=int(slots[i]))
+
+
 def write_cache(cache: torch.Tensor, new: torch.Tensor, slot_mapping: torch.Tensor) -> None:
     """cache[slot] = new[t] for every token with slot >= 0 (in place)."""
     flat = cache.view(-1, *cache.shape[2:])  # [num_blocks * block_size, ...]

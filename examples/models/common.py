@@ -19,6 +19,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from cp_compile.metadata import validate_step
+
 
 # --------------------------------------------------------------------------- norms
 
@@ -298,6 +300,10 @@ class CausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[tuple[torch.Tensor, ...]], meta: Any) -> torch.Tensor:
         """input_ids [T] int64, positions [T] int64 -> logits [T, vocab] fp32."""
+        if not torch.compiler.is_compiling():
+            # Eager: refuse bad metadata before the first layer writes its cache. A
+            # compiled forward validates at its entry, outside the graph (decorator).
+            validate_step(meta, kv_caches, num_tokens=input_ids.shape[0])
         h = self.embed_tokens(input_ids)  # [T, hidden]
         cos, sin = self.rotary(positions)  # [T, rotary_dim/2] each
         for i, layer in enumerate(self.layers):

@@ -136,8 +136,10 @@ class Qwen3Model(CausalLM):
     # -- what the runtime / config validation need
     def kv_cache_spec(self) -> KVCacheSpec:
         attn = self.layers[0].self_attn
+        first = attn.k_proj.shard_index * attn.num_kv_heads  # global id of this rank's first KV head
         return KVCacheSpec(num_layers=self.cfg.num_layers, kind="gqa", head_dim=self.cfg.head_dim,
-                           v_head_dim=self.cfg.head_dim, num_kv_heads_per_rank=attn.num_kv_heads)
+                           v_head_dim=self.cfg.head_dim, num_kv_heads_per_rank=attn.num_kv_heads,
+                           kv_head_ids=tuple(range(first, first + attn.num_kv_heads)))
 
     def attention_spec(self) -> AttentionSpec:
         return AttentionSpec("gqa", self.cfg.num_heads, self.cfg.num_kv_heads)

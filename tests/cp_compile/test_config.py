@@ -236,3 +236,48 @@ def test_world_size_violated(tp, dcp, pcp, world):
     with raises("world size == tp * pcp", f"world_size={world}", f"tensor_parallel_size={tp}",
                 f"prefill_context_parallel_size={pcp}", f"tp * pcp = {tp * pcp}"):
         cfg.validate_world_size(world)
+
+
+# --------------------------------------------------------------------- types (issue 10)
+
+
+@pytest.mark.parametrize("name", ["tensor_parallel_size", "decode_context_parallel_size",
+                                  "prefill_context_parallel_size", "block_size", "cp_kv_cache_interleave_size"])
+@pytest.mark.parametrize("bad", [True, False, 2.0, "2", None])
+def test_sizes_refuse_bools_and_non_integers(name, bad):
+    # bool is an int subclass: CPConfig(tensor_parallel_size=True) used to mean tp = 1.
+    rule = f"{name} >= 1"
+    with raises(rule, f"{name}={bad!r} ({type(bad).__name__})"):
+        CPConfig(**{name: bad})
+
+
+@pytest.mark.parametrize("name", ["enable_dsa_cp", "kv_transfer"])
+@pytest.mark.parametrize("bad", [1, 0, "yes", None])
+def test_flags_are_bools(name, bad):
+    with raises(f"{name} is a bool", f"{name}={bad!r}"):
+        CPConfig(**{name: bad})
+
+
+@pytest.mark.parametrize("field,bad", [("num_heads", True), ("num_heads", 0), ("num_kv_heads", 1.0),
+                                       ("num_kv_heads", False)])
+def test_attention_spec_counts_are_integers(field, bad):
+    with raises(f"{field} >= 1", f"{field}={bad!r}"):
+        AttentionSpec("gqa", **{"num_heads": 8, "num_kv_heads": 2, field: bad})
+
+
+def test_validate_for_applies_tp_divisible_by_dcp_without_a_world():
+    # tp // kv = 2 passes the per-head rule; only init_parallel refused it before.
+    with raises("tp % dcp == 0", "tensor_parallel_size=5", "decode_context_parallel_size=2"):
+        CPConfig(tensor_parallel_size=5, decode_context_parallel_size=2).validate_for(gqa(2))
+
+
+def test_validate_for_needs_whole_kv_heads_per_dcp_group():
+    # tp = 10, kv = 4: tp // kv = 2 and dcp divides both, but ranks 8 and 9 would hold no head.
+    with raises("tp % num_kv_heads == 0 (GQA with DCP)", "tensor_parallel_size=10", "num_kv_heads=4"):
+        CPConfig(tensor_parallel_size=10, decode_context_parallel_size=2).validate_for(gqa(4))
+    CPConfig(tensor_parallel_size=10, decode_context_parallel_size=1).validate_for(gqa(4))  # plain TP: the model's call
+
+
+def test_validate_for_refuses_a_non_spec():
+    with raises("validate_for takes an AttentionSpec", "got dict"):
+        CPConfig().validate_for({"kind": "gqa"})
