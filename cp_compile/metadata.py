@@ -122,13 +122,13 @@ def validate_metadata(meta: AttentionMetadata, *, num_blocks: int, block_size: i
         raise MetadataError("slot_mapping", f"shape {tuple(slots.shape)} is not [T]", "pass one slot per token",
                             value=tuple(slots.shape))
     T = slots.shape[0]
-    if pos.shape != slots.shape:
-        raise MetadataError("positions", f"shape {tuple(pos.shape)} differs from slot_mapping's [T = {T}]",
-                            "pass one position per token (0 for padding)", value=tuple(pos.shape))
     if num_tokens is not None and num_tokens != T:
         raise MetadataError("slot_mapping", f"has {T} tokens but the step has {num_tokens}",
                             "build the metadata for the same tokens as input_ids (pad slot_mapping with -1)",
                             value=T)
+    if pos.shape != slots.shape:
+        raise MetadataError("positions", f"shape {tuple(pos.shape)} differs from slot_mapping's [T = {T}]",
+                            "pass one position per token (0 for padding)", value=tuple(pos.shape))
 
     # -- values: every mask computed on clamped indices (nothing here may raise),
     # then one sync for all of them.

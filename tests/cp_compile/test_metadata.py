@@ -46,3 +46,29 @@ def test_allocate_validates_against_the_model():
         cp_compile.allocate_kv_cache(cfg, spec, 4, attention=cp_compile.AttentionSpec("gqa", 8, num_kv_heads=2))
     cache = cp_compile.allocate_kv_cache(cfg, spec, 4, attention=cp_compile.AttentionSpec("gqa", 8, 1))
     assert cache.layers[0][0].shape == (4, 128, 1, 8) and cache.tokens_per_rank == 512
+
+
+def test_validate_uses_the_virtual_block_of_the_dcp_group():
+    # Global metadata over virtual blocks of block_size * dcp tokens: valid for a rank's
+    # cache of 4-token pages at dcp = 2, wrong for the same cache at dcp = 1.
+    alloc = cp_compile.BlockAllocator(num_blocks=4, block_tokens=8)
+    meta = cp_compile.build_attention_metadata([(9, 2), (0, 3)], alloc, num_padding_tokens=1)
+    meta.validate(num_blocks=4, block_size=4, dcp=2, num_tokens=6)
+    with pytest.raises(cp_compile.MetadataError, match=r"^block_table \(request 0\): has 2 columns but "
+                                                      r"seq_lens = 11 needs 3 blocks of 4 tokens"):
+        meta.validate(num_blocks=4, block_size=4, dcp=1)
+    with pytest.raises(cp_compile.MetadataError, match=r"outside the cache's blocks \[0, 1\)"):
+        meta.validate(num_blocks=1, block_size=4, dcp=2)
+
+
+def test_validate_step_reads_the_cache_geometry():
+    cfg = cp_compile.CPConfig(block_size=8)
+    spec = cp_compile.KVCacheSpec(num_layers=2, kind="mla", latent_dim=4)
+    cache = cp_compile.allocate_kv_cache(cfg, spec, 3)
+    alloc = cp_compile.BlockAllocator(num_blocks=3, block_tokens=8)
+    meta = cp_compile.build_attention_metadata([(0, 20)], alloc)
+    cp_compile.validate_step(meta, cache.layers)
+    with pytest.raises(cp_compile.MetadataError, match="kv_caches: tensors disagree"):
+        cp_compile.validate_step(meta, [cache.layers[0], (torch.zeros(2, 8, 4),)])
+    with pytest.raises(cp_compile.MetadataError, match="metadata: is on meta but the KV cache is on cpu"):
+        cp_compile.validate_step(meta.to("meta"), cache.layers)
