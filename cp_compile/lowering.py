@@ -1,21 +1,18 @@
 """Lowering of the rewritten graph: Inductor (CPU, CUDA), aot_eager, eager, torchair (NPU).
 
-The torchair path is imported lazily and is UNTESTED here: torch_npu cannot be
-imported without Ascend driver libraries, so no CI machine can run it. It follows
-torchair's documented API (`torchair.CompilerConfig`, `config.mode`,
-`torchair.get_npu_backend`, `torchair.patch_for_hcom`).
-
-GE graph mode (`max-autotune`) converts every FX node to a GE operator; the
-project's `cp::*` ops have no GE operator (they run Triton-Ascend kernels), so
-they need converters registered with `torchair.register_fx_node_ge_converter`.
-cp-compile ships none yet. The documented fallback is `reduce-overhead`
-(aclgraph capture-and-replay), which runs each op's registered NPU kernel and
-needs no converter; it is the default torchair mode here, and asking for
-`max-autotune` with `cp::*` ops in the graph and no converters is a loud error.
+The torchair path is imported lazily. `reduce-overhead` (aclgraph capture and
+replay, the default torchair mode) runs each op's registered NPU kernel
+(ops/kernels/registry.py, ops/kernels/npu_fused.py). `max-autotune` (GE graph
+mode) converts every FX node to GE operators: the `cp::*` converters live in
+`cp_compile/ops/ge/` and are registered here; a `cp::*` op without one is a loud
+error. Neither mode has run on an NPU. The FX -> GE conversion of the DCP graphs
+is checked in CI on CPU (`python -m cp_compile.ops.ge.check`, docs/torchair.md),
+with only torchair's C++ extension stood in.
 """
 
 from __future__ import annotations
 
+import os
 from typing import Any, Callable, Literal, Sequence
 
 import torch
@@ -50,28 +47,62 @@ def lower(gm: fx.GraphModule, example_inputs: Sequence[Any], lowering: Lowering 
     raise ValueError(f"unknown lowering {lowering!r}; use 'auto', 'inductor', 'aot_eager', 'eager' or 'torchair'")
 
 
-def _lower_torchair(gm: fx.GraphModule, example_inputs: Sequence[Any], mode: TorchairMode) -> Callable[..., Any]:
+def _import_torchair():
+    """torch_npu then torchair; under the CI check's stand-in (cp_compile.testing.torchair_standin,
+    which replaces only torchair's C++ extension) torchair alone, since torch_npu cannot load there."""
+    import sys
+
+    standin = getattr(sys.modules.get("torchair.core._torchair"), "CP_COMPILE_STANDIN", False)
     try:
-        import torch_npu  # noqa: F401  (must be imported before torchair)
+        if not standin:
+            import torch_npu  # noqa: F401  (must be imported before torchair)
         import torchair
     except ImportError as e:  # also raised when the Ascend driver libraries are missing
         raise RuntimeError(
             "lowering='torchair' needs torch_npu (which ships torchair) and the Ascend driver libraries. "
             "Fix: `pip install cp-compile[ascend]` on an Ascend host, or use lowering='inductor' / 'aot_eager'"
         ) from e
+    return torchair
+
+
+def missing_ge_converters(gm: fx.GraphModule) -> list[str]:
+    """`cp::*` ops in the graph that have no GE converter registered with torchair."""
+    from torchair._ge_concrete_graph.fx2ge_converter import _get_converter  # type: ignore[import-not-found]
+
+    ops = {n.target for n in gm.graph.nodes if n.op == "call_function" and str(n.target).startswith("cp.")}
+    missing = []
+    for op in ops:
+        if isinstance(op, torch._ops.OpOverloadPacket):  # Dynamo graphs call the packet; converters are per overload
+            op = op.default
+        try:
+            if _get_converter(op) is not None:
+                continue
+        except KeyError:
+            pass
+        missing.append(str(op))
+    return sorted(missing)
+
+
+def _lower_torchair(gm: fx.GraphModule, example_inputs: Sequence[Any], mode: TorchairMode) -> Callable[..., Any]:
     if mode not in ("reduce-overhead", "max-autotune"):
         raise ValueError(f"torchair mode {mode!r}: use 'reduce-overhead' or 'max-autotune'")
-    if mode == "max-autotune":
-        cp_ops = sorted({str(n.target) for n in gm.graph.nodes
-                         if n.op == "call_function" and str(n.target).startswith("cp.")})
-        from torchair.ge_concrete_graph.fx2ge_converter import _get_converter  # type: ignore[import-not-found]
+    torchair = _import_torchair()
+    from cp_compile.ops.kernels.npu_fused import register_npu_fused_kernels
 
-        missing = [name for name in cp_ops if _get_converter(eval(f"torch.ops.{name}")) is None]
-        if missing:
-            raise RuntimeError(f"torchair max-autotune (GE graph) needs GE converters for {missing}. Fix: use "
-                               f"torchair_mode='reduce-overhead', or register converters with "
-                               f"torchair.register_fx_node_ge_converter")
-    torchair.patch_for_hcom()  # lets HCCL collectives enter the graph
+    register_npu_fused_kernels()  # torch_npu fused ops as the cp ops' NPU kernels (no-op without torch_npu)
     config = torchair.CompilerConfig()
     config.mode = mode
+    if mode == "max-autotune":
+        from cp_compile.ops.ge import register_converters
+
+        register_converters()  # GE converters for every cp:: op (cp_compile/ops/ge/)
+        missing = missing_ge_converters(gm)
+        if missing:
+            raise RuntimeError(f"torchair max-autotune (GE graph) needs GE converters for {missing}. Fix: register "
+                               f"one with torchair.register_fx_node_ge_converter (see cp_compile/ops/ge/), or use "
+                               f"torchair_mode='reduce-overhead'")
+        dump = os.environ.get("CP_COMPILE_GE_DUMP")  # GE graphs (original and optimised) as pbtxt
+        if dump:
+            config.debug.graph_dump.type = "pbtxt"
+            config.debug.graph_dump.path = dump
     return torchair.get_npu_backend(compiler_config=config)(gm, list(example_inputs))

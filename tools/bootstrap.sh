@@ -5,6 +5,12 @@
 #                  cp-compile (editable), for the Triton-Ascend lowering check
 #                  (python -m cp_compile.ops.kernels.ascend_check). triton-ascend owns the
 #                  `triton` module name, so it cannot share .venv with upstream triton.
+#   .venv-torchair with --with-ascend: the CPU torch, torch-npu 2.13.0 (for the torchair inside
+#                  it; torch_npu itself is never imported), protobuf, packaging and cp-compile
+#                  (editable), for the torchair GE-graph check (python -m cp_compile.ops.ge.check),
+#                  which stands in torchair's one C++ extension (needs CANN). With torch-npu
+#                  installed, `import torch` needs TORCH_DEVICE_BACKEND_AUTOLOAD=0 (the check's
+#                  test sets it), so it gets its own environment.
 # torch goes first in each, pinned, so pip takes the CPU build on this machine's disk
 # (an unpinned torch would pull a multi-GB CUDA build). Versions: .ci/constraints.txt.
 set -euo pipefail
@@ -30,4 +36,8 @@ if [ "$with_ascend" = 1 ]; then
   "$python" -m venv .venv-ascend
   .venv-ascend/bin/pip install -q torch==2.13.0
   .venv-ascend/bin/pip install -q -c "$pins" -e . triton-ascend pybind11
+  echo "[bootstrap] .venv-torchair: torch (CPU), torch-npu (torchair), protobuf, packaging, cp-compile" >&2
+  "$python" -m venv .venv-torchair
+  .venv-torchair/bin/pip install -q torch==2.13.0
+  .venv-torchair/bin/pip install -q -c "$pins" -e . torch-npu protobuf packaging
 fi

@@ -1,0 +1,64 @@
+"""GE converters: metadata localisation and cache writes.
+
+- `cp::dcp_localize_metadata` -> a composition of GE primitives (FloorDiv, FloorMod,
+  Mul, Add, Minimum/Maximum, Equal, LogicalAnd, SelectV2, GatherV2, Range, Cast):
+  the formulas of `ops/layout.py`, once per graph. No fused CANN op does this.
+- `cp::cache_write` -> `ScatterNdUpdate(cache, [slot // BS, slot % BS], new)`, the
+  in-place scatter torch_npu exposes as `npu_scatter_nd_update_` (the way
+  vLLM-Ascend writes MLA caches in torchair graph mode). Tokens whose local slot
+  is -1 (owned by another DCP rank, or padding) index block -1: ScatterNdUpdate
+  must drop out-of-range rows for this to be a no-op there. That is what the
+  Triton kernel and the reference do; on CANN it is NOT verified here (no NPU).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torchair import register_fx_node_ge_converter
+from torchair._ge_concrete_graph import ge_apis as ge
+from torchair.ge._ge_graph import Tensor
+
+import cp_compile.ops.dcp  # noqa: F401  (registers the ops)
+from cp_compile.ops.ge._util import I32, I64, cast, const, local_len, token_positions, where
+
+
+def slot_indices(slot_mapping: Tensor, block_size: int) -> Tensor:
+    """[T] slots -> [T, 2] (block, offset) int64 indices into a [NB, BS, ...] cache."""
+    s = cast(slot_mapping, I64)
+    bs = const(block_size, I64)
+    return ge.Pack([ge.FloorDiv(s, bs), ge.FloorMod(s, bs)], N=2, axis=1)
+
+
+def scatter_into(cache: Tensor, new: Tensor, slot_mapping: Tensor) -> Tensor:
+    """cache[slot // BS, slot % BS] = new[t], in place (the returned tensor is the ref output)."""
+    return ge.ScatterNdUpdate(cache, slot_indices(slot_mapping, int(cache.meta.shape[1])), new)
+
+
+@register_fx_node_ge_converter(torch.ops.cp.cache_write.default)
+def convert_cache_write(new: Tensor, cache: Tensor, slot_mapping: Tensor, meta_outputs: Any = None):
+    scatter_into(cache, new, slot_mapping)
+    return None  # no outputs (auto_functionalized_v2 gives (None, new cache)); the cache is ScatterNdUpdate's ref output
+
+
+@register_fx_node_ge_converter(torch.ops.cp.dcp_localize_metadata.default)
+def convert_dcp_localize_metadata(slot_mapping: Tensor, query_start_loc: Tensor, seq_lens: Tensor, dcp: int,
+                                  rank: int, interleave: int, block_size: int, meta_outputs: Any = None):
+    s = cast(slot_mapping, I64)
+    vbs = const(block_size * dcp, I64)
+    vb = ge.FloorDiv(s, vbs)
+    off = ge.Sub(s, ge.Mul(vb, vbs))
+    owner = ge.FloorMod(ge.FloorDiv(off, const(interleave, I64)), const(dcp, I64))
+    local = ge.Add(ge.Add(ge.Mul(vb, const(block_size, I64)),
+                          ge.Mul(ge.FloorDiv(off, const(dcp * interleave, I64)), const(interleave, I64))),
+                   ge.FloorMod(off, const(interleave, I64)))
+    keep = ge.LogicalAnd(ge.GreaterEqual(s, const(0, I64)), ge.Equal(owner, const(rank, I64)))
+    slots = where(keep, local, const(-1, I64))
+
+    seq = cast(local_len(cast(seq_lens, I64), dcp, rank, interleave), I32)
+    pos, _, valid, ctx = token_positions(query_start_loc, seq_lens, slot_mapping)
+    zero = const(0, I64)
+    causal = cast(where(valid, local_len(ge.Add(pos, const(1, I64)), dcp, rank, interleave), zero), I32)
+    context = cast(where(valid, local_len(ctx, dcp, rank, interleave), zero), I32)
+    return slots, seq, causal, context

@@ -1,0 +1,518 @@
+"""torchair GE-graph check: FX -> GE conversion of every cp:: op and the DCP model graphs, on CPU.
+
+Runs torchair's real Python (the converter registry, `get_npu_backend` in
+`max-autotune` mode, the FX -> GE conversion, its GE graph passes and dumps) with
+one thing replaced: torchair's C++ extension `torchair.core._torchair`, by the
+stand-in `cp_compile.testing.torchair_standin` (pinned to torch-npu 2.13.0). The
+stand-in receives the serialised GE graph at `load`; the check reads it back and
+asserts op types, attributes and shapes. Nothing is compiled by GE or run.
+
+1. op graphs: each cp:: op alone (bf16, the shapes of a small GQA / MLA layer),
+   through `torchair.get_npu_backend`: the op's GE op types and key attributes;
+2. model graphs: the example models (Qwen3-style GQA, DeepSeek-style MLA) at tp = 2,
+   dcp = 1 and dcp = 2 with both merges (`ag_rs`, `a2a`), compiled on 2 gloo ranks
+   through the public path (`cp_compile.compile_model(..., lowering="torchair",
+   torchair_mode="max-autotune")` after `init_parallel`), so the DCP group names
+   are real: every FX node has a converter, the GE graph holds the expected ops,
+   and the collectives are HCCL ops on the DCP group (rank list and size);
+3. `--with-unconverted-op` adds a graph with an op that has no converter: the
+   check must then fail (the negative case the tests run).
+
+    TORCH_DEVICE_BACKEND_AUTOLOAD=0 .venv-torchair/bin/python -m cp_compile.ops.ge.check [--json F] [--dump DIR]
+
+(`TORCH_DEVICE_BACKEND_AUTOLOAD=0`: with torch-npu installed, `import torch` would
+otherwise try to load torch_npu, which needs CANN.) Exit status: 0 all converted
+and as expected, 1 something failed, 2 not runnable here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import sys
+import time
+from collections import Counter
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+# Key attributes read off each GE op type (what the table prints and the tests assert).
+KEY_ATTRS = {
+    "FusedInferAttentionScore": ("num_heads", "num_key_value_heads", "input_layout", "softmax_lse_flag",
+                                 "block_size", "sparse_mode", "scale"),
+    "ScatterPaKvCache": ("cache_mode",),
+    "ScatterNdUpdate": ("use_locking",),
+    "AttentionUpdate": ("update_type", "sp"),
+    "LightningIndexer": ("layout_query", "layout_key", "sparse_count", "sparse_mode"),
+    "SparseFlashAttention": ("layout_query", "layout_kv", "sparse_mode", "scale_value"),
+    "HcomAllGather": ("group", "rank_size"),
+    "HcomReduceScatter": ("group", "rank_size", "reduction"),
+    "HcomAllToAllV": ("group",),
+    "HcomAllReduce": ("group", "reduction"),
+}
+HCOM = ("HcomAllGather", "HcomReduceScatter", "HcomAllToAllV", "HcomAllReduce")
+
+
+@dataclass
+class GraphResult:
+    name: str  # "op:<op>" or "<model> dcp=<n> <merge>"
+    status: str  # ok | failed
+    message: str = ""
+    fx_nodes: int = 0  # call_function nodes torchair converted
+    fx_targets: dict[str, int] = field(default_factory=dict)
+    ge_ops: dict[str, int] = field(default_factory=dict)
+    attrs: dict[str, list[dict[str, Any]]] = field(default_factory=dict)  # GE op type -> attrs of each instance
+    io: dict[str, list[str]] = field(default_factory=dict)  # inputs / outputs -> "name: dtype[shape]"
+    groups: list[dict[str, Any]] = field(default_factory=list)  # HCCL ops: type, group, rank_list, rank_size
+    expected_ranks: list[int] = field(default_factory=list)
+    seconds: float = 0.0
+    rank: int = 0
+    text: str = ""  # the GE graph rendered by `render` (written under --dump, not into --json)
+
+
+# ----------------------------------------------------------------------------- GE graph reading
+
+
+def _attr_value(a) -> Any:
+    kind = a.WhichOneof("value")
+    if kind == "s":
+        return a.s.decode()
+    if kind == "list":
+        return list(a.list.i) or [s.decode() for s in a.list.s] or list(a.list.f)
+    return getattr(a, kind) if kind else None
+
+
+def _desc(d) -> str:
+    from torchair._ge_concrete_graph.ge_ir_pb2 import DataType
+
+    shape = list(d.shape.dim) if d.HasField("shape") else []
+    return f"{d.name}: {DataType.Name(d.dtype)}{shape}"
+
+
+def read_graph(graph, result: GraphResult) -> None:
+    result.ge_ops = dict(Counter(op.type for op in graph.op))
+    # What GE is handed: the graph inputs (Data) and outputs (NetOutput) with dtype and
+    # shape (-1 = dynamic). Shapes inside the graph are GE's InferShape (CANN), not here.
+    result.io["inputs"] = [_desc(op.output_desc[0]) for op in graph.op if op.type == "Data"]
+    result.io["outputs"] = [_desc(d) for op in graph.op if op.type == "NetOutput" for d in op.input_desc]
+    result.text = render(graph)
+    for op in graph.op:
+        if op.type in KEY_ATTRS:
+            result.attrs.setdefault(op.type, []).append(
+                {k: _attr_value(op.attr[k]) for k in KEY_ATTRS[op.type] if k in op.attr})
+        if op.type in HCOM:
+            group = op.attr["group"].s.decode()
+            m = re.search(r"rank_list=([\d,]+)", group)
+            result.groups.append(dict(type=op.type, group=group,
+                                      rank_list=[int(x) for x in m.group(1).split(",")] if m else None,
+                                      rank_size=op.attr["rank_size"].i if "rank_size" in op.attr else None))
+
+
+def render(graph) -> str:
+    """The GE graph as text, one op per line: `name = Type(inputs) {attrs}`, in graph order.
+    Internal attrs (leading `_`) are left out; Data / NetOutput lines carry dtype and shape."""
+    lines = [f"# GE graph {graph.name}: {len(graph.op)} ops (torchair FX -> GE, as handed to GE's load)"]
+    for op in graph.op:
+        attrs = {k: _attr_value(v) for k, v in sorted(op.attr.items()) if not k.startswith("_") and
+                 not k.startswith("[")}
+        for k, v in attrs.items():
+            if isinstance(v, bytes) or (isinstance(v, str) and len(v) > 80):
+                attrs[k] = "..."
+        desc = ""
+        if op.type == "Data":
+            desc = " -> " + _desc(op.output_desc[0])
+        elif op.type == "NetOutput":
+            desc = " <- " + ", ".join(_desc(d) for d in op.input_desc)
+        text = ", ".join(op.input)
+        lines.append(f"{op.name} = {op.type}({text})" + (f" {attrs}" if attrs else "") + desc)
+    return "\n".join(lines) + "\n"
+
+
+class _FxRecorder:
+    """Records the FX graph torchair converts (GeConcreteGraph.save_fx_graph) to count its nodes."""
+
+    def __init__(self) -> None:
+        from torchair._ge_concrete_graph.fx2ge_converter import GeConcreteGraph
+
+        self.graphs: list[Any] = []
+        original = GeConcreteGraph.save_fx_graph
+        recorder = self
+
+        def save_fx_graph(graph_self, gm):
+            recorder.graphs.append(gm)
+            return original(graph_self, gm)
+
+        GeConcreteGraph.save_fx_graph = save_fx_graph
+
+
+def fx_targets(gm) -> Counter:
+    from torchair._ge_concrete_graph.fx2ge_converter import _get_converter
+
+    targets: Counter = Counter()
+    for n in gm.graph.nodes:
+        if n.op != "call_function":
+            continue
+        target = n.args[0] if str(n.target) == "auto_functionalized_v2" else n.target
+        name = str(target)
+        try:
+            has = _get_converter(target) is not None
+        except (KeyError, AttributeError):
+            has = False
+        targets[name if has or name.startswith("<") else f"{name} (NO CONVERTER)"] += 1
+    return targets
+
+
+def compile_and_load(fn: Callable[[], Any], name: str, recorder: _FxRecorder, rank: int = 0) -> GraphResult:
+    """Run `fn` (which calls a torch.compile'd function once) and read the GE graph it loaded."""
+    from cp_compile.testing import torchair_standin as standin
+
+    result = GraphResult(name=name, status="failed", rank=rank)
+    start = time.perf_counter()
+    loaded = len(standin.STATE.graphs)
+    fx_seen = len(recorder.graphs)
+    try:
+        fn()
+        result.message = "ran without reaching the stand-in's run (no GE graph?)"
+    except standin.StandInCannotRun:
+        pass
+    except Exception as e:  # noqa: BLE001 - the conversion error is the result
+        result.message = f"{type(e).__name__}: {e}"[:3000]
+    result.seconds = time.perf_counter() - start
+    new = standin.STATE.graphs[loaded:]
+    for gm in recorder.graphs[fx_seen:]:
+        t = fx_targets(gm)
+        result.fx_targets.update({k: result.fx_targets.get(k, 0) + v for k, v in t.items()})
+        result.fx_nodes += sum(t.values())
+    if new and not result.message:
+        if len(new) != 1:
+            result.message = f"expected one GE graph, got {len(new)}"
+        else:
+            read_graph(new[0].graph, result)
+            result.status = "ok"
+    elif not new and not result.message:
+        result.message = "no GE graph was loaded"
+    return result
+
+
+# ----------------------------------------------------------------------------- op graphs
+
+
+def op_cases() -> dict[str, tuple[Callable[..., Any], tuple]]:
+    """One small call per cp:: op: bf16 activations, fp32 LSEs, the example models' head layouts."""
+    bf = torch.bfloat16
+    T, B, NB, BS, nb = 6, 2, 8, 4, 4
+    Hq, Hkv, D = 8, 2, 64
+    H, L, R = 8, 64, 16
+    qsl = torch.tensor([0, 2, 5], dtype=torch.int32)
+    seq = torch.tensor([5, 7], dtype=torch.int32)
+    slots = torch.tensor([3, 4, 9, 10, 11, -1])
+    table = torch.zeros(B, nb, dtype=torch.int32)
+    kv_lens = torch.tensor([4, 5, 5, 6, 7, 0], dtype=torch.int32)
+    cp = torch.ops.cp
+    return {
+        "cp::dcp_localize_metadata": (lambda s, q, sl: cp.dcp_localize_metadata(s, q, sl, 2, 1, 1, BS),
+                                      (slots, qsl, seq)),
+        "cp::cache_write": (lambda n, c, s: (cp.cache_write(n, c, s), c)[1],
+                            (torch.randn(T, Hkv, D, dtype=bf), torch.zeros(NB, BS, Hkv, D, dtype=bf), slots)),
+        "cp::paged_attention_lse": (lambda q, k, v, t, qs, kl: cp.paged_attention_lse(q, k, v, t, qs, kl, 0.125),
+                                    (torch.randn(T, Hq, D, dtype=bf), torch.randn(NB, BS, Hkv, D, dtype=bf),
+                                     torch.randn(NB, BS, Hkv, D, dtype=bf), table, qsl, kv_lens)),
+        "cp::mla_partial_attention": (lambda qn, qp, c, t, qs, kl: cp.mla_partial_attention(qn, qp, c, t, qs, kl, 0.1),
+                                      (torch.randn(T, H, L, dtype=bf), torch.randn(T, H, R, dtype=bf),
+                                       torch.randn(NB, BS, L + R, dtype=bf), table, qsl, kv_lens)),
+        "cp::varlen_causal_attention_lse": (lambda q, k, v, qs: cp.varlen_causal_attention_lse(q, k, v, qs, 0.125),
+                                            (torch.randn(T, Hq, D, dtype=bf), torch.randn(T, Hkv, D, dtype=bf),
+                                             torch.randn(T, Hkv, D, dtype=bf), qsl)),
+        "cp::lse_rescale": (lambda o, l, la: cp.lse_rescale(o, l, la),
+                            (torch.randn(T, 2 * Hq, D, dtype=bf), torch.randn(T, 2 * Hq),
+                             torch.randn(2 * 2 * Hq, T))),
+        "cp::lse_combine": (lambda o, l: cp.lse_combine(o, l),
+                            (torch.randn(2, Hq, T, D, dtype=bf), torch.randn(2, Hq, T))),
+        "cp::gqa_paged_attention": (
+            lambda q, k, v, kc, vc, s, t, sl, qs: cp.gqa_paged_attention(q, k, v, kc, vc, s, t, sl, qs, 0.125),
+            (torch.randn(T, Hq, D, dtype=bf), torch.randn(T, Hkv, D, dtype=bf), torch.randn(T, Hkv, D, dtype=bf),
+             torch.zeros(NB, BS, Hkv, D, dtype=bf), torch.zeros(NB, BS, Hkv, D, dtype=bf), slots, table, seq, qsl)),
+        "cp::mla_attention": (
+            lambda qn, qp, c, kp, kv, s, t, sl, qs: cp.mla_attention(qn, qp, c, kp, kv, s, t, sl, qs, 0.1),
+            (torch.randn(T, H, L, dtype=bf), torch.randn(T, H, R, dtype=bf), torch.randn(T, L, dtype=bf),
+             torch.randn(T, R, dtype=bf), torch.zeros(NB, BS, L + R, dtype=bf), slots, table, seq, qsl)),
+        "cp::lightning_indexer": (
+            lambda qi, ki, w, ic, s, t, sl, qs: cp.lightning_indexer(qi, ki, w, ic, s, t, sl, qs, 4),
+            (torch.randn(T, 4, 32, dtype=bf), torch.randn(T, 32, dtype=bf), torch.randn(T, 4, dtype=bf),
+             torch.zeros(NB, BS, 32, dtype=bf), slots, table, seq, qsl)),
+        "cp::sparse_mla_attention": (
+            lambda qn, qp, c, kp, kv, s, t, sl, qs, ti: cp.sparse_mla_attention(qn, qp, c, kp, kv, s, t, sl, qs, ti,
+                                                                                0.1),
+            (torch.randn(T, H, L, dtype=bf), torch.randn(T, H, R, dtype=bf), torch.randn(T, L, dtype=bf),
+             torch.randn(T, R, dtype=bf), torch.zeros(NB, BS, L + R, dtype=bf), slots, table, seq, qsl,
+             torch.zeros(T, 4, dtype=torch.int32))),
+    }
+
+
+def _unconverted_op():
+    """A custom op with no GE converter (negative case)."""
+    if not hasattr(torch.ops, "cp_check") or not hasattr(torch.ops.cp_check, "unconverted"):
+        @torch.library.custom_op("cp_check::unconverted", mutates_args=())
+        def unconverted(x: torch.Tensor) -> torch.Tensor:
+            return x * 2
+
+        @unconverted.register_fake
+        def _(x):
+            return torch.empty_like(x)
+    return torch.ops.cp_check.unconverted.default
+
+
+def _torchair_backend(dump: str | None):
+    import torchair
+
+    cfg = torchair.CompilerConfig()
+    cfg.mode = "max-autotune"
+    if dump:
+        cfg.debug.graph_dump.type = "pbtxt"
+        cfg.debug.graph_dump.path = dump
+    return torchair.get_npu_backend(compiler_config=cfg)
+
+
+def run_op_graphs(recorder: _FxRecorder, dump: str | None, with_unconverted: bool,
+                  only: list[str] | None = None) -> list[GraphResult]:
+    results = []
+    cases = op_cases()
+    if with_unconverted:
+        op = _unconverted_op()
+        cases["cp_check::unconverted"] = (lambda x: op(x) + 1, (torch.randn(4, 4, dtype=torch.bfloat16),))
+    if only:
+        cases = {k: v for k, v in cases.items() if k in only or (with_unconverted and k == "cp_check::unconverted")}
+    for name, (fn, args) in cases.items():
+        torch._dynamo.reset()
+        compiled = torch.compile(fn, backend=_torchair_backend(dump), fullgraph=True, dynamic=False)
+        results.append(compile_and_load(lambda: compiled(*args), f"op:{name}", recorder))
+    return results
+
+
+# ----------------------------------------------------------------------------- model graphs (2 gloo ranks)
+
+MODEL_CONFIGS = [("gqa", 1, "ag_rs"), ("gqa", 2, "ag_rs"), ("gqa", 2, "a2a"),
+                 ("mla", 1, "ag_rs"), ("mla", 2, "ag_rs"), ("mla", 2, "a2a")]
+
+
+def _model(kind: str, tp: int, tp_rank: int, tp_group):
+    repo = str(Path(__file__).resolve().parents[2])  # examples/ lives at the repository root
+    if repo not in sys.path:
+        sys.path.append(repo)
+    from examples.models.deepseek_mla import DeepseekMLAConfig, DeepseekMLAModel
+    from examples.models.qwen3 import Qwen3Config, Qwen3Model
+
+    torch.manual_seed(0)
+    if kind == "gqa":
+        cfg = Qwen3Config(vocab_size=128, hidden_size=128, num_layers=1, num_heads=8, num_kv_heads=1, head_dim=64,
+                          intermediate_size=128)
+        return Qwen3Model(cfg, tp, tp_rank, tp_group).to(torch.bfloat16).eval()
+    cfg = DeepseekMLAConfig(vocab_size=128, hidden_size=128, num_layers=1, num_heads=8, kv_lora_rank=64,
+                            qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=32, intermediate_size=128)
+    return DeepseekMLAModel(cfg, tp, tp_rank, tp_group).to(torch.bfloat16).eval()
+
+
+def _rank_main(rank: int, world: int, configs: list, dump: str | None) -> list[dict]:
+    from cp_compile.testing import torchair_standin as standin
+
+    standin.install()
+    import cp_compile
+    from cp_compile.metadata import BlockAllocator
+
+    recorder = _FxRecorder()
+    if dump:
+        os.environ["CP_COMPILE_GE_DUMP"] = os.path.join(dump, f"rank{rank}")
+    out = []
+    for kind, dcp, merge in configs:
+        torch._dynamo.reset()
+        cfg = cp_compile.CPConfig(tensor_parallel_size=world, decode_context_parallel_size=dcp, block_size=4,
+                                  dcp_merge=merge)
+        state = cp_compile.init_parallel(cfg, device="cpu")
+        try:
+            model = _model(kind, world, state.tp_rank, state.tp_group)
+            cache = cp_compile.allocate_kv_cache(cfg, model.kv_cache_spec(), 16, dtype=torch.bfloat16,
+                                                 attention=model.attention_spec())
+            compiled = cp_compile.compile_model(model, lowering="torchair", torchair_mode="max-autotune")
+            alloc = BlockAllocator(16, cfg.virtual_block_size)
+            meta = cp_compile.build_attention_metadata([(0, 5), (0, 3)], alloc, num_padding_tokens=2,
+                                                       max_blocks_per_req=4)
+            ids = torch.zeros(10, dtype=torch.long)
+            name = f"{kind} tp={world} dcp={dcp}" + (f" {merge}" if dcp > 1 else "")
+
+            def step():
+                with torch.no_grad():
+                    compiled(ids, meta.positions, cache.layers, meta)
+
+            r = compile_and_load(step, name, recorder, rank)
+            import torch.distributed as dist
+
+            r.expected_ranks = dist.get_process_group_ranks(state.dcp_group) if dcp > 1 else []
+            out.append(asdict(r))
+        finally:
+            cp_compile.destroy_parallel()
+    return out
+
+
+def run_model_graphs(dump: str | None, configs=None) -> list[GraphResult]:
+    from cp_compile.testing.multirank import run_on_ranks
+
+    per_rank = run_on_ranks(_rank_main, 2, configs or MODEL_CONFIGS, dump, timeout=600)
+    return [GraphResult(**r) for rank in per_rank for r in rank]
+
+
+# ----------------------------------------------------------------------------- expectations
+
+
+def expect_op(r: GraphResult, op: str) -> list[str]:
+    from cp_compile.ops.ge import GE_OPS
+
+    problems = [f"{op}: GE graph lacks {t}" for t in GE_OPS[op] if t not in r.ge_ops]
+    if any("NO CONVERTER" in k for k in r.fx_targets):
+        problems.append(f"FX nodes without converter: {[k for k in r.fx_targets if 'NO CONVERTER' in k]}")
+    fia = r.attrs.get("FusedInferAttentionScore", [])
+    for a in fia:
+        if not a.get("softmax_lse_flag", False) and op != "cp::gqa_paged_attention" and op != "cp::mla_attention":
+            problems.append(f"{op}: FusedInferAttentionScore without softmax_lse_flag")
+    if op == "cp::paged_attention_lse" and fia and (fia[0].get("num_heads"), fia[0].get("num_key_value_heads"),
+                                                    fia[0].get("input_layout"), fia[0].get("block_size")) != (
+            8, 2, "BSND", 4):
+        problems.append(f"{op}: FusedInferAttentionScore attrs {fia[0]}")
+    if op == "cp::mla_partial_attention" and fia and (fia[0].get("num_heads"), fia[0].get("num_key_value_heads")) \
+            != (8, 1):
+        problems.append(f"{op}: FusedInferAttentionScore attrs {fia[0]}")
+    if op == "cp::varlen_causal_attention_lse" and fia and (fia[0].get("input_layout"), fia[0].get("sparse_mode")) \
+            != ("TND", 3):
+        problems.append(f"{op}: FusedInferAttentionScore attrs {fia[0]}")
+    if op == "cp::lse_combine" and r.attrs.get("AttentionUpdate", [{}])[0] != {"update_type": 1, "sp": 2}:
+        problems.append(f"{op}: AttentionUpdate attrs {r.attrs.get('AttentionUpdate')}")
+    return problems
+
+
+def expect_model(r: GraphResult) -> list[str]:
+    problems = []
+    if any("NO CONVERTER" in k for k in r.fx_targets):
+        problems.append(f"FX nodes without converter: {[k for k in r.fx_targets if 'NO CONVERTER' in k]}")
+    kind = r.name.split()[0]
+    dcp = int(re.search(r"dcp=(\d)", r.name).group(1))
+    layers = 1  # the example models are built with one decoder layer: the graph of one DCP layer
+    fia = r.attrs.get("FusedInferAttentionScore", [])
+    if len(fia) != layers:
+        problems.append(f"{len(fia)} FusedInferAttentionScore, want {layers}")
+    heads = 8 // 2  # this rank's query heads at tp = 2
+    want_heads = heads * dcp  # DCP attends the gathered heads of the group
+    for a in fia:
+        if a.get("num_heads") != want_heads:
+            problems.append(f"FusedInferAttentionScore num_heads {a.get('num_heads')}, want {want_heads}")
+        if dcp > 1 and not a.get("softmax_lse_flag"):
+            problems.append("DCP partial attention without softmax_lse_flag")
+    allreduce = [g for g in r.groups if g["type"] == "HcomAllReduce"]
+    if not allreduce:
+        problems.append("no HcomAllReduce (TP all-reduce) in the graph")
+    if dcp == 1:
+        if any(g["type"] != "HcomAllReduce" for g in r.groups):
+            problems.append(f"dcp=1 graph has DCP collectives: {r.groups}")
+        want = {"ScatterPaKvCache": layers} if kind == "gqa" else {"ScatterNdUpdate": layers}
+    else:
+        merge = r.name.split()[-1]
+        q_gathers = 1 if kind == "gqa" else 2
+        want = {"ScatterNdUpdate": layers * (2 if kind == "gqa" else 1)}
+        if merge == "ag_rs":
+            want.update(HcomAllGather=layers * (q_gathers + 1), HcomReduceScatter=layers)
+        else:
+            want.update(HcomAllGather=layers * q_gathers, HcomAllToAllV=layers, AttentionUpdate=layers)
+        for g in r.groups:
+            if g["type"] == "HcomAllReduce":
+                continue
+            if g["rank_list"] != r.expected_ranks:
+                problems.append(f"{g['type']} on group {g['group']!r}, want DCP ranks {r.expected_ranks}")
+            if g["rank_size"] not in (None, dcp):
+                problems.append(f"{g['type']} rank_size {g['rank_size']}, want {dcp}")
+    for op_type, n in want.items():
+        if r.ge_ops.get(op_type, 0) != n:
+            problems.append(f"{r.ge_ops.get(op_type, 0)} {op_type}, want {n}")
+    return problems
+
+
+# ----------------------------------------------------------------------------- report
+
+
+def table(results: list[GraphResult]) -> str:
+    rows = []
+    for r in results:
+        main = {k: v for k, v in r.ge_ops.items() if k in KEY_ATTRS or k in ("FloorDiv", "SelectV2", "ReduceMaxD")}
+        attrs = "; ".join(f"{t}{r.attrs[t][0]}" for t in r.attrs)
+        rows.append(f"{r.name:<36} {r.status:<6} fx={r.fx_nodes:<4} ge={sum(r.ge_ops.values()):<5} "
+                    f"{json.dumps(main)}  {attrs}" + (f"\n    {r.message[:600]}" if r.message else ""))
+    return "\n".join(rows)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--json", help="write the results here")
+    parser.add_argument("--dump", help="write torchair's GE graph dumps (pbtxt) under this folder")
+    parser.add_argument("--with-unconverted-op", action="store_true",
+                        help="add an op that has no GE converter (the check must fail)")
+    parser.add_argument("--ops-only", action="store_true", help="skip the model graphs (2 gloo ranks)")
+    parser.add_argument("--op", action="append", help="only this op graph (e.g. cp::cache_write); implies --ops-only")
+    args = parser.parse_args(argv)
+    from cp_compile.testing import torchair_standin as standin
+
+    start = time.perf_counter()
+    try:
+        standin.install()
+        from cp_compile.ops.ge import GE_OPS, register_converters
+
+        register_converters()
+    except (RuntimeError, ImportError) as e:
+        print(f"torchair GE check not runnable here: {e}", file=sys.stderr)
+        return 2
+    recorder = _FxRecorder()
+    results = run_op_graphs(recorder, args.dump, args.with_unconverted_op, args.op)
+    for r in results:
+        op = r.name[3:]
+        if r.status == "ok" and op in GE_OPS:
+            problems = expect_op(r, op)
+            if problems:
+                r.status, r.message = "failed", "; ".join(problems)
+    if not args.ops_only and not args.op:
+        models = run_model_graphs(args.dump)
+        for r in models:
+            if r.status == "ok":
+                problems = expect_model(r)
+                if problems:
+                    r.status, r.message = "failed", "; ".join(problems)
+        results += models
+    defined = sorted(f"cp::{n}" for n in dir(torch.ops.cp) if not n.startswith("_") and
+                     isinstance(getattr(torch.ops.cp, n), torch._ops.OpOverloadPacket))
+    uncovered = sorted(set(defined) - set(GE_OPS)) if not args.op else []
+    failed = [r for r in results if r.status != "ok"]
+    summary = dict(op_graphs=sum(r.name.startswith("op:") for r in results),
+                   model_graphs=sum(not r.name.startswith("op:") for r in results),
+                   failed=len(failed), fx_nodes=sum(r.fx_nodes for r in results),
+                   ge_ops=sum(sum(r.ge_ops.values()) for r in results),
+                   hccl_ops=sum(len([g for g in r.groups]) for r in results),
+                   cp_ops_defined=len(defined), cp_ops_without_converter=uncovered,
+                   seconds=time.perf_counter() - start)
+    print(table(results))
+    print(f"\ntorchair GE check: {summary['op_graphs']} op graphs, {summary['model_graphs']} model graphs "
+          f"(2 ranks each), {summary['fx_nodes']} FX nodes converted, {summary['ge_ops']} GE ops, "
+          f"{summary['hccl_ops']} HCCL ops; {summary['failed']} failed; {summary['cp_ops_defined']} cp ops, "
+          f"without converter: {uncovered or 'none'}; {summary['seconds']:.1f} s")
+    if args.dump:
+        Path(args.dump).mkdir(parents=True, exist_ok=True)
+        for r in results:
+            if r.text:
+                slug = re.sub(r"[^A-Za-z0-9_.=-]+", "_", r.name)
+                Path(args.dump, f"{slug}.rank{r.rank}.ge.txt").write_text(r.text)
+    if args.json:
+        rows = [{k: v for k, v in asdict(r).items() if k != "text"} for r in results]
+        Path(args.json).write_text(json.dumps(dict(summary=summary, results=rows), indent=1))
+    return 1 if failed or uncovered else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,111 @@
+"""GE converters: the DSA / SFA ops (lightning indexer, sparse MLA attention).
+
+torchair has no generated builders for these CANN ops (they live in CANN's
+ops-transformer package), so they are built with `torchair.ge.custom_op`, with the
+input, attribute and output names of torchair's own converters for torch_npu's
+`npu_lightning_indexer` / `npu_sparse_flash_attention`:
+
+- `cp::lightning_indexer` -> `ScatterNdUpdate` (write the indexer keys) +
+  `LightningIndexer` (layout_query TND, layout_key PA_BSND over the paged index
+  cache, sparse_count = topk, sparse_mode 3 = causal); output `sparse_indices`
+  [T, 1, topk] int32 -> [T, topk].
+- `cp::sparse_mla_attention` -> `ScatterNdUpdate` (write [c | k_pe]) +
+  `SparseFlashAttention` over the whole [L+R] cache row (key = value = the cache,
+  query = [q_nope | q_pe]) keeping the first L output columns, as for dense MLA
+  (see attention.py); `sparse_indices` = topk_indices as [T, 1, K].
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torchair
+from torchair import register_fx_node_ge_converter
+from torchair._ge_concrete_graph import ge_apis as ge
+from torchair.ge import attr
+from torchair.ge._ge_graph import Tensor
+
+import cp_compile.ops.attention  # noqa: F401
+from cp_compile.ops.ge._util import I32, I64, cast, const, dims, reshape, tail
+from cp_compile.ops.ge.cache import scatter_into
+
+MAX_INT64 = (1 << 63) - 1
+
+
+def _paged(cache: Tensor, width: int) -> Tensor:
+    """[NB, BS, W] -> [NB, BS, 1, W] (PA_BSND, one KV head)."""
+    d = dims(cache)
+    return reshape(cache, [d[0], d[1], 1, width])
+
+
+@register_fx_node_ge_converter(torch.ops.cp.lightning_indexer.default)
+def convert_lightning_indexer(q_i: Tensor, k_i: Tensor, w: Tensor, index_cache: Tensor, slot_mapping: Tensor,
+                              block_table: Tensor, seq_lens: Tensor, query_start_loc: Tensor, topk: int,
+                              meta_outputs: Any = None):
+    T = dims(q_i)[0]
+    written = scatter_into(index_cache, k_i, slot_mapping)
+    written.set_meta(index_cache.meta)
+    indices, _ = torchair.ge.custom_op(
+        "LightningIndexer",
+        inputs={
+            "query": q_i,
+            "key": _paged(written, int(index_cache.meta.shape[-1])),
+            "weights": w,
+            "actual_seq_lengths_query": cast(tail(cast(query_start_loc, I64)), I32),
+            "actual_seq_lengths_key": cast(seq_lens, I32),
+            "block_table": cast(block_table, I32),
+        },
+        attrs={
+            "layout_query": attr.Str("TND"),
+            "layout_key": attr.Str("PA_BSND"),
+            "sparse_count": attr.Int(int(topk)),
+            "sparse_mode": attr.Int(3),
+            "pre_tokens": attr.Int(MAX_INT64),
+            "next_tokens": attr.Int(MAX_INT64),
+            "return_values": attr.Bool(False),
+        },
+        outputs=["sparse_indices", "sparse_values"],
+    )
+    return reshape(indices, [T, int(topk)])
+
+
+@register_fx_node_ge_converter(torch.ops.cp.sparse_mla_attention.default)
+def convert_sparse_mla_attention(q_nope: Tensor, q_pe: Tensor, kv_c: Tensor, k_pe: Tensor, kv_cache: Tensor,
+                                 slot_mapping: Tensor, block_table: Tensor, seq_lens: Tensor,
+                                 query_start_loc: Tensor, topk_indices: Tensor, scale: float,
+                                 meta_outputs: Any = None):
+    T, H, L = dims(q_nope)
+    width = int(kv_cache.meta.shape[-1])
+    K = int(topk_indices.meta.shape[-1])
+    written = scatter_into(kv_cache, ge.ConcatV2([kv_c, k_pe], const(1, I32), N=2), slot_mapping)
+    written.set_meta(kv_cache.meta)
+    cache = _paged(written, width)
+    out, _, _ = torchair.ge.custom_op(
+        "SparseFlashAttention",
+        inputs={
+            "query": ge.ConcatV2([q_nope, q_pe], const(2, I32), N=2),
+            "key": cache,
+            "value": cache,
+            "sparse_indices": reshape(cast(topk_indices, I32), [T, 1, K]),
+            "block_table": cast(block_table, I32),
+            "actual_seq_lengths_query": cast(tail(cast(query_start_loc, I64)), I32),
+            "actual_seq_lengths_kv": cast(seq_lens, I32),
+            "query_rope": None,
+            "key_rope": None,
+        },
+        attrs={
+            "scale_value": attr.Float(float(scale)),
+            "sparse_block_size": attr.Int(1),
+            "layout_query": attr.Str("TND"),
+            "layout_kv": attr.Str("PA_BSND"),
+            "sparse_mode": attr.Int(3),
+            "pre_tokens": attr.Int(MAX_INT64),
+            "next_tokens": attr.Int(MAX_INT64),
+            "attention_mode": attr.Int(0),
+            "return_softmax_lse": attr.Bool(False),
+        },
+        outputs=["attention_out", "softmax_max", "softmax_sum"],
+    )
+    out = ge.Slice(out, const([0, 0, 0], I64), const([-1, -1, int(L)], I64))
+    return reshape(out, [T, H, L])
