@@ -2,9 +2,12 @@
 
 `torch.compile(model, backend="cp_ascend")` finds `cp_ascend` below through the
 `torch_dynamo_backends` entry point, so the name works without importing
-cp_compile. It reads the parallel state set up by `cp_compile.init_parallel`,
-runs the passes on the Dynamo graph (before AOTAutograd, so every lowering sees
-them) and lowers the result. `cp_compile.backend(...)` builds one explicitly.
+cp_compile. Per compiled graph the backend builds a `CompileContext` (parallel
+state from `cp_compile.init_parallel`, the model's `AttentionSpec`, the roles
+declared on `@cp_module`), validates the model against the config, runs the pass
+pipeline enabled for that context on the Dynamo graph (before AOTAutograd, so every
+lowering sees the rewrite) and lowers the result. `cp_compile.backend(...)` builds
+one explicitly. See docs/architecture.md for the data flow.
 """
 
 from __future__ import annotations
@@ -14,54 +17,106 @@ from typing import Any, Callable, Sequence
 import torch.fx as fx
 
 import cp_compile.ops  # noqa: F401  (registers cp::* ops before any graph is traced)
-from cp_compile.config import ConfigError, CPConfig
+from cp_compile.config import AttentionSpec, ConfigError, CPConfig
+from cp_compile.context import CompileContext, RoleBinding
 from cp_compile.lowering import Lowering, TorchairMode, lower
-from cp_compile.ops.dcp_attention import DCPContext
 from cp_compile.parallel_state import parallel_state_or_none
-from cp_compile.passes.dcp_attention import DCPAttentionPass
 from cp_compile.passes.pass_manager import PassManager
+
+try:  # Dynamo re-raises these unwrapped (torch >= 2.6); see `_passes_through_dynamo`.
+    from torch._dynamo.exc import ShortenTraceback as _DynamoPassThrough
+except ImportError:  # pragma: no cover - older torch: the error arrives as BackendCompilerFailed
+    _DynamoPassThrough = None
+
+
+def _passes_through_dynamo(err: ConfigError) -> ConfigError:
+    """The same ConfigError, of a subclass Dynamo does not wrap in BackendCompilerFailed.
+
+    Dynamo wraps every exception a backend raises, so `except cp_compile.ConfigError`
+    around a plain `torch.compile(model, backend=...)` call would never fire; it lets
+    its own ShortenTraceback family through, which this subclass joins.
+    """
+    if _DynamoPassThrough is None:
+        return err
+    cls = type("ConfigError", (ConfigError, _DynamoPassThrough), {"__module__": ConfigError.__module__})
+    new = cls.__new__(cls)
+    new.__dict__.update(err.__dict__)
+    new.args = err.args
+    new.first_useful_frame = None  # keep the whole traceback (ShortenTraceback would trim it)
+    return new
 
 
 class CpAscendBackend:
     """A torch.compile backend: cp-compile passes, then a lowering.
 
-    config: checked against the parallel state when given (it must match the
-    config passed to `init_parallel`); without a parallel state only dcp = 1 is
-    allowed (the passes then leave the graph unchanged).
+    config: checked against the parallel state when given (it must match the config
+    passed to `init_parallel`); without a parallel state only dcp = pcp = 1 is
+    allowed (the pipeline is then empty). attention: the model's `AttentionSpec`,
+    required at dcp > 1 or pcp > 1 and validated against the config before any pass
+    runs. roles: the resolved roles of `@cp_module` (`context.resolve_roles`).
     """
 
     def __init__(self, config: CPConfig | None = None, lowering: Lowering = "auto",
-                 torchair_mode: TorchairMode = "reduce-overhead") -> None:
+                 torchair_mode: TorchairMode = "reduce-overhead", attention: AttentionSpec | None = None,
+                 roles: tuple[RoleBinding, ...] = ()) -> None:
         self.config = config
         self.lowering = lowering
         self.torchair_mode = torchair_mode
+        self.attention = attention
+        self.roles = roles
         self.pass_managers: list[PassManager] = []  # one per compiled graph, for inspection
+        self.contexts: list[CompileContext] = []  # the context each graph was compiled in
 
-    def make_pass_manager(self) -> PassManager:
+    def make_context(self) -> CompileContext:
+        """The context of a compile now, on this rank; ConfigError if the model or
+        the config cannot be served."""
         state = parallel_state_or_none()
         if state is None:
-            if self.config is not None and self.config.dcp > 1:
-                raise ConfigError("DCP needs an initialised parallel state",
-                                  f"decode_context_parallel_size={self.config.dcp} but init_parallel was not called",
+            cfg = self.config or CPConfig()
+            if cfg.dcp > 1 or cfg.pcp > 1 or cfg.tp > 1:
+                raise ConfigError("parallel compiles need an initialised parallel state",
+                                  f"tensor_parallel_size={cfg.tp}, decode_context_parallel_size={cfg.dcp}, "
+                                  f"prefill_context_parallel_size={cfg.pcp} but init_parallel was not called",
                                   "call cp_compile.init_parallel(cfg) on every rank before compiling")
-            return PassManager([])
-        if self.config is not None and self.config != state.cfg:
-            raise ConfigError("backend config == init_parallel config",
-                              f"backend config {self.config} != parallel state config {state.cfg}",
-                              "pass the same CPConfig to cp_compile.backend and cp_compile.init_parallel")
-        return PassManager([DCPAttentionPass(DCPContext.from_state(state))])
+            ctx = CompileContext(config=cfg, attention=self.attention, roles=self.roles)
+        else:
+            if self.config is not None and self.config != state.cfg:
+                raise ConfigError("backend config == init_parallel config",
+                                  f"backend config {self.config} != parallel state config {state.cfg}",
+                                  "pass the same CPConfig to cp_compile.backend and cp_compile.init_parallel")
+            ctx = CompileContext.from_state(state, attention=self.attention, roles=self.roles)
+        cfg = ctx.config
+        if ctx.attention is not None:
+            cfg.validate_for(ctx.attention)
+        elif cfg.dcp > 1 or cfg.pcp > 1:
+            raise ConfigError("the model declares its attention under DCP / PCP",
+                              f"decode_context_parallel_size={cfg.dcp}, prefill_context_parallel_size={cfg.pcp} "
+                              f"and no AttentionSpec",
+                              "give the model an attention_spec() method returning cp_compile.AttentionSpec "
+                              "(cp_module / compile_model read it), or pass attention= to cp_compile.backend")
+        return ctx
+
+    def make_pass_manager(self) -> PassManager:
+        ctx = self.make_context()
+        self.contexts.append(ctx)
+        return PassManager.for_context(ctx)
 
     def __call__(self, gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable[..., Any]:
-        pm = self.make_pass_manager()
-        pm(gm)
-        self.pass_managers.append(pm)
+        try:
+            pm = self.make_pass_manager()
+            self.pass_managers.append(pm)
+            pm(gm)
+        except ConfigError as err:
+            raise _passes_through_dynamo(err) from None
         return lower(gm, example_inputs, self.lowering, self.torchair_mode)
 
 
 def backend(config: CPConfig | None = None, lowering: Lowering = "auto",
-            torchair_mode: TorchairMode = "reduce-overhead") -> CpAscendBackend:
+            torchair_mode: TorchairMode = "reduce-overhead", attention: AttentionSpec | None = None,
+            roles: tuple[RoleBinding, ...] = ()) -> CpAscendBackend:
     """Build a cp_ascend backend explicitly (e.g. `lowering="aot_eager"`)."""
-    return CpAscendBackend(config=config, lowering=lowering, torchair_mode=torchair_mode)
+    return CpAscendBackend(config=config, lowering=lowering, torchair_mode=torchair_mode, attention=attention,
+                           roles=roles)
 
 
 def cp_ascend(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable[..., Any]:

@@ -6,7 +6,11 @@
 
 The decorator
 - records roles the passes cannot infer from the graph (which Linear is the
-  o_proj, which submodule is the indexer), checked against the module at init;
+  o_proj, which submodule is the indexer), resolved against the module at init
+  (`module.cp_roles`, a tuple of `RoleBinding`) and handed to every pass in the
+  `CompileContext`;
+- reads the model's `AttentionSpec` (`model.attention_spec()`, or `attention=`) and
+  validates it against the config before the first trace;
 - marks token-count dimensions dynamic (the named tensor arguments' dim 0 and every
   `AttentionMetadata` field), so decode steps with new batch sizes and sequence
   lengths do not recompile;
@@ -28,7 +32,8 @@ import torch
 from torch import nn
 
 from cp_compile.backend import CpAscendBackend
-from cp_compile.config import CPConfig
+from cp_compile.config import AttentionSpec, ConfigError, CPConfig
+from cp_compile.context import RoleBinding, resolve_roles
 from cp_compile.lowering import Lowering, TorchairMode
 from cp_compile.metadata import AttentionMetadata, validate_forward_args
 
@@ -60,11 +65,17 @@ class CompiledForward:
         self.dynamic_args = tuple(dynamic_args)
         self.backend = backend
         self.compiled = torch.compile(forward, backend=backend, fullgraph=True)
+        self._validated = False
         # Check each step's metadata against the caches before the graph runs (outside
         # it; `validate_forward_args`). Set False only for a measured hot path.
         self.validate_inputs = True
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if not self._validated:
+            # Before the first trace: a model the config cannot serve fails here,
+            # as a ConfigError, not half-way through tracing.
+            self.backend.make_context()
+            self._validated = True
         bound = self.signature.bind(*args, **kwargs)
         if self.validate_inputs:
             # Global metadata: every rank refuses the same step, before any collective.
@@ -75,34 +86,47 @@ class CompiledForward:
         # Token count and request count often coincide (decode): no duck-sizing
         # equality between them, or the next mixed batch would recompile.
         with torch.fx.experimental._config.patch(use_duck_shape=False):
-            return self.compiled(*args, **kwargs)
+            try:
+                return self.compiled(*args, **kwargs)
+            except torch._dynamo.exc.BackendCompilerFailed as e:
+                if isinstance(e.inner_exception, ConfigError):  # torch versions that wrap it
+                    raise e.inner_exception from None
+                raise
+
+
+def _attention_of(module: nn.Module, attention: AttentionSpec | None) -> AttentionSpec | None:
+    if attention is not None:
+        return attention
+    spec = getattr(module, "attention_spec", None)
+    return spec() if callable(spec) else None
+
+
+def _compiled_forward(module: nn.Module, forward: Callable[..., Any], dynamic_args: Sequence[str],
+                      config: CPConfig | None, lowering: Lowering, torchair_mode: TorchairMode,
+                      attention: AttentionSpec | None, roles: tuple[RoleBinding, ...]) -> CompiledForward:
+    backend = CpAscendBackend(config=config, lowering=lowering, torchair_mode=torchair_mode,
+                              attention=_attention_of(module, attention), roles=roles)
+    return CompiledForward(module, forward, dynamic_args, backend)
 
 
 def compile_model(module: nn.Module, *, dynamic_args: Sequence[str] = ("input_ids", "positions", "meta"),
                   config: CPConfig | None = None, lowering: Lowering = "auto",
-                  torchair_mode: TorchairMode = "reduce-overhead") -> CompiledForward:
+                  torchair_mode: TorchairMode = "reduce-overhead", attention: AttentionSpec | None = None,
+                  o_proj: str | None = None, indexer: str | None = None) -> CompiledForward:
     """Compile `module.forward` with cp_ascend (fullgraph) and dynamic token dims.
 
-    For modules you cannot decorate (built elsewhere); `cp_module` uses the same path.
-    The returned callable's `.backend.pass_managers` record what the passes rewrote.
+    For modules you cannot decorate (built elsewhere); `cp_module` uses the same path
+    and takes the same role and attention arguments. The returned callable's
+    `.backend.pass_managers` record what the passes rewrote.
     """
-    backend = CpAscendBackend(config=config, lowering=lowering, torchair_mode=torchair_mode)
-    return CompiledForward(module, module.forward, dynamic_args, backend)
-
-
-def _check_roles(module: nn.Module, roles: dict[str, str | None]) -> dict[str, str]:
-    names = [n for n, _ in module.named_modules()]
-    for role, path in roles.items():
-        if path is not None and not any(n == path or n.endswith("." + path) for n in names):
-            raise ValueError(f"cp_module({type(module).__name__}): role {role}={path!r} names no submodule. "
-                             f"Fix: give the attribute path of the {role} module, e.g. 'self_attn.o_proj'")
-    return {k: v for k, v in roles.items() if v is not None}
+    roles = resolve_roles(module, {"o_proj": o_proj, "indexer": indexer})
+    return _compiled_forward(module, module.forward, dynamic_args, config, lowering, torchair_mode, attention, roles)
 
 
 def cp_module(cls: M | None = None, *, o_proj: str | None = None, indexer: str | None = None,
               dynamic_args: Sequence[str] = ("input_ids", "positions", "meta"), config: CPConfig | None = None,
               lowering: Lowering = "auto", torchair_mode: TorchairMode = "reduce-overhead",
-              compile: bool = True) -> Callable[[M], M] | M:
+              attention: AttentionSpec | None = None, compile: bool = True) -> Callable[[M], M] | M:
     """Class decorator; see the module docstring. `compile=False` only records roles."""
 
     def wrap(klass: M) -> M:
@@ -112,12 +136,11 @@ def cp_module(cls: M | None = None, *, o_proj: str | None = None, indexer: str |
         @functools.wraps(orig_init)
         def __init__(self: nn.Module, *args: Any, **kwargs: Any) -> None:
             orig_init(self, *args, **kwargs)
-            self.cp_roles = _check_roles(self, {"o_proj": o_proj, "indexer": indexer})
+            self.cp_roles = resolve_roles(self, {"o_proj": o_proj, "indexer": indexer})
             self.cp_compiled = None
             if compile:
-                self.cp_compiled = CompiledForward(
-                    self, functools.partial(orig_forward, self), dynamic_args,
-                    CpAscendBackend(config=config, lowering=lowering, torchair_mode=torchair_mode))
+                self.cp_compiled = _compiled_forward(self, functools.partial(orig_forward, self), dynamic_args,
+                                                     config, lowering, torchair_mode, attention, self.cp_roles)
 
         @functools.wraps(orig_forward)
         def forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:

@@ -8,28 +8,27 @@ runs on one device in eager mode; the script prints both token streams, the
 largest logit difference, what the pass rewrote, and the per-rank KV-cache bytes
 against the dcp = 1 baseline.
 
-    python examples/quickstart.py            # tp=2, dcp=2
-    python examples/quickstart.py --tp 4 --dcp 4 --model mla
+    python -m examples.quickstart            # tp=2, dcp=2 (from the repository root)
+    python -m examples.quickstart --tp 4 --dcp 4 --model mla
+
+Run as a module from the repository root, so `examples.*` imports without path
+tricks (the ranks it spawns import this module by the same name).
 """
 
 from __future__ import annotations
 
 import argparse
-import sys
 import time
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `examples` importable when run as a script
-
-import cp_compile  # noqa: E402
-from cp_compile.comm_stats import decode_comm_bytes_per_layer  # noqa: E402
-from cp_compile.testing.multirank import run_on_ranks  # noqa: E402
-from examples.models.deepseek_mla import DeepseekMLAConfig, DeepseekMLAModel  # noqa: E402
-from examples.models.qwen3 import Qwen3Config, Qwen3Model  # noqa: E402
-from examples.models.tiny import VOCAB, example_from_config, hf_deepseek_v3, hf_qwen3  # noqa: E402
-from examples.serving import run_schedule, tiny_schedule  # noqa: E402
+import cp_compile
+from cp_compile.comm_stats import decode_comm_bytes_per_layer
+from cp_compile.testing.multirank import run_on_ranks
+from examples.models.deepseek_mla import DeepseekMLAConfig, DeepseekMLAModel
+from examples.models.qwen3 import Qwen3Config, Qwen3Model
+from examples.models.tiny import VOCAB, example_from_config, hf_deepseek_v3, hf_qwen3
+from examples.serving import run_schedule, tiny_schedule
 
 BLOCK = 4
 NUM_BLOCKS = 12

@@ -169,3 +169,17 @@ def sparse_mla_attention(
 def _sparse_mla_attention_fake(q_nope, q_pe, kv_c, k_pe, kv_cache, slot_mapping, block_table, seq_lens,
                                query_start_loc, topk_indices, scale):
     return torch.empty_like(q_nope, memory_format=torch.contiguous_format)
+
+
+# Every op above assumes the single-device cache layout. Under DCP or PCP the caches
+# are laid out differently (sharded latents and K/V; the indexer's replicated cache
+# only under the SFA DCP pass that allocates and reads it), so a pass must replace or
+# claim each of these nodes; the pipeline's final check
+# (passes/unsharded_attention.py) refuses a graph that still holds one. A new
+# single-device attention op goes in this list.
+SINGLE_DEVICE_ATTENTION_OPS: tuple[torch._ops.OpOverloadPacket, ...] = (
+    torch.ops.cp.gqa_paged_attention,
+    torch.ops.cp.mla_attention,
+    torch.ops.cp.sparse_mla_attention,
+    torch.ops.cp.lightning_indexer,
+)

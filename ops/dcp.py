@@ -3,7 +3,7 @@
 Each op is small enough for a pass to place on its own: metadata localisation
 (once per forward), local cache write, partial attention over the local shard
 returning (out, lse), and the two LSE-merge combines. Collectives are *not* inside
-these ops: the compositions in `cp_compile.ops.dcp_attention` issue them as
+these ops: the compositions in `cp_compile.parallel.dcp` issue them as
 `_c10d_functional` ops so they stay visible graph nodes.
 
 CPU runs the torch references; CUDA (and NPU when torch_npu is present) run the
@@ -19,8 +19,8 @@ from cp_compile.ops import layout, reference
 
 
 @torch.library.custom_op("cp::dcp_localize_metadata", mutates_args=())
-def dcp_localize_metadata(slot_mapping: Tensor, query_start_loc: Tensor, seq_lens: Tensor, block_size: int,
-                          dcp: int, rank: int, interleave: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+def dcp_localize_metadata(slot_mapping: Tensor, query_start_loc: Tensor, seq_lens: Tensor, dcp: int, rank: int,
+                          interleave: int, block_size: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """Global metadata -> this rank's view, computed once per forward for all layers.
 
     Returns (local_slot_mapping [T] int64, local_seq_lens [B] int32,
@@ -28,15 +28,16 @@ def dcp_localize_metadata(slot_mapping: Tensor, query_start_loc: Tensor, seq_len
     per-rank page size (virtual blocks hold block_size * dcp tokens).
     """
     T = slot_mapping.shape[0]
-    slots = layout.local_slot_mapping(slot_mapping.long(), block_size, dcp, rank, interleave)
-    seq = layout.local_len(seq_lens, dcp, rank, interleave).to(torch.int32)
-    causal = layout.local_causal_lens(query_start_loc, seq_lens, T, dcp, rank, interleave)
-    ctx = layout.local_context_lens(query_start_loc, seq_lens, T, dcp, rank, interleave)
+    lay = dict(dcp=dcp, rank=rank, interleave=interleave)
+    slots = layout.local_slot_mapping(slot_mapping.long(), **lay, block_size=block_size)
+    seq = layout.local_len(seq_lens, **lay).to(torch.int32)
+    causal = layout.local_causal_lens(query_start_loc, seq_lens, T, **lay)
+    ctx = layout.local_context_lens(query_start_loc, seq_lens, T, **lay)
     return slots, seq, causal, ctx
 
 
 @dcp_localize_metadata.register_fake
-def _(slot_mapping, query_start_loc, seq_lens, block_size, dcp, rank, interleave):
+def _(slot_mapping, query_start_loc, seq_lens, dcp, rank, interleave, block_size):
     T = slot_mapping.shape[0]
     return (slot_mapping.new_empty(T, dtype=torch.int64), seq_lens.new_empty(seq_lens.shape, dtype=torch.int32),
             slot_mapping.new_empty(T, dtype=torch.int32), slot_mapping.new_empty(T, dtype=torch.int32))

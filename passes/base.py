@@ -4,33 +4,56 @@ from __future__ import annotations
 
 import abc
 import hashlib
+import importlib
 import inspect
 import sys
-from typing import Any
+from typing import Any, ClassVar
 
+import torch
 import torch.fx as fx
+
+from cp_compile.context import CompileContext
 
 
 class CPPass(abc.ABC):
     """A graph-to-graph rewrite on the Dynamo FX graph (before AOTAutograd).
 
-    Subclasses list in `config_fields` every setting they read, so that `uuid()` —
-    a hash of the pass's source file and those values — changes whenever the pass
-    could produce a different graph, and compile caches never serve a stale one.
+    A pass is built from the `CompileContext` of one compile and reads nothing else.
+    `uuid()` hashes the pass's own source, the source of the modules whose code it
+    emits into graphs (`emits_from`), and `config_values()`, so it changes whenever
+    the pass could produce a different graph and compile caches never serve a
+    stale one.
     """
 
-    name: str = "cp_pass"
-    config_fields: tuple[str, ...] = ()
+    name: ClassVar[str]
+    # Single-device ops this pass replaces (or claims) when enabled; the final
+    # unsharded-attention check cites them to say what supports an op.
+    handles: ClassVar[tuple[torch._ops.OpOverloadPacket, ...]] = ()
+    # When the pipeline enables the pass, in words (for error messages and docs).
+    enabled_when: ClassVar[str]
+    # Modules whose functions the pass traces into the graph (its compositions).
+    emits_from: ClassVar[tuple[str, ...]] = ()
+
+    def __init__(self, ctx: CompileContext) -> None:
+        self.ctx = ctx
+
+    @classmethod
+    @abc.abstractmethod
+    def is_enabled(cls, ctx: CompileContext) -> bool:
+        """Whether the pipeline runs this pass for `ctx` (see `enabled_when`)."""
 
     @abc.abstractmethod
     def __call__(self, gm: fx.GraphModule) -> int:
         """Rewrite `gm` in place; return the number of rewrites made."""
 
     def config_values(self) -> dict[str, Any]:
-        return {f: getattr(self, f) for f in self.config_fields}
+        """Every setting the pass reads from the context (part of the uuid)."""
+        return {}
 
     def uuid(self) -> str:
         h = hashlib.sha256()
-        h.update(inspect.getsource(sys.modules[type(self).__module__]).encode())
+        for mod in (type(self).__module__, *self.emits_from):
+            module = sys.modules.get(mod) or importlib.import_module(mod)
+            h.update(inspect.getsource(module).encode())
         h.update(repr(sorted(self.config_values().items())).encode())
         return h.hexdigest()

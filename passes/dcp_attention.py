@@ -7,44 +7,22 @@ all-to-all). Metadata localisation is inserted once per graph, before the first
 attention node, and shared by every layer. The collectives are `_c10d_functional`
 nodes, so later lowerings (Inductor, torchair) see and schedule them.
 
-The replacement is produced by calling the eager compositions of
-`cp_compile.ops.dcp_attention` on FX proxies: one implementation serves eager
-mode and graph mode.
+The replacement is produced by calling the compositions of
+`cp_compile.parallel.dcp` on FX proxies: one implementation serves eager mode and
+graph mode (docs/architecture.md, "Adding a pass").
 """
 
 from __future__ import annotations
 
-import operator
 from typing import Any, Callable
 
 import torch
 import torch.fx as fx
 
-from cp_compile.ops import dcp_attention as compose
+from cp_compile.context import CompileContext
+from cp_compile.parallel import dcp as dcp_compose
 from cp_compile.passes.base import CPPass
-
-
-class _ShapedProxy(fx.Proxy):
-    """A proxy for an existing node that answers `.shape` / `.dtype` from its fake value.
-
-    The compositions read head counts and dtypes off their *inputs* only; nodes
-    the pass creates carry no fake value, and asking them raises.
-    """
-
-    def _fake(self) -> torch.Tensor:
-        val = self.node.meta.get("example_value", self.node.meta.get("val"))
-        if not isinstance(val, torch.Tensor):
-            raise RuntimeError(f"node {self.node.name} has no fake tensor value; the DCP pass reads shapes only "
-                               f"from the attention op's inputs")
-        return val
-
-    @property
-    def shape(self) -> torch.Size:  # type: ignore[override]
-        return self._fake().shape
-
-    @property
-    def dtype(self) -> torch.dtype:  # type: ignore[override]
-        return self._fake().dtype
+from cp_compile.passes.fx_utils import ShapedProxy
 
 
 class AttentionPattern:
@@ -68,33 +46,39 @@ class AttentionPattern:
 
 class GQAPattern(AttentionPattern):
     op = torch.ops.cp.gqa_paged_attention
-    composition = staticmethod(compose.dcp_gqa_attention)
+    composition = staticmethod(dcp_compose.dcp_gqa_attention)
 
 
 class MLAPattern(AttentionPattern):
     op = torch.ops.cp.mla_attention
-    composition = staticmethod(compose.dcp_mla_attention)
+    composition = staticmethod(dcp_compose.dcp_mla_attention)
 
 
 class DCPAttentionPass(CPPass):
     """Rewrite single-device paged attention into DCP-sharded attention."""
 
     name = "dcp_attention"
-    config_fields = ("dcp", "rank", "interleave", "block_size", "group_name", "merge")
     patterns: tuple[AttentionPattern, ...] = (GQAPattern(), MLAPattern())
+    handles = tuple(p.op for p in patterns)
+    enabled_when = "decode_context_parallel_size > 1"
+    emits_from = ("cp_compile.parallel.dcp",)
 
-    def __init__(self, ctx: compose.DCPContext) -> None:
-        self.ctx = ctx
-        for f in self.config_fields:
-            setattr(self, f, getattr(ctx, f))
+    def __init__(self, ctx: CompileContext) -> None:
+        super().__init__(ctx)
+        self.dcp = ctx.dcp_view()
+
+    @classmethod
+    def is_enabled(cls, ctx: CompileContext) -> bool:
+        return ctx.dcp.size > 1
+
+    def config_values(self) -> dict[str, Any]:
+        return dict(self.dcp.__dict__)
 
     def __call__(self, gm: fx.GraphModule) -> int:
-        if self.ctx.dcp == 1:
-            return 0
         graph = gm.graph
         tracer = fx.proxy.GraphAppendingTracer(graph)
-        wrap = lambda a: fx.map_arg(a, lambda n: _ShapedProxy(n, tracer))  # noqa: E731
-        local_by_meta: dict[tuple[fx.Node, ...], compose.LocalMetadata] = {}
+        wrap = lambda a: fx.map_arg(a, lambda n: ShapedProxy(n, tracer))  # noqa: E731
+        local_by_meta: dict[tuple[fx.Node, ...], dcp_compose.LocalMetadata] = {}
         count = 0
         for node in list(graph.nodes):
             pattern = next((p for p in self.patterns if p.matches(node)), None)
@@ -105,8 +89,8 @@ class DCPAttentionPass(CPPass):
             with graph.inserting_before(node):
                 if key not in local_by_meta:
                     # Once per graph (per distinct metadata): every layer reuses it.
-                    local_by_meta[key] = compose.localize(self.ctx, *(wrap(k) for k in key))
-                out = pattern.composition(**{k: wrap(v) for k, v in args.items()}, ctx=self.ctx,
+                    local_by_meta[key] = dcp_compose.localize(self.dcp, *(wrap(k) for k in key))
+                out = pattern.composition(**{k: wrap(v) for k, v in args.items()}, ctx=self.dcp,
                                           local=local_by_meta[key])
             node.replace_all_uses_with(out.node)
             graph.erase_node(node)
@@ -116,13 +100,3 @@ class DCPAttentionPass(CPPass):
             graph.lint()
             gm.recompile()
         return count
-
-
-def count_ops(gm: fx.GraphModule) -> dict[str, int]:
-    """Histogram of call_function targets (for snapshots and tests)."""
-    hist: dict[str, int] = {}
-    for n in gm.graph.nodes:
-        if n.op == "call_function" and n.target is not operator.getitem:
-            name = str(n.target)
-            hist[name] = hist.get(name, 0) + 1
-    return hist

@@ -1,7 +1,9 @@
-"""Runs the cp-compile passes in a fixed order and shows what they rewrote.
+"""Runs the enabled cp-compile passes in pipeline order and shows what they rewrote.
 
-Order (each pass sees the output of the previous one):
-  1. dcp_attention — single-device attention nodes -> DCP building blocks.
+`PassManager.for_context(ctx)` keeps the passes of `passes/pipeline.py` that are
+enabled for the compile context, in registry order. After every pass the nodes it
+created get fake values (`fx_utils.propagate_fake_values`), so the next pass can
+read their shapes.
 
 Graph dumps: set `CP_COMPILE_DUMP_GRAPHS=<dir>` to write each graph before and
 after every pass (`<dir>/<graph>-<nn>-<pass>-{before,after}.txt`, with op counts),
@@ -18,8 +20,10 @@ from dataclasses import dataclass, field
 
 import torch.fx as fx
 
+from cp_compile.context import CompileContext
 from cp_compile.passes.base import CPPass
-from cp_compile.passes.dcp_attention import count_ops
+from cp_compile.passes.fx_utils import count_ops, propagate_fake_values
+from cp_compile.passes.pipeline import PIPELINE
 
 log = logging.getLogger("cp_compile.passes")
 if os.environ.get("CP_COMPILE_LOG", "").lower() == "debug":
@@ -42,6 +46,15 @@ class PassManager:
     passes: list[CPPass]
     history: list[PassRecord] = field(default_factory=list)
 
+    @classmethod
+    def for_context(cls, ctx: CompileContext) -> "PassManager":
+        """The pipeline's passes that are enabled for `ctx`, in registry order."""
+        return cls([p(ctx) for p in PIPELINE if p.is_enabled(ctx)])
+
+    @property
+    def names(self) -> list[str]:
+        return [p.name for p in self.passes]
+
     def uuid(self) -> str:
         return hashlib.sha256("".join(p.uuid() for p in self.passes).encode()).hexdigest()
 
@@ -52,6 +65,7 @@ class PassManager:
             before = count_ops(gm)
             self._dump(dump_dir, gid, i, p.name, "before", gm)
             n = p(gm)
+            propagate_fake_values(gm)
             after = count_ops(gm)
             self._dump(dump_dir, gid, i, p.name, "after", gm)
             self.history.append(PassRecord(p.name, n, before, after))

@@ -49,11 +49,11 @@ def _local_slot_mapping_kernel(
 
 def local_slot_mapping_triton(
     slot_mapping: torch.Tensor,  # [T] int64 (or int32) global slots, -1 = skip
-    block_size: int,
+    *,
     dcp: int,
     rank: int,
     interleave: int,
-    *,
+    block_size: int,
     num_programs: int | None = None,
     block: int | None = None,
 ) -> torch.Tensor:
@@ -92,7 +92,7 @@ def _lowering_examples():
         slots = torch.zeros(T, dtype=torch.int64)
         qsl = torch.tensor([0, T], dtype=torch.int32)
         seq_lens = torch.tensor([T], dtype=torch.int32)
-        yield f"{T} tokens", functools.partial(registry._localize, slots, qsl, seq_lens, 128, 2, 0, 1)
+        yield f"{T} tokens", functools.partial(registry._localize, slots, qsl, seq_lens, 2, 0, 1, 128)
 
 
 LOWERING = LoweringDeclaration(

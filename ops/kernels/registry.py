@@ -39,12 +39,13 @@ def _lse_combine(outs, lses):
     return kernels.merge_partials_triton(outs, lses, lse_out=total), total
 
 
-def _localize(slot_mapping, query_start_loc, seq_lens, block_size, dcp, rank, interleave):
+def _localize(slot_mapping, query_start_loc, seq_lens, dcp, rank, interleave, block_size):
     T = slot_mapping.shape[0]
-    slots = kernels.local_slot_mapping_triton(slot_mapping.long(), block_size, dcp, rank, interleave)
-    return (slots, layout.local_len(seq_lens, dcp, rank, interleave).to(torch.int32),
-            layout.local_causal_lens(query_start_loc, seq_lens, T, dcp, rank, interleave),
-            layout.local_context_lens(query_start_loc, seq_lens, T, dcp, rank, interleave))
+    lay = dict(dcp=dcp, rank=rank, interleave=interleave)
+    slots = kernels.local_slot_mapping_triton(slot_mapping.long(), **lay, block_size=block_size)
+    return (slots, layout.local_len(seq_lens, **lay).to(torch.int32),
+            layout.local_causal_lens(query_start_loc, seq_lens, T, **lay),
+            layout.local_context_lens(query_start_loc, seq_lens, T, **lay))
 
 
 def _gqa_paged_attention(q, k, v, k_cache, v_cache, slot_mapping, block_table, seq_lens, query_start_loc, scale):

@@ -30,7 +30,9 @@ def test_decorator_compiles_records_roles_and_keeps_eager():
     Decorated = cp_compile.cp_module(o_proj="o_proj", lowering="aot_eager",
                                      dynamic_args=("input_ids", "positions"))(type("D", (Scaled,), {}))
     m = Decorated()
-    assert m.cp_roles == {"o_proj": "o_proj"}
+    (role,) = m.cp_roles
+    assert (role.role, role.path, role.modules, role.parameters) == ("o_proj", "o_proj", ("o_proj",),
+                                                                     ("o_proj.weight", "o_proj.bias"))
     for T in (5, 3, 7):  # token counts change: one graph
         ids, pos = torch.arange(T), torch.arange(T) * 2
         torch.testing.assert_close(m(ids, pos), m.cp_eager_forward(ids, pos))

@@ -10,25 +10,16 @@ step's logits must equal HF's full-sequence forward at the same positions.
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
-try:
-    import examples.models  # noqa: F401
-except ImportError:  # plain `pytest` (not `python -m pytest`) does not put the repo root on sys.path
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-
-
-from cp_compile.config import CPConfig  # noqa: E402
-from cp_compile.kv_cache import allocate_kv_cache  # noqa: E402
-from cp_compile.metadata import BlockAllocator, build_attention_metadata  # noqa: E402
-from examples.models import deepseek_mla, qwen3  # noqa: E402
-from examples.models.deepseek_mla import DeepseekMLAConfig  # noqa: E402
-from examples.models.qwen3 import Qwen3Model  # noqa: E402
-from examples.models.tiny import VOCAB, example_from_hf, hf_deepseek_v2_lite, hf_deepseek_v3, hf_qwen3  # noqa: E402
+from cp_compile.config import CPConfig
+from cp_compile.kv_cache import allocate_kv_cache
+from cp_compile.metadata import BlockAllocator, build_attention_metadata
+from examples.models import deepseek_mla, qwen3
+from examples.models.deepseek_mla import DeepseekMLAConfig
+from examples.models.qwen3 import Qwen3Model
+from examples.models.tiny import VOCAB, example_from_hf, hf_deepseek_v2_lite, hf_deepseek_v3, hf_qwen3
 
 ATOL = RTOL = 1e-4
 

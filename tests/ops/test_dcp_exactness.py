@@ -18,7 +18,9 @@ import torch
 
 import cp_compile
 import cp_compile.ops  # noqa: F401
-from cp_compile.ops import dcp_attention as D
+from cp_compile.context import CompileContext
+from cp_compile.parallel import dcp as D
+from cp_compile.parallel.dcp_eager import dcp_mla_chunked_prefill
 from cp_compile.testing.multirank import run_on_ranks
 
 TP = 4
@@ -111,7 +113,7 @@ def _run_cases(rank: int, world: int, cases: list[Case]) -> list[list[torch.Tens
                                   cp_kv_cache_interleave_size=case.interleave, block_size=BLOCK,
                                   dcp_merge=case.merge)
         state = cp_compile.init_parallel(cfg, device="cpu")
-        ctx = D.DCPContext.from_state(state)
+        ctx = CompileContext.from_state(state).dcp_view()
         caches = _caches(case, BLOCK, 1, case.dtype)
         outs = []
         for step, meta in enumerate(_metas(case)):
@@ -124,8 +126,8 @@ def _run_cases(rank: int, world: int, cases: list[Case]) -> list[list[torch.Tens
                 o = D.dcp_mla_attention(x["q_nope"], x["q_pe"], x["kv_c"], x["k_pe"], *caches, *_meta_args(meta),
                                         0.2, ctx)
             else:
-                o = D.dcp_mla_chunked_prefill(x["q_nope"], x["q_pe"], x["kv_c"], x["k_pe"], *caches,
-                                              *_meta_args(meta), 0.2, ctx)
+                o = dcp_mla_chunked_prefill(x["q_nope"], x["q_pe"], x["kv_c"], x["k_pe"], *caches,
+                                            *_meta_args(meta), 0.2, ctx)
             outs.append(o)
         results.append(outs)
         cp_compile.destroy_parallel()

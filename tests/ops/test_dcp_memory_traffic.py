@@ -5,7 +5,8 @@ import torch
 
 import cp_compile
 from cp_compile.comm_stats import CollectiveMeter, decode_comm_bytes_per_layer
-from cp_compile.ops import dcp_attention as D
+from cp_compile.context import CompileContext
+from cp_compile.parallel import dcp as D
 from cp_compile.testing.multirank import run_on_ranks
 
 
@@ -32,7 +33,7 @@ def _measure(rank, world, cases):
         cfg = cp_compile.CPConfig(tensor_parallel_size=world, decode_context_parallel_size=dcp, block_size=4,
                                   dcp_merge=merge)
         st = cp_compile.init_parallel(cfg, device="cpu")
-        ctx = D.DCPContext.from_state(st)
+        ctx = CompileContext.from_state(st).dcp_view()
         alloc = cp_compile.BlockAllocator(8, 4 * dcp)
         cp_compile.build_attention_metadata([(0, 6), (0, 3), (0, 9)], alloc)
         meta = cp_compile.build_attention_metadata([(6, 1), (3, 1), (9, 1)], alloc)

@@ -26,7 +26,7 @@ def test_opcheck_building_blocks():
     kv_lens = torch.tensor([1, 2, 0, 3, 1, 1, 0, 0], dtype=torch.int32)
     lse = r(T, 4)
     lse[2] = float("-inf")
-    torch.library.opcheck(cp.dcp_localize_metadata, (slots, qsl, seq, 4, 2, 1, 2))
+    torch.library.opcheck(cp.dcp_localize_metadata, (slots, qsl, seq, 2, 1, 2, 4))
     torch.library.opcheck(cp.cache_write, (r(T, 1, 8), torch.zeros(8, 4, 1, 8), slots.clamp(max=31)))
     torch.library.opcheck(cp.paged_attention_lse, (r(T, 4, 8), r(8, 4, 1, 8), r(8, 4, 1, 6), bt, qsl, kv_lens, 0.3))
     torch.library.opcheck(cp.mla_partial_attention, (r(T, 4, 8), r(T, 4, 2), r(8, 4, 10), bt, qsl, kv_lens, 0.3))
@@ -37,11 +37,11 @@ def test_opcheck_building_blocks():
 
 def test_localize_matches_layout():
     qsl, seq, slots, _ = _meta()
-    s, ls, causal, ctx = cp.dcp_localize_metadata(slots, qsl, seq, 4, 2, 1, 2)
-    assert torch.equal(s, layout.local_slot_mapping(slots, 4, 2, 1, 2))
-    assert torch.equal(ls, layout.local_len(seq, 2, 1, 2).int())
-    assert torch.equal(causal, layout.local_causal_lens(qsl, seq, 8, 2, 1, 2))
-    assert torch.equal(ctx, layout.local_context_lens(qsl, seq, 8, 2, 1, 2))
+    s, ls, causal, ctx = cp.dcp_localize_metadata(slots, qsl, seq, 2, 1, 2, 4)
+    assert torch.equal(s, layout.local_slot_mapping(slots, dcp=2, rank=1, interleave=2, block_size=4))
+    assert torch.equal(ls, layout.local_len(seq, dcp=2, rank=1, interleave=2).int())
+    assert torch.equal(causal, layout.local_causal_lens(qsl, seq, 8, dcp=2, rank=1, interleave=2))
+    assert torch.equal(ctx, layout.local_context_lens(qsl, seq, 8, dcp=2, rank=1, interleave=2))
 
 
 def test_merge_empty_shards_weigh_zero_and_all_empty_is_zero():

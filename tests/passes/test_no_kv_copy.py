@@ -44,7 +44,9 @@ def _step_bytes(compiled, num_blocks: int, dcp: int, rank: int) -> int:
 def _world(rank: int, world: int, dcp: int) -> list[int]:
     cp_compile.init_parallel(cp_compile.CPConfig(tensor_parallel_size=world, decode_context_parallel_size=dcp,
                                                  block_size=16), device="cpu")
-    compiled = torch.compile(OneLayer(), backend=cp_compile.backend(lowering="inductor"), fullgraph=True)
+    spec = cp_compile.AttentionSpec(kind="gqa", num_heads=4 * world, num_kv_heads=1)  # 4 query heads per rank
+    compiled = torch.compile(OneLayer(), backend=cp_compile.backend(lowering="inductor", attention=spec),
+                             fullgraph=True)
     return [_step_bytes(compiled, nb, dcp, rank) for nb in (64, 2048)]
 
 

@@ -1,15 +1,24 @@
-"""Composed DCP attention with the semantics of the single-device ops (DESIGN.md §5).
+"""DCP attention compositions, traceable (docs/architecture.md, "DCP math").
 
-The compositions are plain Python over custom ops and raw `_c10d_functional`
-collectives (each followed by `wait_tensor`), with no data-dependent control flow
-and no shape arithmetic. That makes one piece of code serve both uses:
-- eager: call with real tensors on an initialised DCP group (the seeds list eager mode);
-- compile: the DCP pass calls the same function with FX proxies, which records the
-  building blocks and the collectives as graph nodes (passes/dcp_attention.py).
+Each composition has the semantics of one single-device attention op (same
+arguments: global metadata, this rank's cache shard; same output for this rank's
+heads) and is written as plain Python over `cp::*` custom ops and raw
+`_c10d_functional` collectives (each followed by `wait_tensor`), with no
+data-dependent control flow and no shape arithmetic. That makes one piece of code
+serve both uses:
+- eager: call it with real tensors on an initialised DCP group;
+- compile: the DCP attention pass (`passes/dcp_attention.py`) calls it with FX
+  proxies, which records the building blocks and the collectives as graph nodes.
+
+Compositions receive a `DCPContext`: the narrow view of the compile context
+(`cp_compile.context.CompileContext.dcp_view()`) holding only what DCP attention is
+specialised on. Nothing here reads module-level parallel state.
 
 Head layout: collectives work on dim 0, so tensors cross the wire head-major
 ([heads, T, ...]); gathered heads are in DCP-group rank order, which is the order
 the reduce-scatter / all-to-all chunks return them in.
+
+Compositions whose shapes depend on the data (eager only) are in `dcp_eager.py`.
 """
 
 from __future__ import annotations
@@ -20,8 +29,7 @@ from typing import Literal, NamedTuple
 import torch
 from torch import Tensor
 
-import cp_compile.ops.dcp  # noqa: F401  (registers cp::* building blocks)
-from cp_compile.ops import layout, reference
+import cp_compile.ops  # noqa: F401  (registers the cp::* building blocks)
 
 _c10d = torch.ops._c10d_functional
 _cp = torch.ops.cp
@@ -35,14 +43,8 @@ class DCPContext:
     rank: int
     interleave: int
     block_size: int  # per-rank page size
-    group_name: str
+    group_name: str  # the DCP group's name for the functional collectives
     merge: Literal["ag_rs", "a2a"] = "ag_rs"
-
-    @classmethod
-    def from_state(cls, state) -> "DCPContext":
-        cfg = state.cfg
-        return cls(dcp=cfg.dcp, rank=state.dcp_rank, interleave=cfg.interleave, block_size=cfg.block_size,
-                   group_name=state.dcp_group_name, merge=cfg.dcp_merge)
 
 
 class LocalMetadata(NamedTuple):
@@ -54,8 +56,8 @@ class LocalMetadata(NamedTuple):
 
 def localize(ctx: DCPContext, slot_mapping: Tensor, query_start_loc: Tensor, seq_lens: Tensor) -> LocalMetadata:
     """Once per forward: the metadata every DCP layer of this rank shares."""
-    out = _cp.dcp_localize_metadata.default(slot_mapping, query_start_loc, seq_lens, ctx.block_size, ctx.dcp,
-                                            ctx.rank, ctx.interleave)
+    out = _cp.dcp_localize_metadata.default(slot_mapping, query_start_loc, seq_lens, ctx.dcp, ctx.rank,
+                                            ctx.interleave, ctx.block_size)
     return LocalMetadata(out[0], out[1], out[2], out[3])
 
 
@@ -145,55 +147,3 @@ def dcp_gqa_chunked_prefill(q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_
     new = _cp.varlen_causal_attention_lse.default(q, k, v, query_start_loc, scale)
     merged = _cp.lse_combine.default(torch.stack([ctx_out, new[0]]), torch.stack([ctx_lse, new[1]]))
     return merged[0].to(q.dtype)
-
-
-def dcp_mla_chunked_prefill(q_nope: Tensor, q_pe: Tensor, kv_c: Tensor, k_pe: Tensor, kv_cache: Tensor,
-                            slot_mapping: Tensor, block_table: Tensor, seq_lens: Tensor, query_start_loc: Tensor,
-                            scale: float, ctx: DCPContext) -> Tensor:
-    """MLA chunked prefill the seeds' way (eager only: its shapes depend on the data).
-
-    Instead of gathering queries, every rank all-gathers the batch's cached context
-    latent (each rank packs its local tokens per request, padded to rank 0's count,
-    which is the largest), restores request-contiguous order, and its own heads
-    attend the whole context; the step's own tokens are attended causally from the
-    new latents, and the two parts are merged by LSE.
-    """
-    T = q_nope.shape[0]
-    L = q_nope.shape[-1]
-    local = localize(ctx, slot_mapping, query_start_loc, seq_lens)
-    latent_new = torch.cat([kv_c, k_pe], dim=-1)  # [T, L+R]
-    _cp.cache_write.default(latent_new, kv_cache, local.slot_mapping)
-    q_lens = (query_start_loc[1:] - query_start_loc[:-1]).long()
-    ctx_lens = seq_lens.long() - q_lens  # [B]
-    pad = layout.local_len(ctx_lens, ctx.dcp, 0, ctx.interleave)  # rank 0 holds the most
-    mine = layout.local_len(ctx_lens, ctx.dcp, ctx.rank, ctx.interleave)
-    packed = kv_cache.new_zeros(int(pad.sum()), kv_cache.shape[-1])
-    starts = torch.cumsum(pad, 0) - pad
-    for b in range(ctx_lens.shape[0]):
-        n = int(mine[b])
-        if n:
-            packed[int(starts[b]): int(starts[b]) + n] = reference.gather_request_pages(kv_cache, block_table[b], n)
-    gathered = _c10d.wait_tensor.default(
-        _c10d.all_gather_into_tensor.default(packed, ctx.dcp, ctx.group_name)).view(ctx.dcp, -1, packed.shape[-1])
-    # Restore order: position p of request b sits on rank owner(p) at local index local_len(owner, p).
-    full = []
-    for b in range(ctx_lens.shape[0]):
-        p = torch.arange(int(ctx_lens[b]))
-        owner = layout.token_owner(p, ctx.dcp, ctx.interleave, ctx.block_size)
-        j = layout.local_len(p, ctx.dcp, owner, ctx.interleave)  # packed local index on the owner
-        full.append(gathered[owner, starts[b] + j])
-    context = torch.cat(full) if full else kv_cache.new_zeros(0, kv_cache.shape[-1])  # [sum ctx, L+R]
-    # The restored context as a paged cache of block size 1: table row b = its token indices.
-    width = max(int(ctx_lens.max()) if ctx_lens.numel() else 0, 1)
-    ctx_starts = torch.cumsum(ctx_lens, 0) - ctx_lens
-    table = (ctx_starts[:, None] + torch.arange(width)).clamp(max=max(context.shape[0] - 1, 0))
-    req = layout.request_index(query_start_loc, T)
-    kv_lens = torch.where(req >= 0, ctx_lens[req.clamp(min=0)], torch.zeros_like(req, dtype=torch.int64))
-    if context.shape[0] == 0:
-        context = kv_cache.new_zeros(1, kv_cache.shape[-1])
-    q = torch.cat([q_nope, q_pe], dim=-1)
-    old = _cp.paged_attention_lse.default(q, context[:, None, None], context[:, None, None, :L], table,
-                                          query_start_loc, kv_lens.to(torch.int32), scale)
-    new = _cp.varlen_causal_attention_lse.default(q, latent_new[:, None], kv_c[:, None], query_start_loc, scale)
-    merged = _cp.lse_combine.default(torch.stack([old[0], new[0]]), torch.stack([old[1], new[1]]))
-    return merged[0].to(q_nope.dtype)

@@ -1,0 +1,144 @@
+"""The compile context: everything a pass may know about one compile, in one value.
+
+The backend builds one `CompileContext` per compiled graph, from the parallel state
+(`init_parallel`), the model's `AttentionSpec` and the roles declared on
+`@cp_module`, and hands it to the pass pipeline. Passes and the parallel
+compositions read only this (or a narrow view of it, such as `dcp_view()`), never
+module-level parallel state, so a pass can be run and tested in one process on a
+context built by hand (`CompileContext.for_test`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from torch import nn
+
+from cp_compile.config import AttentionSpec, ConfigError, CPConfig
+from cp_compile.parallel.dcp import DCPContext
+
+if TYPE_CHECKING:
+    from cp_compile.parallel_state import ParallelState
+
+ROLE_NAMES = ("o_proj", "indexer")
+
+
+@dataclass(frozen=True)
+class GroupInfo:
+    """One process group as the graph sees it: its size, this rank's place in it, and
+    the name functional collectives address it by ("" when there is no group)."""
+
+    size: int = 1
+    rank: int = 0
+    name: str = ""
+
+
+@dataclass(frozen=True)
+class RoleBinding:
+    """A role declared on `@cp_module` (e.g. o_proj="self_attn.o_proj"), resolved.
+
+    modules: qualified names of every submodule the path names (one per layer);
+    parameters: qualified names of their parameters, the names
+    `passes.fx_utils.parameter_fqn` reads off the graph's parameter placeholders.
+    """
+
+    role: str
+    path: str
+    modules: tuple[str, ...]
+    parameters: tuple[str, ...]
+
+
+def resolve_roles(module: nn.Module, roles: dict[str, str | None]) -> tuple[RoleBinding, ...]:
+    """Resolve declared role paths against `module`; a path that names nothing is an error.
+
+    A path matches a submodule whose qualified name equals it or ends with
+    "." + path, so "self_attn.o_proj" finds the o_proj of every decoder layer.
+    """
+    unknown = sorted(set(roles) - set(ROLE_NAMES))
+    if unknown:
+        raise ValueError(f"cp_module({type(module).__name__}): unknown roles {unknown}. "
+                         f"Fix: declare only {list(ROLE_NAMES)}")
+    named = dict(module.named_modules())
+    out = []
+    for role, path in roles.items():
+        if path is None:
+            continue
+        hits = tuple(n for n in named if n == path or n.endswith("." + path))
+        if not hits:
+            raise ValueError(f"cp_module({type(module).__name__}): role {role}={path!r} names no submodule. "
+                             f"Fix: give the attribute path of the {role} module, e.g. 'self_attn.o_proj'")
+        params = tuple(f"{m}.{p}" if m else p for m in hits for p, _ in named[m].named_parameters())
+        out.append(RoleBinding(role=role, path=path, modules=hits, parameters=params))
+    return tuple(out)
+
+
+@dataclass(frozen=True)
+class CompileContext:
+    """What one compile is specialised on. Built by the backend; read by the passes.
+
+    Every field that can change the rewritten graph is part of some pass's uuid, so
+    compile caches never serve a graph built for another context.
+    """
+
+    config: CPConfig
+    tp: GroupInfo = field(default_factory=GroupInfo)
+    dcp: GroupInfo = field(default_factory=GroupInfo)
+    pcp: GroupInfo = field(default_factory=GroupInfo)
+    attention: AttentionSpec | None = None
+    roles: tuple[RoleBinding, ...] = ()
+
+    def __post_init__(self) -> None:
+        for name, g, want in (("tp", self.tp, self.config.tp), ("dcp", self.dcp, self.config.dcp),
+                              ("pcp", self.pcp, self.config.pcp)):
+            if g.size != want or not 0 <= g.rank < g.size:
+                raise ConfigError(f"{name} group matches the config",
+                                  f"{name} group size={g.size} rank={g.rank}, config {name}={want}",
+                                  "build the context from the same CPConfig as init_parallel")
+            if g.size > 1 and not g.name:
+                raise ConfigError(f"{name} group has a name", f"{name} size={g.size} with no group name",
+                                  "pass the process group's group_name")
+
+    @classmethod
+    def from_state(cls, state: "ParallelState", attention: AttentionSpec | None = None,
+                   roles: tuple[RoleBinding, ...] = ()) -> "CompileContext":
+        """The context of a compile on this rank of an initialised parallel state."""
+        cfg = state.cfg
+        return cls(config=cfg,
+                   tp=GroupInfo(cfg.tp, state.tp_rank, state.tp_group.group_name),
+                   dcp=GroupInfo(cfg.dcp, state.dcp_rank, state.dcp_group.group_name),
+                   pcp=GroupInfo(cfg.pcp, state.pcp_rank, state.pcp_group.group_name),
+                   attention=attention, roles=roles)
+
+    @classmethod
+    def for_test(cls, config: CPConfig, *, rank: int = 0, attention: AttentionSpec | None = None,
+                 roles: tuple[RoleBinding, ...] = ()) -> "CompileContext":
+        """A context for graph-structure tests in one process: group names are
+        placeholders no collective ever resolves (the graph is inspected, not run)."""
+        def grp(kind: str, size: int) -> GroupInfo:
+            return GroupInfo(size, rank % size, f"test_{kind}" if size > 1 else "")
+
+        return cls(config=config, tp=grp("tp", config.tp), dcp=grp("dcp", config.dcp),
+                   pcp=grp("pcp", config.pcp), attention=attention, roles=roles)
+
+    def role(self, name: str) -> RoleBinding | None:
+        return next((r for r in self.roles if r.role == name), None)
+
+    def role_of_parameter(self, fqn: str) -> str | None:
+        """The role whose module owns parameter `fqn` (a qualified name), if any."""
+        return next((r.role for r in self.roles if fqn in r.parameters), None)
+
+    def dcp_view(self) -> DCPContext:
+        """The narrow view the DCP compositions are specialised on."""
+        cfg = self.config
+        return DCPContext(dcp=self.dcp.size, rank=self.dcp.rank, interleave=cfg.interleave,
+                          block_size=cfg.block_size, group_name=self.dcp.name, merge=cfg.dcp_merge)
+
+    def describe(self) -> str:
+        """One line for error messages."""
+        cfg = self.config
+        kind = self.attention.kind if self.attention is not None else "unknown"
+        return (f"tensor_parallel_size={cfg.tp}, decode_context_parallel_size={cfg.dcp}, "
+                f"prefill_context_parallel_size={cfg.pcp}, enable_dsa_cp={cfg.enable_dsa_cp}, "
+                f"attention kind={kind}")
+
