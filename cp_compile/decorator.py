@@ -79,7 +79,7 @@ class CompiledForward:
         bound = self.signature.bind(*args, **kwargs)
         if self.validate_inputs:
             # Global metadata: every rank refuses the same step, before any collective.
-            validate_forward_args(bound.arguments)
+            validate_forward_args(bound.arguments, backend=self.backend)
         for name in self.dynamic_args:
             if name in bound.arguments:
                 _mark_dynamic(bound.arguments[name])

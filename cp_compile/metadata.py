@@ -432,13 +432,20 @@ def build_attention_metadata(
 
 
 
-def validate_forward_args(arguments: Mapping[str, Any], dcp: int | None = None) -> None:
+def validate_forward_args(arguments: Mapping[str, Any], dcp: int | None = None, backend: Any = None) -> None:
     """`validate_step` for a model forward's bound arguments (the compiled entry).
 
     Finds the `AttentionMetadata` argument, the KV caches (`kv_caches`, else the first
     list of per-layer tuples of tensors) and the token count (`input_ids`); does
-    nothing when the forward takes no metadata or caches.
+    nothing when the forward takes no metadata or caches. `backend`: the backend the
+    forward is compiled with; one other than cp_ascend runs the single-device ops as
+    written, so its caches are checked at dcp = 1 even on a DCP parallel state.
     """
+    if dcp is None and backend is not None:
+        from cp_compile.backend import CpAscendBackend
+
+        if not isinstance(backend, CpAscendBackend):
+            dcp = 1
     meta = next((v for v in arguments.values() if isinstance(v, AttentionMetadata)), None)
     caches = arguments.get("kv_caches")
     if caches is None:

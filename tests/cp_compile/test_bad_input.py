@@ -291,6 +291,19 @@ def _dcp_world(rank: int, world: int, hf_config, state_dict, ok_config, ok_state
         out["compiled_bad_step"] = str(e)
     out["unchanged_after_compiled"] = _same(cache.layers, before)
     out["compiled_graphs"] = len(compiled.backend.pass_managers)
+    # A forward compiled with another backend runs the single-device ops as written:
+    # its (dcp = 1) caches are checked at dcp = 1 even on this DCP state.
+    from cp_compile.metadata import validate_forward_args
+
+    plain_alloc = cp_compile.BlockAllocator(4, 4)  # dcp = 1 blocks of 4 tokens
+    plain_alloc.ensure(-1, 4)  # block 0 taken: the request's blocks are 1 and 2
+    plain = cp_compile.build_attention_metadata([(5, 1)], plain_alloc)
+    plain_args = {"input_ids": torch.zeros(1, dtype=torch.long), "kv_caches": cache.layers, "meta": plain}
+    validate_forward_args(plain_args, backend="inductor")
+    try:
+        validate_forward_args(plain_args, backend=compiled.backend)
+    except MetadataError as e:
+        out["plain_under_dcp"] = str(e)
     # The group is still in step: a valid step runs on both ranks.
     good = cp_compile.build_attention_metadata([(0, 3)], cp_compile.BlockAllocator(4, cfg.virtual_block_size))
     q, k, v = (torch.randn(3, h, 8, generator=g) for h in (2, 1, 1))
@@ -311,5 +324,7 @@ def test_dcp_ranks_refuse_the_same_step_and_check_their_layout(qwen):
         assert out["bad_step"] is not None and out["bad_step"].startswith("slot_mapping (request 0): slot_mapping[2]")
         assert out["compiled_bad_step"] == out["bad_step"], out
         assert out["compiled_graphs"] == 0
+        assert out["plain_under_dcp"].startswith("slot_mapping (request 0): slot_mapping[0] = 9 but the token at "
+                                                 "position 5 maps to slot 13"), out["plain_under_dcp"]
         assert out["unchanged"] and out["unchanged_after_compiled"], rank
         assert out["good"].shape == (3, 2, 8) and torch.isfinite(out["good"]).all()
