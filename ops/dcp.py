@@ -84,6 +84,42 @@ def _(q_nope, q_pe, kv_cache, block_table, query_start_loc, kv_lens, scale):
     return q_nope.new_empty(T, H, L), q_nope.new_empty(T, H, dtype=torch.float32)
 
 
+@torch.library.custom_op("cp::dcp_sparse_indices", mutates_args=())
+def dcp_sparse_indices(topk_indices: Tensor, dcp: int, rank: int, interleave: int, block_size: int) -> Tensor:
+    """SFA DCP: global top-k positions -> this rank's local positions.
+
+    topk_indices [T, K] int32: request-local global positions from the (replicated)
+    indexer, -1 padded. Returns [T, K] in the same dtype: the local position of every
+    entry this rank owns, compacted to the front in the original order, -1 after.
+    A local position reads this rank's pages like any local cache position.
+    """
+    return layout.global_to_local_indices(topk_indices, dcp=dcp, rank=rank, interleave=interleave,
+                                          block_size=block_size)
+
+
+@dcp_sparse_indices.register_fake
+def _(topk_indices, dcp, rank, interleave, block_size):
+    return torch.empty_like(topk_indices)
+
+
+@torch.library.custom_op("cp::sparse_mla_partial_attention", mutates_args=())
+def sparse_mla_partial_attention(q_nope: Tensor, q_pe: Tensor, kv_cache: Tensor, block_table: Tensor,
+                                 query_start_loc: Tensor, indices: Tensor, scale: float) -> tuple[Tensor, Tensor]:
+    """Partial sparse MLA over the local latent shard: each query attends the listed
+    local positions (no causal crop; the indexer applied causality globally).
+    q_nope [T,H,L], q_pe [T,H,R], kv_cache [NB,BS,L+R], indices [T,K] (-1 = skip)
+    -> out [T,H,L] (q dtype), lse [T,H] fp32 (-inf where the rank holds none of them)."""
+    q = torch.cat([q_nope, q_pe], dim=-1)
+    return reference.sparse_attention_with_lse(q, kv_cache, block_table, query_start_loc, indices,
+                                               q_nope.shape[-1], scale)
+
+
+@sparse_mla_partial_attention.register_fake
+def _(q_nope, q_pe, kv_cache, block_table, query_start_loc, indices, scale):
+    T, H = q_nope.shape[0], q_nope.shape[1]
+    return q_nope.new_empty(T, H, q_nope.shape[-1]), q_nope.new_empty(T, H, dtype=torch.float32)
+
+
 @torch.library.custom_op("cp::lse_rescale", mutates_args=())
 def lse_rescale(out: Tensor, lse: Tensor, lse_all: Tensor) -> tuple[Tensor, Tensor]:
     """AG+RS merge, local half: weight this rank's partial by exp(lse - LSE).

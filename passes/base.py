@@ -52,7 +52,10 @@ class CPPass(abc.ABC):
 
     def uuid(self) -> str:
         h = hashlib.sha256()
-        for mod in (type(self).__module__, *self.emits_from):
+        # Every module of the pass's class hierarchy (a subclass reuses its parent's
+        # rewrite loop), then the compositions it emits.
+        hierarchy = [c.__module__ for c in type(self).__mro__ if issubclass(c, CPPass) and c is not CPPass]
+        for mod in dict.fromkeys([*hierarchy, *self.emits_from]):
             module = sys.modules.get(mod) or importlib.import_module(mod)
             h.update(inspect.getsource(module).encode())
         h.update(repr(sorted(self.config_values().items())).encode())

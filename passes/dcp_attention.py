@@ -74,7 +74,11 @@ class DCPAttentionPass(CPPass):
     def config_values(self) -> dict[str, Any]:
         return dict(self.dcp.__dict__)
 
+    def prepare(self, gm: fx.GraphModule) -> None:
+        """Hook before the rewrite (subclasses check or claim other nodes here)."""
+
     def __call__(self, gm: fx.GraphModule) -> int:
+        self.prepare(gm)
         graph = gm.graph
         tracer = fx.proxy.GraphAppendingTracer(graph)
         wrap = lambda a: fx.map_arg(a, lambda n: ShapedProxy(n, tracer))  # noqa: E731

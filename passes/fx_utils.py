@@ -17,6 +17,10 @@ import torch.fx as fx
 from torch._subclasses.fake_tensor import FakeTensor
 
 VALUE_KEY = "example_value"  # Dynamo's key for a node's fake value
+# A pass that keeps a single-device op as it is, because it is exact under the
+# context's layout (e.g. the indexer over its replicated cache under SFA DCP), marks
+# the node with its name here; the unsharded-attention check accepts marked nodes.
+CLAIMED_KEY = "cp_claimed_by"
 
 
 def fake_value(node: fx.Node) -> Any:

@@ -16,7 +16,7 @@ from cp_compile.config import ConfigError
 from cp_compile.context import CompileContext
 from cp_compile.ops.attention import SINGLE_DEVICE_ATTENTION_OPS
 from cp_compile.passes.base import CPPass
-from cp_compile.passes.fx_utils import op_nodes
+from cp_compile.passes.fx_utils import CLAIMED_KEY, op_nodes
 
 
 def supported_by(op: torch._ops.OpOverloadPacket) -> str:
@@ -45,7 +45,7 @@ class UnshardedAttentionCheck(CPPass):
 
     def __call__(self, gm: fx.GraphModule) -> int:
         for op in SINGLE_DEVICE_ATTENTION_OPS:
-            left = op_nodes(gm, (op,))
+            left = [n for n in op_nodes(gm, (op,)) if CLAIMED_KEY not in n.meta]
             if left:
                 raise ConfigError(
                     "every single-device attention op is rewritten under DCP / PCP",

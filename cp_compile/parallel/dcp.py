@@ -129,6 +129,31 @@ def dcp_mla_attention(q_nope: Tensor, q_pe: Tensor, kv_c: Tensor, k_pe: Tensor, 
     return merge_heads(part[0], part[1], ctx, q_nope.shape[1], q_nope.shape[-1], q_nope.dtype)[0]
 
 
+def dcp_sfa_attention(q_nope: Tensor, q_pe: Tensor, kv_c: Tensor, k_pe: Tensor, kv_cache: Tensor,
+                      slot_mapping: Tensor, block_table: Tensor, seq_lens: Tensor, query_start_loc: Tensor,
+                      topk_indices: Tensor, scale: float, ctx: DCPContext,
+                      local: LocalMetadata | None = None) -> Tensor:
+    """DCP version of `cp::sparse_mla_attention` (SFA DCP with a replicated indexer):
+    output [T, H, L] for this rank's heads.
+
+    The indexer ran on a replicated cache, so `topk_indices` are the single-device
+    global positions, identical on every rank. Each rank keeps the ones it stores
+    (`cp::dcp_sparse_indices`), attends them with every gathered head and no causal
+    crop, and the partials are merged by LSE: every selected key is counted once, on
+    its owner. Exact for decode, prefill and mixed batches.
+    """
+    if local is None:
+        local = localize(ctx, slot_mapping, query_start_loc, seq_lens)
+    _cp.cache_write.default(torch.cat([kv_c, k_pe], dim=-1), kv_cache, local.slot_mapping)
+    idx = _cp.dcp_sparse_indices.default(topk_indices, ctx.dcp, ctx.rank, ctx.interleave, ctx.block_size)
+    # One gather for [q_nope | q_pe]: half the collectives of gathering them apart.
+    L = q_nope.shape[-1]
+    q_all = all_gather_heads(torch.cat([q_nope, q_pe], dim=-1), ctx)  # [T, N*H, L+R]
+    part = _cp.sparse_mla_partial_attention.default(q_all[..., :L], q_all[..., L:], kv_cache, block_table,
+                                                    query_start_loc, idx, scale)
+    return merge_heads(part[0], part[1], ctx, q_nope.shape[1], L, q_nope.dtype)[0]
+
+
 def dcp_gqa_chunked_prefill(q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor,
                             slot_mapping: Tensor, block_table: Tensor, seq_lens: Tensor, query_start_loc: Tensor,
                             scale: float, ctx: DCPContext, local: LocalMetadata | None = None) -> Tensor:

@@ -23,6 +23,7 @@ from cp_compile.testing.pass_harness import capture_graph, run_pipeline
 
 LAYERS = 2
 H, D, L, R, K = 4, 8, 16, 4, 3  # query heads, GQA head dim, MLA latent / rope dims, top-k
+DI = 8  # indexer key dim
 BLOCK, NUM_BLOCKS = 4, 8
 cp = torch.ops.cp
 
@@ -46,46 +47,62 @@ class Attn(nn.Module):
                 o = cp.gqa_paged_attention(q, q[:, :1], q[:, :1], caches[2 * i], caches[2 * i + 1], *args, 0.5)
             elif self.kind == "mla":
                 o = cp.mla_attention(q, q[..., :R], q[:, 0], q[:, 0, :R], caches[i], *args, 0.5)
-            else:
-                idx = torch.zeros(T, K, dtype=torch.int32)
+            else:  # indexer over its own cache (caches[LAYERS + i]), then sparse MLA over its top-k
+                idx = cp.lightning_indexer(q[..., :DI], q[:, 0, :DI], q[:, :, 0], caches[LAYERS + i], *args, K)
                 o = cp.sparse_mla_attention(q, q[..., :R], q[:, 0], q[:, 0, :R], caches[i], *args, idx, 0.5)
             x = self.o_proj[i](o.reshape(T, -1))
         return x
 
 
-def _inputs(kind: str):
+def _inputs(kind: str, index_page: int = BLOCK):
+    """index_page: tokens per page of the indexer caches (replicated under SFA DCP:
+    BLOCK * dcp, like the single-device caches of the same metadata)."""
     meta = build_attention_metadata([(0, 3), (0, 2)], BlockAllocator(NUM_BLOCKS, BLOCK))
     if kind == "gqa":
         caches = [torch.zeros(NUM_BLOCKS, BLOCK, 1, D) for _ in range(2 * LAYERS)]
     else:
         caches = [torch.zeros(NUM_BLOCKS, BLOCK, L + R) for _ in range(LAYERS)]
+    if kind == "sfa":
+        caches += [torch.zeros(NUM_BLOCKS, index_page, DI) for _ in range(LAYERS)]
     width = H * (L if kind != "gqa" else D)
     return torch.randn(meta.num_tokens, width), caches, meta
 
 
 def _ctx(kind: str, dcp: int, merge: str = "ag_rs", tp: int = 4, pcp: int = 1) -> CompileContext:
-    spec = AttentionSpec(kind="gqa" if kind == "gqa" else "mla", num_heads=4 * H, num_kv_heads=1)
+    spec = AttentionSpec(kind=kind, num_heads=4 * H, num_kv_heads=1, has_indexer=kind == "sfa")
     cfg = CPConfig(tensor_parallel_size=tp, decode_context_parallel_size=dcp, prefill_context_parallel_size=pcp,
                    block_size=BLOCK, dcp_merge=merge)
     return CompileContext.for_test(cfg, attention=spec)
 
 
-@pytest.mark.parametrize("kind", ["gqa", "mla"])
+OPS = {"gqa": "cp.gqa_paged_attention", "mla": "cp.mla_attention", "sfa": "cp.sparse_mla_attention"}
+
+
+@pytest.mark.parametrize("kind", ["gqa", "mla", "sfa"])
 @pytest.mark.parametrize("dcp,merge", [(1, "ag_rs"), (2, "ag_rs"), (2, "a2a"), (4, "ag_rs"), (4, "a2a")])
 def test_pipeline_histograms(kind, dcp, merge):
-    pm, gm = run_pipeline(Attn(kind), _inputs(kind), _ctx(kind, dcp, merge))
-    op = f"cp.{kind}_{'paged_attention' if kind == 'gqa' else 'attention'}"  # Dynamo records the packet
+    tp = dcp if kind == "sfa" else 4  # SFA DCP needs dcp == tp
+    pm, gm = run_pipeline(Attn(kind), _inputs(kind, BLOCK * dcp), _ctx(kind, dcp, merge, tp=tp))
+    op = OPS[kind]  # Dynamo records the packet
     if dcp == 1:  # nothing sharded: no pass runs, the single-device ops stay
         assert pm.names == [] and pm.history == []
         return
-    assert pm.names == ["dcp_attention", "unsharded_attention_check"]
-    (dcp_rec, check_rec) = pm.history
+    rewriter = "sfa_dcp" if kind == "sfa" else "dcp_attention"
+    expected = ["dcp_attention", "sfa_dcp", "unsharded_attention_check"] if kind == "sfa" else \
+        ["dcp_attention", "unsharded_attention_check"]
+    assert pm.names == expected
+    rec = {h.name: h for h in pm.history}
+    dcp_rec, check_rec = rec[rewriter], rec["unsharded_attention_check"]
     before, after = dcp_rec.before, dcp_rec.after
     assert dcp_rec.rewrites == LAYERS and before[op] == LAYERS and op not in after
     assert check_rec.rewrites == 0 and check_rec.before == check_rec.after == after
     assert after["cp.dcp_localize_metadata.default"] == 1  # once per graph, shared by the layers
-    q_gathers = 1 if kind == "gqa" else 2  # MLA gathers q_nope and q_pe
+    q_gathers = 2 if kind == "mla" else 1  # MLA gathers q_nope and q_pe; SFA one fused [q_nope | q_pe]
     writes = 2 if kind == "gqa" else 1
+    if kind == "sfa":  # the indexer stays (replicated cache), its top-k remapped per layer
+        assert after["cp.lightning_indexer"] == LAYERS
+        assert after["cp.dcp_sparse_indices.default"] == LAYERS
+        assert rec["dcp_attention"].rewrites == 0
     assert after["cp.cache_write.default"] == writes * LAYERS
     gathers = after["_c10d_functional.all_gather_into_tensor.default"]
     if merge == "ag_rs":
@@ -104,21 +121,35 @@ def test_pipeline_histograms(kind, dcp, merge):
     assert missing == []
     out = next(n for n in gm.graph.nodes if n.op == "output").args[0]
     out = out[0] if isinstance(out, (tuple, list)) else out
-    assert tuple(fake_value(out).shape[1:]) == (H * (L if kind == "mla" else D),)
+    assert tuple(fake_value(out).shape[1:]) == (H * (D if kind == "gqa" else L),)
 
 
 def test_pipeline_is_configured_by_the_context():
     names = lambda **kw: pass_manager.PassManager.for_context(_ctx("gqa", **kw)).names  # noqa: E731
     assert names(dcp=1) == []
     assert names(dcp=2) == ["dcp_attention", "unsharded_attention_check"]
+    assert pass_manager.PassManager.for_context(_ctx("sfa", dcp=2, tp=2)).names == \
+        ["dcp_attention", "sfa_dcp", "unsharded_attention_check"]
     # PCP has no pass yet: only the check runs, so single-device attention is refused.
     assert names(dcp=1, tp=2, pcp=2) == ["unsharded_attention_check"]
 
 
 def test_sparse_attention_under_dcp_is_refused_in_process():
+    # A model whose spec does not declare its indexer: no pass may claim the sparse ops.
+    ctx = CompileContext.for_test(CPConfig(tensor_parallel_size=2, decode_context_parallel_size=2,
+                                           block_size=BLOCK), attention=AttentionSpec(kind="mla", num_heads=8))
     with pytest.raises(ConfigError, match=r"cp::sparse_mla_attention left in the graph.*"
-                                          r"decode_context_parallel_size=2.*no pass supports it yet"):
-        run_pipeline(Attn("sfa"), _inputs("sfa"), _ctx("sfa", dcp=2))
+                                          r"decode_context_parallel_size=2.*attention kind=mla.*"
+                                          r"supported by the sfa_dcp pass \(enabled when .*'sfa'"):
+        run_pipeline(Attn("sfa"), _inputs("sfa", 2 * BLOCK), ctx)
+
+
+def test_sfa_dcp_refuses_a_sharded_indexer_cache():
+    # The indexer must read a replicated cache (pages of BLOCK * dcp): with the latent's
+    # sharded page size its top-k would see half the tokens.
+    with pytest.raises(ConfigError, match=r"pages of 4 tokens; SFA DCP needs block_size \* "
+                                          r"decode_context_parallel_size = 8"):
+        run_pipeline(Attn("sfa"), _inputs("sfa", BLOCK), _ctx("sfa", dcp=2, tp=2))
 
 
 def test_gqa_under_pcp_names_the_pass_that_supports_it():
@@ -207,7 +238,7 @@ class SparseModel(Attn):
 def _refusals_at_dcp2(rank: int, world: int) -> dict[str, str]:
     cfg = CPConfig(tensor_parallel_size=2, decode_context_parallel_size=2, block_size=BLOCK)
     cp_compile.init_parallel(cfg, device="cpu")
-    x, caches, meta = _inputs("sfa")
+    x, caches, meta = _inputs("sfa", 2 * BLOCK)
     before = [c.clone() for c in caches]
     seen: dict[str, str] = {}
     # 1. A plain torch.compile with the backend: the error is a ConfigError, not BackendCompilerFailed.
