@@ -2,7 +2,7 @@
 
 One module per op family: `cache` (metadata localisation, cache writes),
 `attention` (paged attention with LSE, single-device GQA / MLA, varlen causal),
-`merge` (LSE merges), `sparse` (lightning indexer, sparse MLA). The mapping of each
+`merge` (LSE merges), `sparse` (lightning indexer, sparse MLA, the SFA DCP ops). The mapping of each
 op to CANN operators, and why, is in docs/torchair.md and each module's docstring.
 
 Importing this package imports no torchair; `register_converters()` does, lazily
@@ -33,6 +33,8 @@ GE_OPS = {
     "cp::lse_combine": ("AttentionUpdate",),
     "cp::lightning_indexer": ("ScatterNdUpdate", "LightningIndexer"),
     "cp::sparse_mla_attention": ("ScatterNdUpdate", "SparseFlashAttention"),
+    "cp::sparse_mla_partial_attention": ("SparseFlashAttention",),
+    "cp::dcp_sparse_indices": ("Sort", "GatherElements"),
 }
 
 _registered = False

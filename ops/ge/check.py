@@ -9,12 +9,14 @@ asserts op types, attributes and shapes. Nothing is compiled by GE or run.
 
 1. op graphs: each cp:: op alone (bf16, the shapes of a small GQA / MLA layer),
    through `torchair.get_npu_backend`: the op's GE op types and key attributes;
-2. model graphs: the example models (Qwen3-style GQA, DeepSeek-style MLA) at tp = 2,
-   dcp = 1 and dcp = 2 with both merges (`ag_rs`, `a2a`), compiled on 2 gloo ranks
+2. model graphs: the example models (Qwen3-style GQA, DeepSeek-style MLA) at tp = 4,
+   dcp = 1 and dcp = 2 with both merges (`ag_rs`, `a2a`), compiled on 4 gloo ranks
+   (ranks 0 and 1, one DCP group, build graphs)
    through the public path (`cp_compile.compile_model(..., lowering="torchair",
    torchair_mode="max-autotune")` after `init_parallel`), so the DCP group names
    are real: every FX node has a converter, the GE graph holds the expected ops,
-   and the collectives are HCCL ops on the DCP group (rank list and size);
+   and the collectives are HCCL ops on the DCP group (rank list and size), the TP
+   all-reduce on the TP group;
 3. `--with-unconverted-op` adds a graph with an op that has no converter: the
    check must then fail (the negative case the tests run).
 
@@ -48,7 +50,8 @@ KEY_ATTRS = {
     "ScatterNdUpdate": ("use_locking",),
     "AttentionUpdate": ("update_type", "sp"),
     "LightningIndexer": ("layout_query", "layout_key", "sparse_count", "sparse_mode"),
-    "SparseFlashAttention": ("layout_query", "layout_kv", "sparse_mode", "scale_value"),
+    "SparseFlashAttention": ("layout_query", "layout_kv", "sparse_mode", "scale_value", "return_softmax_lse"),
+    "Sort": ("axis", "descending", "stable"),
     "HcomAllGather": ("group", "rank_size"),
     "HcomReduceScatter": ("group", "rank_size", "reduction"),
     "HcomAllToAllV": ("group",),
@@ -68,7 +71,8 @@ class GraphResult:
     attrs: dict[str, list[dict[str, Any]]] = field(default_factory=dict)  # GE op type -> attrs of each instance
     io: dict[str, list[str]] = field(default_factory=dict)  # inputs / outputs -> "name: dtype[shape]"
     groups: list[dict[str, Any]] = field(default_factory=list)  # HCCL ops: type, group, rank_list, rank_size
-    expected_ranks: list[int] = field(default_factory=list)
+    expected_ranks: list[int] = field(default_factory=list)  # the DCP group's ranks (dcp > 1)
+    tp_ranks: list[int] = field(default_factory=list)  # the TP group's ranks
     seconds: float = 0.0
     rank: int = 0
     text: str = ""  # the GE graph rendered by `render` (written under --dump, not into --json)
@@ -250,6 +254,12 @@ def op_cases() -> dict[str, tuple[Callable[..., Any], tuple]]:
             (torch.randn(T, H, L, dtype=bf), torch.randn(T, H, R, dtype=bf), torch.randn(T, L, dtype=bf),
              torch.randn(T, R, dtype=bf), torch.zeros(NB, BS, L + R, dtype=bf), slots, table, seq, qsl,
              torch.zeros(T, 4, dtype=torch.int32))),
+        "cp::sparse_mla_partial_attention": (
+            lambda qn, qp, c, t, qs, i: cp.sparse_mla_partial_attention(qn, qp, c, t, qs, i, 0.1),
+            (torch.randn(T, 2 * H, L, dtype=bf), torch.randn(T, 2 * H, R, dtype=bf),
+             torch.randn(NB, BS, L + R, dtype=bf), table, qsl, torch.zeros(T, 4, dtype=torch.int32))),
+        "cp::dcp_sparse_indices": (lambda i: cp.dcp_sparse_indices(i, 2, 1, 1, BS),
+                                   (torch.tensor([[0, 5, 2, -1]] * T, dtype=torch.int32),)),
     }
 
 
@@ -280,7 +290,8 @@ def _torchair_backend(dump: str | None):
 def run_op_graphs(recorder: _FxRecorder, dump: str | None, with_unconverted: bool,
                   only: list[str] | None = None) -> list[GraphResult]:
     results = []
-    cases = op_cases()
+    # Every op the project defines (an op listed here but not defined yet is skipped).
+    cases = {k: v for k, v in op_cases().items() if hasattr(torch.ops.cp, k.split("::")[1])}
     if with_unconverted:
         op = _unconverted_op()
         cases["cp_check::unconverted"] = (lambda x: op(x) + 1, (torch.randn(4, 4, dtype=torch.bfloat16),))
@@ -293,10 +304,16 @@ def run_op_graphs(recorder: _FxRecorder, dump: str | None, with_unconverted: boo
     return results
 
 
-# ----------------------------------------------------------------------------- model graphs (2 gloo ranks)
+# ----------------------------------------------------------------------------- model graphs (4 gloo ranks)
 
 MODEL_CONFIGS = [("gqa", 1, "ag_rs"), ("gqa", 2, "ag_rs"), ("gqa", 2, "a2a"),
                  ("mla", 1, "ag_rs"), ("mla", 2, "ag_rs"), ("mla", 2, "a2a")]
+# tp = 4 on 4 gloo ranks, so the DCP groups ({0, 1}, {2, 3}) differ from the TP group
+# ({0, 1, 2, 3}) and a collective on the wrong group shows in its rank list. Ranks 0
+# and 1 (one DCP group) build graphs; ranks 2 and 3 only take part in creating the
+# process groups (graph building issues no collective).
+MODEL_WORLD = 4
+BUILDING_RANKS = (0, 1)
 
 
 def _model(kind: str, tp: int, tp_rank: int, tp_group):
@@ -332,6 +349,9 @@ def _rank_main(rank: int, world: int, configs: list, dump: str | None) -> list[d
         cfg = cp_compile.CPConfig(tensor_parallel_size=world, decode_context_parallel_size=dcp, block_size=4,
                                   dcp_merge=merge)
         state = cp_compile.init_parallel(cfg, device="cpu")
+        if rank not in BUILDING_RANKS:
+            cp_compile.destroy_parallel()
+            continue
         try:
             model = _model(kind, world, state.tp_rank, state.tp_group)
             cache = cp_compile.allocate_kv_cache(cfg, model.kv_cache_spec(), 16, dtype=torch.bfloat16,
@@ -351,6 +371,7 @@ def _rank_main(rank: int, world: int, configs: list, dump: str | None) -> list[d
             import torch.distributed as dist
 
             r.expected_ranks = dist.get_process_group_ranks(state.dcp_group) if dcp > 1 else []
+            r.tp_ranks = dist.get_process_group_ranks(state.tp_group)
             out.append(asdict(r))
         finally:
             cp_compile.destroy_parallel()
@@ -360,7 +381,7 @@ def _rank_main(rank: int, world: int, configs: list, dump: str | None) -> list[d
 def run_model_graphs(dump: str | None, configs=None) -> list[GraphResult]:
     from cp_compile.testing.multirank import run_on_ranks
 
-    per_rank = run_on_ranks(_rank_main, 2, configs or MODEL_CONFIGS, dump, timeout=600)
+    per_rank = run_on_ranks(_rank_main, MODEL_WORLD, configs or MODEL_CONFIGS, dump, timeout=600)
     return [GraphResult(**r) for rank in per_rank for r in rank]
 
 
@@ -387,6 +408,11 @@ def expect_op(r: GraphResult, op: str) -> list[str]:
     if op == "cp::varlen_causal_attention_lse" and fia and (fia[0].get("input_layout"), fia[0].get("sparse_mode")) \
             != ("TND", 3):
         problems.append(f"{op}: FusedInferAttentionScore attrs {fia[0]}")
+    if op == "cp::sparse_mla_partial_attention" and \
+            not r.attrs.get("SparseFlashAttention", [{}])[0].get("return_softmax_lse"):
+        problems.append(f"{op}: SparseFlashAttention without return_softmax_lse")
+    if op == "cp::dcp_sparse_indices" and r.attrs.get("Sort", [{}])[0].get("stable") is not True:
+        problems.append(f"{op}: the compaction sort is not stable")
     if op == "cp::lse_combine" and r.attrs.get("AttentionUpdate", [{}])[0] != {"update_type": 1, "sp": 2}:
         problems.append(f"{op}: AttentionUpdate attrs {r.attrs.get('AttentionUpdate')}")
     return problems
@@ -402,7 +428,8 @@ def expect_model(r: GraphResult) -> list[str]:
     fia = r.attrs.get("FusedInferAttentionScore", [])
     if len(fia) != layers:
         problems.append(f"{len(fia)} FusedInferAttentionScore, want {layers}")
-    heads = 8 // 2  # this rank's query heads at tp = 2
+    tp = len(r.tp_ranks)
+    heads = 8 // tp  # this rank's query heads (the example models have 8)
     want_heads = heads * dcp  # DCP attends the gathered heads of the group
     for a in fia:
         if a.get("num_heads") != want_heads:
@@ -412,6 +439,15 @@ def expect_model(r: GraphResult) -> list[str]:
     allreduce = [g for g in r.groups if g["type"] == "HcomAllReduce"]
     if not allreduce:
         problems.append("no HcomAllReduce (TP all-reduce) in the graph")
+    for g in allreduce:
+        if g["rank_list"] != r.tp_ranks:
+            problems.append(f"TP all-reduce on group {g['group']!r}, want TP ranks {r.tp_ranks}")
+    for a in fia:
+        if (a.get("input_layout"), a.get("block_size")) != ("BSND", 4):
+            problems.append(f"FusedInferAttentionScore layout / block size {a}")
+    for a in r.attrs.get("AttentionUpdate", []):
+        if a != {"update_type": 1, "sp": dcp}:
+            problems.append(f"AttentionUpdate {a}, want update_type 1, sp {dcp}")
     if dcp == 1:
         if any(g["type"] != "HcomAllReduce" for g in r.groups):
             problems.append(f"dcp=1 graph has DCP collectives: {r.groups}")
@@ -456,7 +492,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dump", help="write torchair's GE graph dumps (pbtxt) under this folder")
     parser.add_argument("--with-unconverted-op", action="store_true",
                         help="add an op that has no GE converter (the check must fail)")
-    parser.add_argument("--ops-only", action="store_true", help="skip the model graphs (2 gloo ranks)")
+    parser.add_argument("--ops-only", action="store_true", help="skip the model graphs (4 gloo ranks)")
     parser.add_argument("--op", action="append", help="only this op graph (e.g. cp::cache_write); implies --ops-only")
     args = parser.parse_args(argv)
     from cp_compile.testing import torchair_standin as standin
@@ -499,7 +535,7 @@ def main(argv: list[str] | None = None) -> int:
                    seconds=time.perf_counter() - start)
     print(table(results))
     print(f"\ntorchair GE check: {summary['op_graphs']} op graphs, {summary['model_graphs']} model graphs "
-          f"(2 ranks each), {summary['fx_nodes']} FX nodes converted, {summary['ge_ops']} GE ops, "
+          f"(ranks {list(BUILDING_RANKS)} of {MODEL_WORLD}), {summary['fx_nodes']} FX nodes converted, {summary['ge_ops']} GE ops, "
           f"{summary['hccl_ops']} HCCL ops; {summary['failed']} failed; {summary['cp_ops_defined']} cp ops, "
           f"without converter: {uncovered or 'none'}; {summary['seconds']:.1f} s")
     if args.dump:

@@ -13,6 +13,13 @@ input, attribute and output names of torchair's own converters for torch_npu's
   `SparseFlashAttention` over the whole [L+R] cache row (key = value = the cache,
   query = [q_nope | q_pe]) keeping the first L output columns, as for dense MLA
   (see attention.py); `sparse_indices` = topk_indices as [T, 1, K].
+- `cp::sparse_mla_partial_attention` (SFA DCP partial) -> `SparseFlashAttention`
+  the same way, with `return_softmax_lse` = true: the LSE is
+  softmax_max + log(softmax_sum) of its two statistics outputs, read as [T, H]
+  (that output layout is torch_npu's documented one, not verifiable here).
+- `cp::dcp_sparse_indices` (SFA DCP: global top-k -> this rank's local positions)
+  -> GE primitives for the owner test and the local offset (ops/layout.py), then a
+  stable `Sort` of "not owned" and `GatherElements`, the reference's compaction.
 """
 
 from __future__ import annotations
@@ -27,7 +34,8 @@ from torchair.ge import attr
 from torchair.ge._ge_graph import Tensor
 
 import cp_compile.ops.attention  # noqa: F401
-from cp_compile.ops.ge._util import I32, I64, cast, const, dims, reshape, tail
+import cp_compile.ops.dcp  # noqa: F401
+from cp_compile.ops.ge._util import F32, I32, I64, cast, const, dims, local_len, reshape, tail, where
 from cp_compile.ops.ge.cache import scatter_into
 
 MAX_INT64 = (1 << 63) - 1
@@ -77,35 +85,76 @@ def convert_sparse_mla_attention(q_nope: Tensor, q_pe: Tensor, kv_c: Tensor, k_p
                                  meta_outputs: Any = None):
     T, H, L = dims(q_nope)
     width = int(kv_cache.meta.shape[-1])
-    K = int(topk_indices.meta.shape[-1])
     written = scatter_into(kv_cache, ge.ConcatV2([kv_c, k_pe], const(1, I32), N=2), slot_mapping)
     written.set_meta(kv_cache.meta)
-    cache = _paged(written, width)
-    out, _, _ = torchair.ge.custom_op(
+    out, _, _ = _sparse_flash(q_nope, q_pe, _paged(written, width), width, topk_indices, block_table,
+                              query_start_loc, seq_lens, scale, lse=False)
+    out = ge.Slice(out, const([0, 0, 0], I64), const([-1, -1, int(L)], I64))
+    return reshape(out, [T, H, L])
+
+
+def _sparse_flash(q_nope: Tensor, q_pe: Tensor, cache: Tensor, width: int, indices: Tensor, block_table: Tensor,
+                  query_start_loc: Tensor, seq_lens: Tensor | None, scale: float, *, lse: bool):
+    T = dims(q_nope)[0]
+    K = int(indices.meta.shape[-1])
+    inputs = {
+        "query": ge.ConcatV2([q_nope, q_pe], const(2, I32), N=2),
+        "key": cache,
+        "value": cache,
+        "sparse_indices": reshape(cast(indices, I32), [T, 1, K]),
+        "block_table": cast(block_table, I32),
+        "actual_seq_lengths_query": cast(tail(cast(query_start_loc, I64)), I32),
+        "actual_seq_lengths_kv": None if seq_lens is None else cast(seq_lens, I32),
+        "query_rope": None,
+        "key_rope": None,
+    }
+    return torchair.ge.custom_op(
         "SparseFlashAttention",
-        inputs={
-            "query": ge.ConcatV2([q_nope, q_pe], const(2, I32), N=2),
-            "key": cache,
-            "value": cache,
-            "sparse_indices": reshape(cast(topk_indices, I32), [T, 1, K]),
-            "block_table": cast(block_table, I32),
-            "actual_seq_lengths_query": cast(tail(cast(query_start_loc, I64)), I32),
-            "actual_seq_lengths_kv": cast(seq_lens, I32),
-            "query_rope": None,
-            "key_rope": None,
-        },
+        inputs=inputs,
         attrs={
             "scale_value": attr.Float(float(scale)),
             "sparse_block_size": attr.Int(1),
             "layout_query": attr.Str("TND"),
             "layout_kv": attr.Str("PA_BSND"),
-            "sparse_mode": attr.Int(3),
+            "sparse_mode": attr.Int(0 if lse else 3),
             "pre_tokens": attr.Int(MAX_INT64),
             "next_tokens": attr.Int(MAX_INT64),
             "attention_mode": attr.Int(0),
-            "return_softmax_lse": attr.Bool(False),
+            "return_softmax_lse": attr.Bool(lse),
         },
         outputs=["attention_out", "softmax_max", "softmax_sum"],
     )
+
+
+def convert_sparse_mla_partial_attention(q_nope: Tensor, q_pe: Tensor, kv_cache: Tensor, block_table: Tensor,
+                                         query_start_loc: Tensor, indices: Tensor, scale: float,
+                                         meta_outputs: Any = None):
+    T, H, L = dims(q_nope)
+    width = int(kv_cache.meta.shape[-1])
+    # No causal crop (sparse_mode 0): the indices are local positions chosen by the indexer.
+    out, smax, ssum = _sparse_flash(q_nope, q_pe, _paged(kv_cache, width), width, indices, block_table,
+                                    query_start_loc, None, scale, lse=True)
     out = ge.Slice(out, const([0, 0, 0], I64), const([-1, -1, int(L)], I64))
-    return reshape(out, [T, H, L])
+    lse = ge.Add(cast(smax, F32), ge.Log(cast(ssum, F32)))
+    return reshape(out, [T, H, L]), reshape(lse, [T, H])
+
+
+def convert_dcp_sparse_indices(topk_indices: Tensor, dcp: int, rank: int, interleave: int, block_size: int,
+                               meta_outputs: Any = None):
+    idx = cast(topk_indices, I64)
+    pos = ge.Maximum(idx, const(0, I64))
+    off = ge.FloorMod(pos, const(block_size * dcp, I64))
+    owner = ge.FloorMod(ge.FloorDiv(off, const(interleave, I64)), const(dcp, I64))
+    owned = ge.LogicalAnd(ge.GreaterEqual(idx, const(0, I64)), ge.Equal(owner, const(rank, I64)))
+    local = where(owned, local_len(pos, dcp, rank, interleave), const(-1, I64))
+    # Stable compaction: a stable ascending sort of "not owned" keeps the owned entries' order.
+    _, order = ge.Sort(cast(ge.LogicalNot(owned), I32), axis=-1, descending=False, stable=True)
+    return cast(ge.GatherElements(local, order, dim=-1), topk_indices.dtype)
+
+
+# The SFA DCP ops are registered when ops/dcp.py defines them.
+if hasattr(torch.ops.cp, "sparse_mla_partial_attention"):
+    register_fx_node_ge_converter(torch.ops.cp.sparse_mla_partial_attention.default)(
+        convert_sparse_mla_partial_attention)
+if hasattr(torch.ops.cp, "dcp_sparse_indices"):
+    register_fx_node_ge_converter(torch.ops.cp.dcp_sparse_indices.default)(convert_dcp_sparse_indices)

@@ -3,7 +3,7 @@
 The check runs in its own environment (.venv-torchair: CPU torch + torch-npu's
 torchair, whose one C++ extension is replaced by cp_compile.testing.torchair_standin)
 as a subprocess: every cp:: op and the DCP-rewritten example models (GQA and MLA,
-tp = 2 on 2 gloo ranks, dcp 1 and 2, both merges) go through torchair's real
+tp = 4 on 4 gloo ranks, dcp 1 and 2, both merges) go through torchair's real
 FX -> GE conversion in max-autotune mode; the GE graphs handed to the stand-in's
 `load` must hold the expected CANN ops, attributes and HCCL groups. An op without a
 converter must fail the check.
@@ -70,7 +70,7 @@ def test_every_cp_op_converts_to_ge(check, summary_note) -> None:
     assert io["inputs"][:3] == ["y: DT_BF16[6, 8, 64]", "y: DT_BF16[8, 4, 2, 64]", "y: DT_BF16[8, 4, 2, 64]"], io
     assert io["outputs"] == ["input0: DT_BF16[6, 8, 64]", "input1: DT_FLOAT[6, 8]"], io
     summary_note(f"torchair GE check (torchair of torch-npu 2.13.0, only its C++ extension stood in): "
-                 f"{s['op_graphs']} op graphs + {s['model_graphs']} DCP model graphs on 2 gloo ranks, "
+                 f"{s['op_graphs']} op graphs + {s['model_graphs']} DCP model graphs (ranks 0, 1 of 4 gloo ranks), "
                  f"{s['fx_nodes']} FX nodes -> {s['ge_ops']} GE ops ({s['hccl_ops']} HCCL), all converted, "
                  f"{s['seconds']:.1f} s (.venv-torchair/bin/python -m cp_compile.ops.ge.check prints the table)")
 
@@ -79,12 +79,14 @@ def test_dcp_model_graphs_use_hccl_on_the_dcp_group(check) -> None:
     rc, data, output = check
     models = [r for r in data.get("results", []) if not r["name"].startswith("op:")]
     names = {(r["name"], r["rank"]) for r in models}
-    want = {f"{m} tp=2 dcp={d}" for m in ("gqa", "mla") for d in ("1", "2 ag_rs", "2 a2a")}
+    want = {f"{m} tp=4 dcp={d}" for m in ("gqa", "mla") for d in ("1", "2 ag_rs", "2 a2a")}
     assert names == {(n, rank) for n in want for rank in (0, 1)}, output
     for r in models:
         assert r["status"] == "ok", (r["name"], r["message"])
         assert not any("NO CONVERTER" in t for t in r["fx_targets"]), r["fx_targets"]
         assert r["fx_nodes"] > 50 and r["ge_ops"]["FusedInferAttentionScore"] == 1
+        assert r["tp_ranks"] == [0, 1, 2, 3]
+        assert all(g["rank_list"] == [0, 1, 2, 3] for g in r["groups"] if g["type"] == "HcomAllReduce"), r["groups"]
         dcp_ops = [g for g in r["groups"] if g["type"] != "HcomAllReduce"]
         if "dcp=1" in r["name"]:
             assert dcp_ops == []
@@ -95,7 +97,7 @@ def test_dcp_model_graphs_use_hccl_on_the_dcp_group(check) -> None:
         kinds = {g["type"] for g in dcp_ops}
         assert kinds == ({"HcomAllGather", "HcomReduceScatter"} if "ag_rs" in r["name"]
                          else {"HcomAllGather", "HcomAllToAllV"}), kinds
-        # The TP all-reduce and the DCP collectives are on different groups.
+        # The TP all-reduce and the DCP collectives are on different groups (ranks 0-3 vs 0-1).
         tp = {g["group"] for g in r["groups"] if g["type"] == "HcomAllReduce"}
         assert tp and not tp & {g["group"] for g in dcp_ops}
 
