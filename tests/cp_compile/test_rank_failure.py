@@ -27,12 +27,13 @@ from cp_compile.testing.multirank import RankFailed, run_on_ranks
 
 BLOCK = 4
 FAIL_STEP = 3
-PG_TIMEOUT = 3.0
+PG_TIMEOUT = 3.0  # the silent-peer world's collective timeout
+FAST = 30.0  # the other worlds' timeout: a peer failing well within it did not time out
 
 
-def _decode(rank: int, world: int, mode: str) -> dict:
+def _decode(rank: int, world: int, mode: str, timeout: float) -> dict:
     cfg = cp_compile.CPConfig(tensor_parallel_size=world, decode_context_parallel_size=world, block_size=BLOCK)
-    state = cp_compile.init_parallel(cfg, device="cpu", timeout=PG_TIMEOUT)
+    state = cp_compile.init_parallel(cfg, device="cpu", timeout=timeout)
     ctx = D.DCPContext(dcp=world, rank=state.dcp_rank, interleave=1, block_size=BLOCK,
                        group_name=state.dcp_group_name)
     cache = cp_compile.allocate_kv_cache(cfg, cp_compile.KVCacheSpec(1, "gqa", head_dim=8, num_kv_heads_per_rank=1),
@@ -70,20 +71,21 @@ def _decode(rank: int, world: int, mode: str) -> dict:
 def test_raising_rank_fails_its_peer_fast_and_is_named_root():
     t0 = time.monotonic()
     with pytest.raises(RankFailed) as info:
-        run_on_ranks(_decode, 2, "raise", timeout=120)
+        run_on_ranks(_decode, 2, "raise", FAST, timeout=120)
     exc = info.value
     assert exc.root == 1, str(exc)
     assert "rank one gives up mid-decode" in exc.failures[1]
-    # The peer raised on its own (not killed by the harness), within a second or so.
+    # The peer raised on its own (not killed by the harness), on the lost connection:
+    # well before its 30 s collective timeout.
     assert 0 in exc.failures and exc.killed == [], str(exc)
-    assert exc.times[0] - exc.times[1] < PG_TIMEOUT, str(exc)
+    assert exc.times[0] - exc.times[1] < FAST / 3, str(exc)
     assert "peer rank 1 failed first: RuntimeError: rank one gives up mid-decode" in exc.failures[0]
     assert str(exc).startswith("rank 1 of 2 failed:")
-    assert time.monotonic() - t0 < 60
+    assert time.monotonic() - t0 < 90
 
 
 def test_silent_peer_times_out_after_the_configured_timeout():
-    res = run_on_ranks(_decode, 2, "silent", timeout=120)
+    res = run_on_ranks(_decode, 2, "silent", PG_TIMEOUT, timeout=120)
     assert res[1] == {"slept": True}
     out = res[0]
     assert out["step"] == FAIL_STEP, out
@@ -93,13 +95,14 @@ def test_silent_peer_times_out_after_the_configured_timeout():
 
 def test_killed_rank_fails_its_peer_fast_and_is_named():
     with pytest.raises(RankFailed) as info:
-        run_on_ranks(_decode, 2, "kill", timeout=120)
+        run_on_ranks(_decode, 2, "kill", FAST, timeout=120)
     exc = info.value
     assert exc.root == 1, str(exc)
     assert "died with exit code -9 (SIGKILL)" in exc.failures[1]
     assert 0 in exc.failures and exc.killed == [], str(exc)
     assert "peer rank 1 failed first: died with exit code -9 (SIGKILL)" in exc.failures[0], exc.failures[0]
-    assert exc.times[0] - exc.times[1] < PG_TIMEOUT, str(exc)
+    # times[1] is when the harness saw the death; the peer had already raised or did soon after.
+    assert abs(exc.times[0] - exc.times[1]) < FAST / 3, str(exc)
 
 
 def test_default_timeout_is_documented_and_configurable(monkeypatch):
