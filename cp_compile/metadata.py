@@ -222,15 +222,24 @@ def validate_metadata(meta: AttentionMetadata, *, num_blocks: int, block_size: i
 
 
 def _cache_geometry(kv_caches: Sequence[Sequence[torch.Tensor]]) -> tuple[int, int, torch.device]:
-    """(num_blocks, block_size, device) shared by every cache tensor of every layer."""
-    tensors = [c for layer in kv_caches for c in (layer if isinstance(layer, (list, tuple)) else (layer,))]
+    """(num_blocks, block_size, device) of this rank's caches.
+
+    Every tensor is [num_blocks, page, ...] with one num_blocks (one block id means one
+    page everywhere); the page size of the sharded caches is each layer's first
+    tensor's (a replicated indexer cache may follow it with whole virtual blocks).
+    """
+    layers = [layer if isinstance(layer, (list, tuple)) else (layer,) for layer in kv_caches]
+    tensors = [c for layer in layers for c in layer if isinstance(c, torch.Tensor) and c.dim() >= 2]
     if not tensors:
         raise MetadataError("kv_caches", "holds no cache tensors", "pass the per-layer caches of allocate_kv_cache")
-    geo = {(c.shape[0], c.shape[1], c.device) for c in tensors if isinstance(c, torch.Tensor) and c.dim() >= 2}
-    if len(geo) != 1:
-        raise MetadataError("kv_caches", f"tensors disagree on (num_blocks, block_size, device): {sorted(map(str, geo))}",
+    geo = {(c.shape[0], c.device) for c in tensors} | {(layer[0].shape[0], layer[0].device) for layer in layers}
+    pages = {layer[0].shape[1] for layer in layers}
+    if len(geo) != 1 or len(pages) != 1:
+        shown = ", ".join(sorted(f"{n} blocks on {d}" for n, d in geo))
+        raise MetadataError("kv_caches", f"cache tensors disagree: {shown}; pages of {sorted(pages)} tokens",
                             "allocate every layer's cache with one allocate_kv_cache call")
-    return next(iter(geo))
+    (num_blocks, device), = geo
+    return num_blocks, pages.pop(), device
 
 
 def validate_step(meta: AttentionMetadata, kv_caches: Sequence[Sequence[torch.Tensor]], dcp: int | None = None,
@@ -373,7 +382,8 @@ def build_attention_metadata(
     if req_ids is None:
         req_ids = list(range(len(requests)))
     if len(req_ids) != len(requests):
-        raise ValueError(f"{len(requests)} requests but {len(req_ids)} request ids")
+        raise ValueError(f"{len(requests)} requests but {len(req_ids)} request ids. Fix: pass one request id per "
+                         f"(context_len, new_tokens) entry, or none (ids 0..B-1)")
     if len(set(req_ids)) != len(req_ids):
         dup = next(r for r in req_ids if list(req_ids).count(r) > 1)
         raise ValueError(f"request id {dup} appears twice in one batch. Fix: one (context_len, new_tokens) entry "

@@ -68,7 +68,7 @@ def test_validate_step_reads_the_cache_geometry():
     alloc = cp_compile.BlockAllocator(num_blocks=3, block_tokens=8)
     meta = cp_compile.build_attention_metadata([(0, 20)], alloc)
     cp_compile.validate_step(meta, cache.layers)
-    with pytest.raises(cp_compile.MetadataError, match="kv_caches: tensors disagree"):
+    with pytest.raises(cp_compile.MetadataError, match=r"kv_caches: cache tensors disagree: 2 blocks on cpu, 3 blocks on cpu; pages of \[8\] tokens"):
         cp_compile.validate_step(meta, [cache.layers[0], (torch.zeros(2, 8, 4),)])
     with pytest.raises(cp_compile.MetadataError, match="metadata: is on meta but the KV cache is on cpu"):
         cp_compile.validate_step(meta.to("meta"), cache.layers)
