@@ -1,4 +1,4 @@
-"""What DCP costs on the wire: the model of DESIGN.md §5 and a meter for real runs.
+"""What DCP costs on the wire: the model of docs/architecture.md §5 and a meter for real runs.
 
 `decode_comm_bytes_per_layer` predicts the bytes one rank sends per attention
 layer; `CollectiveMeter` measures the bytes of the `_c10d_functional` collectives

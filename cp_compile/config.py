@@ -1,4 +1,4 @@
-"""Configuration of tensor / context parallelism and its validation (DESIGN.md §7).
+"""Configuration of tensor / context parallelism and its validation (docs/architecture.md §7).
 
 Rules that depend only on the config are checked when a `CPConfig` is built; rules
 that depend on the model (MLA vs GQA, KV head count, indexer) are checked by
@@ -20,7 +20,7 @@ def _is_int(v: object) -> bool:
 
 
 class ConfigError(ValueError):
-    """A configuration breaks one of the rules of DESIGN.md §7."""
+    """A configuration breaks one of the rules of docs/architecture.md §7."""
 
     def __init__(self, rule: str, values: str, fix: str) -> None:
         self.rule = rule
@@ -137,7 +137,7 @@ class CPConfig:
         return dataclasses.replace(self, **changes)
 
     def validate_for(self, spec: AttentionSpec) -> None:
-        """Check every rule of DESIGN.md §7 that needs no launched world, for `spec`.
+        """Check every rule of docs/architecture.md §7 that needs no launched world, for `spec`.
 
         Only the world size (`validate_world_size`) is left to `init_parallel`.
         """

@@ -1,4 +1,4 @@
-"""`@cp_compile.cp_module`: opt a model module into cp-compile (DESIGN.md §1).
+"""`@cp_compile.cp_module`: opt a model module into cp-compile (docs/architecture.md §1).
 
     @cp_compile.cp_module(o_proj="self_attn.o_proj", indexer="self_attn.indexer")
     class MyModel(nn.Module):

@@ -1,10 +1,10 @@
-"""Allocation of this rank's KV-cache shard (DESIGN.md §4, §5).
+"""Allocation of this rank's KV-cache shard (docs/architecture.md §4, §5).
 
 With DCP every rank holds `block_size` tokens of each virtual block of
 `block_size * dcp`: for the same number of blocks (the same token capacity) the
 per-rank cache is exactly 1/dcp of the dcp = 1 allocation. The lightning-indexer
 cache is the exception: it is replicated (full virtual blocks) so top-k selection
-sees the whole sequence (DESIGN.md §6).
+sees the whole sequence (docs/architecture.md §6).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Global attention metadata, its validation, and a simple block allocator (DESIGN.md §4).
+"""Global attention metadata, its validation, and a simple block allocator (docs/architecture.md §4).
 
 The metadata is what one device would see: identical on every rank. Block ids
 name *virtual* blocks of `block_size * dcp` tokens; each rank's page with the same

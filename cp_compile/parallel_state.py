@@ -1,4 +1,4 @@
-"""Process groups for TP, DCP (inside TP) and PCP (DESIGN.md §1, §7).
+"""Process groups for TP, DCP (inside TP) and PCP (docs/architecture.md §1, §7).
 
 Ranks are laid out as world = pcp x tp: TP group g is ranks [g*tp, (g+1)*tp); DCP
 groups are consecutive runs of `dcp` ranks inside each TP group (so GQA DCP ranks

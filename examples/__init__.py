@@ -1,1 +1,1 @@
-"""Examples of cp-compile: example models, quick start and benchmarks (DESIGN.md §9)."""
+"""Examples of cp-compile: example models, quick start and benchmarks (docs/architecture.md §9)."""

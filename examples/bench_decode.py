@@ -1,4 +1,4 @@
-"""Decode benchmark in graph mode: TP baseline (dcp = 1) vs DCP at the same world size (DESIGN.md §9).
+"""Decode benchmark in graph mode: TP baseline (dcp = 1) vs DCP at the same world size (docs/architecture.md §9).
 
 For each DCP size one world of `--tp` ranks builds the TP-sharded example model,
 compiles it once with the cp_ascend backend and sweeps context length x batch:

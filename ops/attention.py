@@ -1,4 +1,4 @@
-"""Single-device attention custom ops that models call (DESIGN.md §4).
+"""Single-device attention custom ops that models call (docs/architecture.md §4).
 
 Every op is a `torch.library` custom op in the `cp` namespace: dynamo keeps each one
 as a single graph node (which the DCP passes rewrite), `mutates_args` names exactly

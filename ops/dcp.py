@@ -1,4 +1,4 @@
-"""DCP building blocks as custom ops (DESIGN.md §5).
+"""DCP building blocks as custom ops (docs/architecture.md §5).
 
 Each op is small enough for a pass to place on its own: metadata localisation
 (once per forward), local cache write, partial attention over the local shard

@@ -1,4 +1,4 @@
-"""DCP KV-cache layout math (DESIGN.md §5). Pure, vectorised torch; no state.
+"""DCP KV-cache layout math (docs/architecture.md §5). Pure, vectorised torch; no state.
 
 N = dcp size, r = DCP rank, I = interleave, Bk = per-rank block size. A virtual block
 holds Bk * N tokens; each rank's physical page of the same block id holds its Bk.

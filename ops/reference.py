@@ -1,6 +1,6 @@
 """Torch reference implementations shared by the custom ops (CPU path and test oracle).
 
-Conventions (DESIGN.md §4): tokens are flattened, `query_start_loc[B+1]`,
+Conventions (docs/architecture.md §4): tokens are flattened, `query_start_loc[B+1]`,
 `seq_lens[B]`, `block_table[B, nb]` (block ids; only entries covering a request's
 length are read), `slot_mapping[T]` (-1 = skip). A paged cache is
 `[num_blocks, block_size, ...]`; request-local position j of request b lives at page

@@ -1,4 +1,4 @@
-"""Triton kernels written once for Triton and Triton-Ascend (DESIGN.md §8).
+"""Triton kernels written once for Triton and Triton-Ascend (docs/architecture.md §8).
 
 Importable without triton: `triton_available()` says whether the launchers can be
 used; touching a launcher without triton raises ImportError. Each launcher takes

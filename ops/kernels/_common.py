@@ -1,4 +1,4 @@
-"""Launch helpers shared by the Triton kernels (DESIGN.md §8).
+"""Launch helpers shared by the Triton kernels (docs/architecture.md §8).
 
 Kept free of kernel code so every kernel file stays one kernel plus its launcher.
 Also holds what the Triton-Ascend lowering check (`ascend_check.py`) needs from a
@@ -21,7 +21,7 @@ import triton
 # interpreter) and the lowering capture. Device grids come from `max_programs`.
 CPU_MAX_PROGRAMS = 32
 
-# The kernels index in int32 (DESIGN.md §8, and Triton-Ascend's vector units are
+# The kernels index in int32 (docs/architecture.md §8, and Triton-Ascend's vector units are
 # slower on int64); launchers refuse tensors whose element offsets do not fit.
 INT32_MAX = 2**31 - 1
 
@@ -91,7 +91,7 @@ def require_int32_offsets(**tensors: torch.Tensor) -> None:
         if span > INT32_MAX:
             raise ValueError(
                 f"{name} {tuple(t.shape)} strides {t.stride()} spans {span} elements; the Triton kernels index "
-                f"in int32 (max {INT32_MAX}, DESIGN.md §8). Pass a smaller view: one tensor per layer, or fewer "
+                f"in int32 (max {INT32_MAX}, docs/architecture.md §8). Pass a smaller view: one tensor per layer, or fewer "
                 "blocks per cache tensor.")
 
 
@@ -191,7 +191,7 @@ class LoweringDeclaration:
         The check records the launches and lowers every distinct (signature,
         constexprs) specialisation; a @triton.jit kernel of the module that no
         example launches fails the check.
-    int64: kernel name -> why it needs int64 values (DESIGN.md §8 wants int32).
+    int64: kernel name -> why it needs int64 values (docs/architecture.md §8 wants int32).
     helpers: @triton.jit device functions of the module, called from kernels only.
     """
 

@@ -1,4 +1,4 @@
-"""Triton-Ascend lowering check: every kernel, every launch, no NPU needed (DESIGN.md §8).
+"""Triton-Ascend lowering check: every kernel, every launch, no NPU needed (docs/architecture.md §8).
 
 For each module of `cp_compile.ops.kernels` (or the modules named on the command
 line) it
@@ -9,7 +9,7 @@ line) it
 3. compiles each distinct (argument types, constexprs) specialisation through
    triton-ascend's NPU backend: `AscendBackend(GPUTarget("npu", arch, 0))`, TTIR,
    then `ttir_to_linalg(named_ops=True)` (the shipped `triton-adapter-opt`);
-4. checks the DESIGN.md §8 rules on the TTIR and the launch: a 1D persistent grid no
+4. checks the docs/architecture.md §8 rules on the TTIR and the launch: a 1D persistent grid no
    larger than the core budget, int32 values (int64 only where the module says why),
    fp32 reductions and dot accumulators, no fp64, no atomics.
 
@@ -211,7 +211,7 @@ _DOT = re.compile(r"tt\.dot .*?-> tensor<[0-9x]+x(\w+)>")
 
 
 def rule_violations(ttir: str, grids: set[tuple[int, ...]], int64_reason: str | None) -> list[str]:
-    """DESIGN.md §8 rules the adapter does not enforce (it accepted fp64 loads and int64
+    """docs/architecture.md §8 rules the adapter does not enforce (it accepted fp64 loads and int64
     atomics that the final NPU compile rejects), read off the TTIR and the launches."""
     bad = []
     for grid in sorted(grids):
@@ -227,7 +227,7 @@ def rule_violations(ttir: str, grids: set[tuple[int, ...]], int64_reason: str | 
     if re.search(r"\bf64\b", ttir):
         bad.append("fp64: unsupported on the NPU")
     if re.search(r"tt\.atomic_(rmw|cas)", ttir):
-        bad.append("atomics: not allowed (DESIGN.md §8)")
+        bad.append("atomics: not allowed (docs/architecture.md §8)")
     for dtype, body in _REDUCE.findall(ttir):
         # Sums and products must accumulate in fp32 (tl.sum upcasts bf16, not fp16);
         # a max / min is exact in any dtype.

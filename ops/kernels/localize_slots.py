@@ -1,4 +1,4 @@
-"""Global slot mapping -> this DCP rank's physical slots (DESIGN.md §5).
+"""Global slot mapping -> this DCP rank's physical slots (docs/architecture.md §5).
 
 A global slot is `block_id * (Bk * N) + offset` in a virtual block of Bk*N tokens;
 virtual blocks start at multiples of Bk*N, so `offset` is the request-local position

@@ -1,4 +1,4 @@
-"""DCP decode merge of partial attentions by their LSEs (DESIGN.md §5).
+"""DCP decode merge of partial attentions by their LSEs (docs/architecture.md §5).
 
 Two kernels, one per communication strategy:
 - `merge_partials_triton`: all-to-all of [out | lse], then every rank combines the N

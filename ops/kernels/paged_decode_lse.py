@@ -2,7 +2,7 @@
 
 Flash-decode style: one work item is (token, kv head, block of query heads of that
 kv head's group); it streams the request's pages in BLOCK_N-key tiles with an online
-softmax in fp32. The LSE output is what the DCP merge needs (DESIGN.md §5).
+softmax in fp32. The LSE output is what the DCP merge needs (docs/architecture.md §5).
 Torch oracle: `cp_compile.ops.reference.paged_attention_with_lse`.
 """
 

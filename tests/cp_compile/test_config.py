@@ -1,4 +1,4 @@
-"""Every rule of DESIGN.md §7, both ways: a valid config passes, a broken one raises
+"""Every rule of docs/architecture.md §7, both ways: a valid config passes, a broken one raises
 `cp_compile.ConfigError` naming the rule and the offending values (and a fix)."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Triton-Ascend readiness without an NPU (DESIGN.md §8, ops/kernels/ascend_check.py).
+"""Triton-Ascend readiness without an NPU (docs/architecture.md §8, ops/kernels/ascend_check.py).
 
 The check runs in its own environment (.venv-ascend: CPU torch + triton-ascend, which
 owns the `triton` module name) as a subprocess: every @triton.jit kernel of
@@ -74,7 +74,7 @@ def test_every_kernel_lowers_for_ascend(ascend_python: str, tmp_path: Path, summ
     assert any(c["USE_DOT"] for c in paged) and any(c["D_PAD"] == 1024 for c in paged)
     summary_note(f"Triton-Ascend lowering check ({data['stage']}, {data['arch']}): {summary['kernels']} kernels, "
                  f"{summary['constexpr_sets']} constexpr sets, {summary['specialisations']} specialisations, "
-                 f"all lowered and within DESIGN.md §8 rules, {summary['seconds']:.1f} s of compiling "
+                 f"all lowered and within docs/architecture.md §8 rules, {summary['seconds']:.1f} s of compiling "
                  "(.venv-ascend/bin/python -m cp_compile.ops.kernels.ascend_check prints the table)")
 
 

@@ -1,6 +1,6 @@
 """Triton kernels (cp_compile.ops.kernels) against the torch references, on CPU.
 
-The kernels run under Triton's interpreter (DESIGN.md §8). TRITON_INTERPRET is read
+The kernels run under Triton's interpreter (docs/architecture.md §8). TRITON_INTERPRET is read
 when `@triton.jit` decorates a function, i.e. when triton.language (whose tl.sum,
 tl.max, tl.zeros ... are themselves jitted) and the kernel modules are first
 imported, not at launch. So:
@@ -69,7 +69,7 @@ def merge_ref(outs: torch.Tensor, lses: torch.Tensor) -> torch.Tensor:
 
     reference.merge_partials cleans NaN with torch.nan_to_num, which also turns -inf
     into -3.4e38: a row whose shards are all empty then averages the outs instead of
-    giving 0 (DESIGN.md §5 says 0). Those rows are pinned to 0 here.
+    giving 0 (docs/architecture.md §5 says 0). Those rows are pinned to 0 here.
     """
     expected = reference.merge_partials(outs, lses)
     all_empty = ~torch.isfinite(lses).any(dim=0)  # NaN and +-inf both empty

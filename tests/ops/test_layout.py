@@ -1,4 +1,4 @@
-"""Property tests of the DCP KV-cache layout math (DESIGN.md §5, cp_compile.ops.layout).
+"""Property tests of the DCP KV-cache layout math (docs/architecture.md §5, cp_compile.ops.layout).
 
 Every function is checked against brute force over request-local positions:
 every token is stored on exactly one rank, local slots pack with no holes, local

@@ -1,4 +1,4 @@
-"""A compiled step must never copy a KV cache (DESIGN.md §10).
+"""A compiled step must never copy a KV cache (docs/architecture.md §10).
 
 A mutated graph input can silently gain a full-size clone (functionalisation) or
 an epilogue `copy_`. Measured: the bytes a compiled step allocates (CPU profiler)
