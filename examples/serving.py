@@ -15,7 +15,19 @@ from typing import Any, Callable
 import torch
 
 from cp_compile.config import CPConfig
+from cp_compile.kv_cache import KVCache
 from cp_compile.metadata import BlockAllocator, build_attention_metadata
+
+
+def layer_caches(cache: KVCache) -> list[tuple[torch.Tensor, ...]]:
+    """The per-layer cache tuples the example models' forward takes: `cache.layers[i]`
+    (DCP-sharded: K/V or the latent), then layer i's replicated indexer cache when the
+    model has one (SFA: `(latent, index_cache)`)."""
+    if not cache.replicated:
+        return cache.layers
+    if len(cache.replicated) != len(cache.layers):
+        raise ValueError(f"{len(cache.replicated)} replicated caches for {len(cache.layers)} layers")
+    return [layer + (index,) for layer, index in zip(cache.layers, cache.replicated)]
 
 
 @dataclass

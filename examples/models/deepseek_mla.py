@@ -135,13 +135,19 @@ class MLAAttention(nn.Module):
         self.o_proj = RowParallelLinear(H * self.dv, cfg.hidden_size, tp_size, tp_rank, bias, tp_group)
         self.rope_fn = apply_rope_interleaved if cfg.rope_interleave else apply_rope_neox
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                kv_cache: tuple[torch.Tensor, ...], meta: AttentionMetadata) -> torch.Tensor:
-        T = x.shape[0]  # x [T, hidden]
+    def project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """x [T, hidden] -> (q_abs [T, H, L], q_pe [T, H, R], kv_c [T, L], k_pe [T, R], q_resid).
+
+        q_resid [T, q_lora_rank] is q_a_layernorm(q_a_proj(x)) (None without q_lora);
+        the sparse (SFA) subclass feeds it to its indexer.
+        """
+        T = x.shape[0]
+        q_resid = None
         if self.cfg.q_lora_rank is None:
             q = self.q_proj(x)
         else:
-            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+            q_resid = self.q_a_layernorm(self.q_a_proj(x))
+            q = self.q_b_proj(q_resid)
         q = q.view(T, self.num_heads, self.nope + self.rope)  # [T, H, nope + R]
         q_nope, q_pe = torch.split(q, [self.nope, self.rope], dim=-1)
         kv_c, k_pe = torch.split(self.kv_a_proj_with_mqa(x), [self.L, self.rope], dim=-1)  # [T, L], [T, R]
@@ -149,12 +155,21 @@ class MLAAttention(nn.Module):
         q_pe = self.rope_fn(q_pe, cos, sin)  # [T, H, R]
         k_pe = self.rope_fn(k_pe[:, None, :], cos, sin)[:, 0]  # [T, R]
         q_abs = torch.einsum("thn,hnl->thl", q_nope, self.w_uk)  # [T, H, L]
+        return q_abs, q_pe.contiguous(), kv_c.contiguous(), k_pe.contiguous(), q_resid
+
+    def output(self, o_lat: torch.Tensor) -> torch.Tensor:
+        """Attention latent o_lat [T, H, L] -> o_proj(W_UV o_lat) [T, hidden] (TP all-reduce)."""
+        o = torch.einsum("thl,hlv->thv", o_lat, self.w_uv)  # [T, H, v]
+        return self.o_proj(o.reshape(o.shape[0], self.num_heads * self.dv))
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                kv_cache: tuple[torch.Tensor, ...], meta: AttentionMetadata) -> torch.Tensor:
+        q_abs, q_pe, kv_c, k_pe, _ = self.project(x, cos, sin)  # x [T, hidden]
         (kv_cache_t,) = kv_cache  # [NB, BS, L + R]
         o_lat = torch.ops.cp.mla_attention(
-            q_abs, q_pe.contiguous(), kv_c.contiguous(), k_pe.contiguous(), kv_cache_t, meta.slot_mapping,
+            q_abs, q_pe, kv_c, k_pe, kv_cache_t, meta.slot_mapping,
             meta.block_table, meta.seq_lens, meta.query_start_loc, self.scale)  # [T, H, L]
-        o = torch.einsum("thl,hlv->thv", o_lat, self.w_uv)  # [T, H, v]
-        return self.o_proj(o.reshape(T, self.num_heads * self.dv))  # [T, hidden]
+        return self.output(o_lat)  # [T, hidden]
 
     def load_hf(self, sd: StateDictReader, prefix: str) -> None:
         cfg = self.cfg
@@ -183,9 +198,12 @@ class MLAAttention(nn.Module):
 class DeepseekMLAModel(CausalLM):
     """DeepSeek MLA causal LM on one TP rank. Embedding and lm_head are replicated."""
 
+    attention_cls = MLAAttention  # the sparse (SFA) subclass swaps in its indexed attention
+
     def __init__(self, cfg, tp_size: int = 1, tp_rank: int = 0,
                  tp_group: dist.ProcessGroup | None = None) -> None:
-        super().__init__(cfg, tp_size, tp_rank, tp_group, lambda: MLAAttention(cfg, tp_size, tp_rank, tp_group),
+        attn = type(self).attention_cls
+        super().__init__(cfg, tp_size, tp_rank, tp_group, lambda: attn(cfg, tp_size, tp_rank, tp_group),
                          rotary_dim=cfg.qk_rope_head_dim)
 
     def kv_cache_spec(self) -> KVCacheSpec:

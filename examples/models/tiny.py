@@ -13,6 +13,7 @@ import torch
 import transformers
 
 from examples.models.deepseek_mla import DeepseekMLAConfig, DeepseekMLAModel
+from examples.models.deepseek_sfa import DeepseekSFAConfig, DeepseekSFAModel
 from examples.models.qwen3 import Qwen3Config, Qwen3Model
 
 VOCAB = 128
@@ -78,6 +79,30 @@ def hf_deepseek_v2_lite():
     return model
 
 
+def hf_deepseek_sfa(model_type: str = "deepseek_v32", num_heads: int = 4, num_layers: int = 2,
+                    index_topk: int = 5):
+    """Tiny DeepSeek-V3.2 (`deepseek_v32`) or GLM-5 (`glm_moe_dsa`) model: MLA + lightning
+    indexer, dense layers only, `index_topk` below the test sequences' lengths (sparse).
+
+    16 indexer heads: a key whose q . k is negative on every head scores exactly 0,
+    and HF's `topk` breaks such ties arbitrarily (the op: lower position first). With
+    2 heads a quarter of the keys tie at 0; with 16, about 2**-16 of them."""
+    cls = {"deepseek_v32": (transformers.DeepseekV32Config, transformers.DeepseekV32ForCausalLM),
+           "glm_moe_dsa": (transformers.GlmMoeDsaConfig, transformers.GlmMoeDsaForCausalLM)}[model_type]
+    extra = {"indexer_types": ["full"] * num_layers} if model_type == "glm_moe_dsa" else {}
+    cfg = cls[0](
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+        num_hidden_layers=num_layers, first_k_dense_replace=num_layers, num_attention_heads=num_heads,
+        num_key_value_heads=num_heads, q_lora_rank=24, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8,
+        v_head_dim=12, index_n_heads=16, index_head_dim=16, index_topk=index_topk, rms_norm_eps=1e-2,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0}, tie_word_embeddings=False,
+        attn_implementation="eager", **extra)
+    torch.manual_seed(0)
+    model = cls[1](cfg).eval()
+    _randomize(model, 4)
+    return model
+
+
 def example_from_hf(hf_model, tp_size: int = 1, tp_rank: int = 0, tp_group=None,
                     state_dict: dict[str, torch.Tensor] | None = None):
     """The example model of `hf_model`'s architecture, holding this TP rank's shard of its weights."""
@@ -90,6 +115,8 @@ def example_from_config(hf_config, state_dict: dict[str, torch.Tensor], tp_size:
     """Same from an HF config and HF-named state dict (e.g. shipped to spawned ranks)."""
     if hf_config.model_type == "qwen3":
         model = Qwen3Model(Qwen3Config.from_hf(hf_config), tp_size, tp_rank, tp_group)
+    elif hf_config.model_type in ("deepseek_v32", "glm_moe_dsa"):
+        model = DeepseekSFAModel(DeepseekSFAConfig.from_hf(hf_config), tp_size, tp_rank, tp_group)
     else:
         model = DeepseekMLAModel(DeepseekMLAConfig.from_hf(hf_config), tp_size, tp_rank, tp_group)
     model.load_hf_state_dict(state_dict)

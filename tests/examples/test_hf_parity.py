@@ -1,7 +1,8 @@
 """The example models are the real architectures: logits match HF `transformers`.
 
 Tiny random HF models (Qwen3 GQA; DeepSeek-V3 MLA with q_lora and both rope
-layouts; DeepSeek-V2-Lite-style MLA without q_lora) are built offline, their state
+layouts; DeepSeek-V2-Lite-style MLA without q_lora; DeepSeek-V3.2 and GLM-5
+(`glm_moe_dsa`) sparse MLA with a lightning indexer) are built offline, their state
 dicts loaded into the example models (tp_size=1), and a serving-like sequence of
 steps runs through the paged-cache custom ops: chunked prefill, a mixed
 prefill+decode batch, decode with padding tokens, and multi-token decode. Every
@@ -19,7 +20,10 @@ from cp_compile.metadata import BlockAllocator, build_attention_metadata
 from examples.models import deepseek_mla, qwen3
 from examples.models.deepseek_mla import DeepseekMLAConfig
 from examples.models.qwen3 import Qwen3Model
-from examples.models.tiny import VOCAB, example_from_hf, hf_deepseek_v2_lite, hf_deepseek_v3, hf_qwen3
+from examples.models.deepseek_sfa import DeepseekSFAConfig
+from examples.models.tiny import (VOCAB, example_from_hf, hf_deepseek_sfa, hf_deepseek_v2_lite, hf_deepseek_v3,
+                                  hf_qwen3)
+from examples.serving import layer_caches
 
 ATOL = RTOL = 1e-4
 
@@ -54,7 +58,7 @@ def run_steps(model, block_size: int, seed: int = 0, compiled=None):
             tokens[b] += t.tolist()
         input_ids = torch.cat(new + [torch.zeros(npad, dtype=torch.int64)])  # [T]
         with torch.no_grad():
-            logits = fn(input_ids, meta.positions, cache.layers, meta)  # [T, vocab]
+            logits = fn(input_ids, meta.positions, layer_caches(cache), meta)  # [T, vocab]
         assert logits.shape == (input_ids.shape[0], VOCAB) and logits.dtype == torch.float32
         out.append((logits, requests, [list(t) for t in tokens], npad))
     return out, cache
@@ -103,6 +107,38 @@ def test_deepseek_v2_lite_matches_hf() -> None:
     assert_matches_hf(hf, model, 4)
 
 
+@pytest.mark.parametrize("model_type", ["deepseek_v32", "glm_moe_dsa"])
+@pytest.mark.parametrize("block_size", [4, 8])
+def test_deepseek_sfa_matches_hf(model_type: str, block_size: int) -> None:
+    """MLA + lightning indexer (V3.2: neox indexer rope; GLM-5: interleaved), top-k 5
+    of up to 14 keys, so most queries attend a strict subset of their context."""
+    hf = hf_deepseek_sfa(model_type)
+    model = example_from_hf(hf)
+    assert model.cfg.indexer_rope_interleave == (model_type == "glm_moe_dsa")
+    assert model.cfg.index_topk == 5 < max(c + n for reqs, _ in STEPS for c, n in reqs)
+    assert_matches_hf(hf, model, block_size)
+
+
+def test_deepseek_sfa_sparsity_matters() -> None:
+    """The same weights attending every causal key give other logits: the indexer's
+    selection (not just the MLA) is what the parity test pins."""
+    hf = hf_deepseek_sfa("deepseek_v32")
+    sparse, _ = run_steps(example_from_hf(hf), 4)
+    dense_model = example_from_hf(hf)
+    for layer in dense_model.layers:
+        layer.self_attn.indexer.topk = 64
+    dense, _ = run_steps(dense_model, 4)
+    torch.testing.assert_close(dense[0][0][:5], sparse[0][0][:5], atol=0, rtol=0)  # <= 5 keys: same
+    assert (dense[-1][0] - sparse[-1][0]).abs().max() > 1e-2
+
+
+def test_sfa_shared_indexer_layers_are_rejected() -> None:
+    cfg = hf_deepseek_sfa("glm_moe_dsa").config
+    cfg.indexer_types = ["full", "shared"]
+    with pytest.raises(NotImplementedError, match="shared"):
+        DeepseekSFAConfig.from_hf(cfg)
+
+
 def test_moe_layers_are_rejected() -> None:
     cfg = hf_deepseek_v3().config
     cfg.first_k_dense_replace = 1
@@ -120,6 +156,11 @@ def test_cache_specs() -> None:
     spec = m.kv_cache_spec()
     assert (spec.kind, spec.num_layers, spec.latent_dim) == ("mla", 2, 32 + 8)
     assert (m.attention_spec().kind, m.attention_spec().num_heads) == ("mla", 4)
+    s = example_from_hf(hf_deepseek_sfa())
+    spec = s.kv_cache_spec()
+    assert (spec.kind, spec.num_layers, spec.latent_dim, spec.index_dim) == ("sfa", 2, 32 + 8, 16)
+    a = s.attention_spec()
+    assert (a.kind, a.num_heads, a.has_indexer) == ("sfa", 4, True)
 
 
 # --------------------------------------------------------------------------- torch.compile
