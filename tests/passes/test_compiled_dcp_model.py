@@ -6,6 +6,10 @@ every step (a request joins mid-way, one leaves, padding tokens). After two
 warm-up steps recompilation is forbidden. Logits and greedy tokens must equal the
 single-device eager model's, and the pass snapshots must show the attention nodes
 replaced by the DCP building blocks and collectives.
+
+The sparse (SFA) model, DeepSeek-V3.2 style (MLA + lightning indexer, top-k below
+the sequence lengths), runs at tp = dcp = 2: its latent cache is sharded, its
+indexer cache replicated, and the `sfa_dcp` pass rewrites the sparse attention.
 """
 
 from __future__ import annotations
@@ -17,8 +21,8 @@ import cp_compile
 from cp_compile.context import CompileContext
 from cp_compile.passes.dcp_attention import DCPAttentionPass
 from cp_compile.testing.multirank import run_on_ranks
-from examples.models.tiny import VOCAB, example_from_config, hf_deepseek_v3, hf_qwen3
-from examples.serving import run_schedule, tiny_schedule
+from examples.models.tiny import VOCAB, example_from_config, hf_deepseek_sfa, hf_deepseek_v3, hf_qwen3
+from examples.serving import layer_caches, run_schedule, tiny_schedule
 
 BLOCK = 4
 NUM_BLOCKS = 12
@@ -29,12 +33,15 @@ WARMUP = 2
 def _hf(kind: str):
     if kind == "qwen3":
         return hf_qwen3(num_kv_heads=1, num_heads=4)
+    if kind == "sfa":
+        return hf_deepseek_sfa("deepseek_v32", num_heads=4)
     return hf_deepseek_v3(q_lora_rank=None, num_heads=4)
 
 
-def _dcp_world(rank: int, world: int, kind: str, dcp: int, lowering: str, merge: str, hf_config, state_dict):
+def _dcp_world(rank: int, world: int, kind: str, dcp: int, lowering: str, merge: str, hf_config, state_dict,
+               interleave: int = 1):
     cfg = cp_compile.CPConfig(tensor_parallel_size=world, decode_context_parallel_size=dcp, block_size=BLOCK,
-                              dcp_merge=merge)
+                              dcp_merge=merge, cp_kv_cache_interleave_size=interleave)
     state = cp_compile.init_parallel(cfg, device="cpu")
     model = example_from_config(hf_config, state_dict, world, state.tp_rank, state.tp_group)
     cache = cp_compile.allocate_kv_cache(cfg, model.kv_cache_spec(), NUM_BLOCKS, attention=model.attention_spec())
@@ -45,22 +52,25 @@ def _dcp_world(rank: int, world: int, kind: str, dcp: int, lowering: str, merge:
             torch.compiler.set_stance("fail_on_recompile")
 
     try:
-        res = run_schedule(compiled, cache.layers, cfg, NUM_BLOCKS, tiny_schedule(VOCAB, num_steps=STEPS),
+        res = run_schedule(compiled, layer_caches(cache), cfg, NUM_BLOCKS, tiny_schedule(VOCAB, num_steps=STEPS),
                            on_step=forbid_recompiles)
     finally:
         torch.compiler.set_stance("default")
     pms = compiled.backend.pass_managers
     return dict(results=res, graphs=len(pms), history=[(h.name, h.rewrites, h.before, h.after)
                                                        for h in pms[0].history],
-                kv_bytes=cache.sharded_bytes, ctx=compiled.backend.contexts[0])
+                kv_bytes=cache.sharded_bytes, replicated_bytes=cache.replicated_bytes,
+                ctx=compiled.backend.contexts[0])
 
 
-def _reference(hf_config, state_dict, dcp: int):
+def _reference(hf_config, state_dict, dcp: int, with_replicated: bool = False):
     model = example_from_config(hf_config, state_dict)
     cfg = cp_compile.CPConfig(block_size=BLOCK * dcp)  # one device: pages of a whole virtual block
     cache = cp_compile.allocate_kv_cache(cfg, model.kv_cache_spec(), NUM_BLOCKS)
-    return run_schedule(model, cache.layers, cfg, NUM_BLOCKS, tiny_schedule(VOCAB, num_steps=STEPS)), \
-        cache.sharded_bytes
+    res = run_schedule(model, layer_caches(cache), cfg, NUM_BLOCKS, tiny_schedule(VOCAB, num_steps=STEPS))
+    if with_replicated:
+        return res, cache.sharded_bytes, cache.replicated_bytes
+    return res, cache.sharded_bytes
 
 
 def _count(hist: dict[str, int], needle: str) -> int:
@@ -106,6 +116,60 @@ def test_compiled_dcp_model_matches_single_device(kind, tp, dcp, lowering, merge
             assert _count(after, "all_to_all_single") == layers
         # Each rank stores 1/dcp of the KV cache of the single-device run.
         assert out["kv_bytes"] * dcp == ref_bytes
+
+
+SFA_CASES = [
+    pytest.param(1, "ag_rs", "inductor", id="interleave1-ag_rs-inductor"),
+    pytest.param(BLOCK, "a2a", "aot_eager", id="interleave_block-a2a-aot_eager"),
+    pytest.param(BLOCK, "ag_rs", "inductor", id="interleave_block-ag_rs-inductor", marks=pytest.mark.slow),
+    pytest.param(1, "a2a", "inductor", id="interleave1-a2a-inductor", marks=pytest.mark.slow),
+]
+
+
+@pytest.mark.parametrize("interleave,merge,lowering", SFA_CASES)
+def test_compiled_sfa_dcp_model_matches_single_device(interleave, merge, lowering):
+    """SFA DCP at tp = dcp = 2: compiled sparse MLA + indexer == the single-device eager model."""
+    tp = dcp = 2
+    hf = _hf("sfa")
+    assert hf.config.index_topk < 16  # the longest request reaches 16 tokens: the top-k is a strict subset
+    sd = {k: v.detach().clone() for k, v in hf.state_dict().items()}
+    per_rank = run_on_ranks(_dcp_world, tp, "sfa", dcp, lowering, merge, hf.config, sd, interleave, timeout=900)
+    ref, ref_latent, ref_index = _reference(hf.config, sd, dcp, with_replicated=True)
+    layers = hf.config.num_hidden_layers
+    worst = 0.0
+    for rank, out in enumerate(per_rank):
+        assert out["graphs"] == 1, f"rank {rank} compiled {out['graphs']} graphs"
+        for step, (got, want) in enumerate(zip(out["results"], ref)):
+            assert got.req_ids == want.req_ids
+            torch.testing.assert_close(got.last_logits, want.last_logits, atol=1e-4, rtol=1e-4,
+                                       msg=f"rank {rank} step {step}")
+            assert got.next_tokens == want.next_tokens, f"rank {rank} step {step}"
+            worst = max(worst, (got.last_logits - want.last_logits).abs().max().item())
+        ctx = out["ctx"]
+        assert (ctx.dcp.size, ctx.dcp.rank, ctx.attention.kind, ctx.config.interleave) == (dcp, rank, "sfa",
+                                                                                            interleave)
+        hist = {name: (rewrites, before, after) for name, rewrites, before, after in out["history"]}
+        assert list(hist) == ["dcp_attention", "sfa_dcp", "unsharded_attention_check"]
+        rewrites, before, after = hist["sfa_dcp"]
+        assert rewrites == layers and hist["dcp_attention"][0] == 0
+        assert hist["unsharded_attention_check"][2] == after
+        assert _count(before, "cp.sparse_mla_attention") == layers and _count(after, "cp.sparse_mla_attention") == 0
+        # The indexer stays (it reads the replicated cache); each layer's top-k is remapped to local positions.
+        assert _count(after, "cp.lightning_indexer") == layers
+        assert _count(after, "cp.dcp_sparse_indices") == _count(after, "cp.sparse_mla_partial_attention") == layers
+        if merge == "ag_rs":
+            assert _count(after, "all_gather_into_tensor") == 2 * layers  # fused [q_nope | q_pe], LSEs
+            assert _count(after, "reduce_scatter_tensor") == layers
+        else:
+            assert _count(after, "all_gather_into_tensor") == layers
+            assert _count(after, "all_to_all_single") == layers
+        # Memory: the latent cache is 1/dcp of the single-device one, the indexer cache is whole on every rank.
+        assert out["kv_bytes"] * dcp == ref_latent
+        assert out["replicated_bytes"] == ref_index
+    print(f"\nSFA DCP tp=dcp={dcp} interleave={interleave} {merge} {lowering}: max |logit diff| {worst:.2e}, "
+          f"tokens equal")
+    print(f"  per-rank cache bytes: latent {per_rank[0]['kv_bytes']:,d} (dcp=1: {ref_latent:,d}, "
+          f"1/{dcp}), indexer {per_rank[0]['replicated_bytes']:,d} (dcp=1: {ref_index:,d}, x1 replicated)")
 
 
 def test_pass_uuid_tracks_config_fields():
