@@ -10,6 +10,7 @@ against the dcp = 1 baseline.
 
     python -m examples.quickstart            # tp=2, dcp=2 (from the repository root)
     python -m examples.quickstart --tp 4 --dcp 4 --model mla
+    python -m examples.quickstart --model sfa  # DeepSeek-V3.2-style sparse MLA (needs dcp == tp)
 
 Run as a module from the repository root, so `examples.*` imports without path
 tricks (the ranks it spawns import this module by the same name).
@@ -18,6 +19,7 @@ tricks (the ranks it spawns import this module by the same name).
 from __future__ import annotations
 
 import argparse
+import sys
 import time
 
 import torch
@@ -26,9 +28,10 @@ import cp_compile
 from cp_compile.comm_stats import decode_comm_bytes_per_layer
 from cp_compile.testing.multirank import run_on_ranks
 from examples.models.deepseek_mla import DeepseekMLAConfig, DeepseekMLAModel
+from examples.models.deepseek_sfa import DeepseekSFAConfig, DeepseekSFAModel
 from examples.models.qwen3 import Qwen3Config, Qwen3Model
-from examples.models.tiny import VOCAB, example_from_config, hf_deepseek_v3, hf_qwen3
-from examples.serving import run_schedule, tiny_schedule
+from examples.models.tiny import VOCAB, example_from_config, hf_deepseek_sfa, hf_deepseek_v3, hf_qwen3
+from examples.serving import layer_caches, run_schedule, tiny_schedule
 
 BLOCK = 4
 NUM_BLOCKS = 12
@@ -46,38 +49,54 @@ class CompiledMLA(DeepseekMLAModel):
     pass
 
 
+@cp_compile.cp_module(indexer="self_attn.indexer")
+class CompiledSFA(DeepseekSFAModel):
+    pass
+
+
 def _rank_main(rank: int, world: int, kind: str, dcp: int, steps: int, hf_config, state_dict) -> dict:
     cfg = cp_compile.CPConfig(tensor_parallel_size=world, decode_context_parallel_size=dcp, block_size=BLOCK)
     state = cp_compile.init_parallel(cfg, device="cpu")
     if kind == "qwen3":
         model = CompiledQwen3(Qwen3Config.from_hf(hf_config), world, state.tp_rank, state.tp_group)
-    else:
+    elif kind == "mla":
         model = CompiledMLA(DeepseekMLAConfig.from_hf(hf_config), world, state.tp_rank, state.tp_group)
+    else:
+        model = CompiledSFA(DeepseekSFAConfig.from_hf(hf_config), world, state.tp_rank, state.tp_group)
     model.load_hf_state_dict(state_dict)
     cache = cp_compile.allocate_kv_cache(cfg, model.kv_cache_spec(), NUM_BLOCKS, attention=model.attention_spec())
     # The plain-TP baseline (dcp = 1) for the same token capacity, on the meta device: shapes, no memory.
     base_cfg = cfg.replace(decode_context_parallel_size=1, block_size=BLOCK * dcp)
     base = cp_compile.allocate_kv_cache(base_cfg, model.kv_cache_spec(), NUM_BLOCKS, device="meta")
     t0 = time.perf_counter()
-    results = run_schedule(model, cache.layers, cfg, NUM_BLOCKS, tiny_schedule(VOCAB, num_steps=steps))
+    # SFA: each layer's tuple also holds its replicated indexer cache (cache.replicated).
+    results = run_schedule(model, layer_caches(cache), cfg, NUM_BLOCKS, tiny_schedule(VOCAB, num_steps=steps))
     history = model.cp_compiled.backend.pass_managers[0].history
     return dict(results=results, seconds=time.perf_counter() - t0, kv_bytes=cache.sharded_bytes,
                 base_bytes=base.sharded_bytes, base_tokens=base.tokens_per_rank,
+                index_bytes=cache.replicated_bytes, base_index_bytes=base.replicated_bytes,
                 tokens_per_rank=cache.tokens_per_rank, rewrites=[(h.name, h.rewrites, h.after) for h in history],
                 graphs=len(model.cp_compiled.backend.pass_managers))
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", choices=["qwen3", "mla"], default="qwen3")
+    ap.add_argument("--model", choices=["qwen3", "mla", "sfa"], default="qwen3")
     ap.add_argument("--tp", type=int, default=2)
     ap.add_argument("--dcp", type=int, default=2)
     ap.add_argument("--steps", type=int, default=8, help="prefill + decode steps")
     args = ap.parse_args()
+    if args.model == "sfa" and args.dcp not in (1, args.tp):
+        ap.error(f"--model sfa needs --dcp == --tp (SFA DCP with a replicated indexer), got tp={args.tp} "
+                 f"dcp={args.dcp}")
 
     heads = max(4, args.tp)
-    hf = hf_qwen3(num_kv_heads=max(1, args.tp // args.dcp), num_heads=heads) if args.model == "qwen3" \
-        else hf_deepseek_v3(q_lora_rank=None, num_heads=heads)
+    if args.model == "qwen3":
+        hf = hf_qwen3(num_kv_heads=max(1, args.tp // args.dcp), num_heads=heads)
+    elif args.model == "mla":
+        hf = hf_deepseek_v3(q_lora_rank=None, num_heads=heads)
+    else:
+        hf = hf_deepseek_sfa("deepseek_v32", num_heads=heads)
     sd = {k: v.detach().clone() for k, v in hf.state_dict().items()}
     print(f"cp_ascend registered as a torch.compile backend: {'cp_ascend' in torch._dynamo.list_backends()}")
     print(f"model={args.model} tp={args.tp} dcp={args.dcp} block_size={BLOCK} "
@@ -88,7 +107,8 @@ def main() -> int:
     ref_model = example_from_config(hf.config, sd)
     ref_cfg = cp_compile.CPConfig(block_size=BLOCK * args.dcp)
     ref_cache = cp_compile.allocate_kv_cache(ref_cfg, ref_model.kv_cache_spec(), NUM_BLOCKS)
-    ref = run_schedule(ref_model, ref_cache.layers, ref_cfg, NUM_BLOCKS, tiny_schedule(VOCAB, num_steps=args.steps))
+    ref = run_schedule(ref_model, layer_caches(ref_cache), ref_cfg, NUM_BLOCKS,
+                       tiny_schedule(VOCAB, num_steps=args.steps))
 
     print("\nstep  requests   single-device tokens   DCP tokens (rank 0)   max |logit diff| over ranks")
     ok = True
@@ -101,7 +121,8 @@ def main() -> int:
         print(f"{step:4d}  {str(want.req_ids):9s}  {str(want.next_tokens):21s}  "
               f"{str(per_rank[0]['results'][step].next_tokens):20s}  {max(diffs):.2e} {'ok' if same else 'MISMATCH'}")
 
-    name, rewrites, after = per_rank[0]["rewrites"][0]
+    # The pass that rewrote the attention (dcp_attention; sfa_dcp for the sparse model).
+    name, rewrites, after = max(per_rank[0]["rewrites"], key=lambda h: h[1])
     colls = {k.split(".")[1]: v for k, v in after.items() if "_c10d_functional" in k and "wait" not in k}
     print(f"\npass {name}: {rewrites} attention nodes rewritten; graph now holds {colls}; "
           f"graphs compiled per rank: {per_rank[0]['graphs']}")
@@ -115,11 +136,15 @@ def main() -> int:
         base_bytes = out["base_bytes"]
         print(f"  dcp={args.dcp} rank {r}  : {out['kv_bytes']:>9,d} bytes, {out['tokens_per_rank']} tokens per rank "
               f"({out['kv_bytes'] / base_bytes:.3f} of baseline)")
+    if args.model == "sfa":
+        for r, out in enumerate(per_rank):
+            print(f"  indexer cache rank {r}: {out['index_bytes']:>9,d} bytes at dcp={args.dcp}, "
+                  f"{out['base_index_bytes']:,d} at dcp=1 (replicated: every rank holds every token's key)")
 
     heads_per_rank = heads // args.tp
     if args.model == "qwen3":
         qd, vd = hf.config.head_dim, hf.config.head_dim
-    else:
+    else:  # MLA and SFA gather [q_nope | q_pe] and merge latents
         qd, vd = hf.config.kv_lora_rank + hf.config.qk_rope_head_dim, hf.config.kv_lora_rank
     per_layer = decode_comm_bytes_per_layer(1, heads_per_rank, qd, vd, 4, args.dcp)
     print(f"\nDCP traffic per decode token per layer per rank: {per_layer} bytes (independent of context length)")
