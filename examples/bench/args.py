@@ -32,14 +32,18 @@ class BenchArgs:
     profile_steps: int = 3  # profiled steps per config after the timed ones (0: no breakdown)
     compile_probe: bool = True  # compile time of cp_ascend vs the plain lowering, per DCP world
     kv_budget_gib: float = 16.0  # KV bytes per rank for the largest-context figure
+    repeat: int = 1  # passes over the worlds, every other one in reverse order (ABBA)
 
     @property
     def worlds(self) -> tuple[tuple[int, str], ...]:
-        """(dcp, merge) per world: the dcp = 1 baseline (no merge) first."""
-        worlds: list[tuple[int, str]] = []
-        for d in self.dcp:
-            worlds += [(d, "none")] if d == 1 else [(d, m) for m in self.merge]
-        return tuple(worlds)
+        """(dcp, merge) per world; each world with dcp > 1 also times the dcp = 1 baseline."""
+        worlds = tuple((d, m) for d in self.dcp if d > 1 for m in self.merge)
+        return worlds or ((1, "none"),)
+
+    @property
+    def schedule(self) -> tuple[tuple[int, str], ...]:
+        """Worlds in run order over `repeat` passes: forward, reversed, forward, ..."""
+        return tuple(w for r in range(self.repeat) for w in (self.worlds if r % 2 == 0 else self.worlds[::-1]))
 
     @property
     def decode_steps(self) -> int:
@@ -99,6 +103,9 @@ def build_parser(description: str) -> argparse.ArgumentParser:
                         "(attention, DCP/TP collectives, rest); 0 turns it off")
     p.add_argument("--compile-probe", action=argparse.BooleanOptionalAction, default=True,
                    help="per DCP world, time a fresh compile with cp_ascend vs the plain lowering")
+    p.add_argument("--repeat", type=int, default=1,
+                   help="passes over the worlds, every other pass in reverse order, so that a slow spell of a "
+                        "shared machine hits dcp = 1 and dcp = N alike; steps of all passes are pooled")
     p.add_argument("--kv-budget-gib", type=float, default=16.0,
                    help="KV bytes per rank for the largest context that fits (real layer count of the shape)")
     return p
@@ -109,6 +116,8 @@ def parse_args(argv: Sequence[str] | None = None, description: str = "") -> Benc
     a = p.parse_args(argv)
     if a.steps < 1 or a.warmup < 0 or a.profile_steps < 0:
         p.error("--steps must be >= 1, --warmup and --profile-steps >= 0")
+    if a.repeat < 1:
+        p.error("--repeat must be >= 1")
     if a.kv_budget_gib <= 0:
         p.error("--kv-budget-gib must be > 0")
     from examples.bench.shapes import PRESETS
@@ -118,7 +127,6 @@ def parse_args(argv: Sequence[str] | None = None, description: str = "") -> Benc
         if a.model is not None and a.model != PRESETS[a.shape].kind:
             p.error(f"--shape {a.shape} is a {PRESETS[a.shape].kind} model; drop --model {a.model}")
         model = PRESETS[a.shape].kind
-    # The baseline goes first: its world also checks the model builds at this tp.
     dcp = tuple(sorted(set(a.dcp) | {1}))
     bad = [d for d in dcp if a.tp % d]
     if bad:
@@ -127,4 +135,4 @@ def parse_args(argv: Sequence[str] | None = None, description: str = "") -> Benc
                      batch=tuple(sorted(set(a.batch))), interleave=a.interleave, block_size=a.block_size,
                      steps=a.steps, warmup=a.warmup, lowering=a.lowering, merge=a.merge, out=a.out,
                      dtype=a.dtype, shape=a.shape, profile_steps=a.profile_steps, compile_probe=a.compile_probe,
-                     kv_budget_gib=a.kv_budget_gib)
+                     kv_budget_gib=a.kv_budget_gib, repeat=a.repeat)

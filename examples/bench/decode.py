@@ -1,6 +1,12 @@
-"""The decode sweep of one world: compile once, then per (context, batch) fill, warm up, time, profile.
+"""The decode sweep of one world, DCP and its dcp = 1 baseline side by side, step by step.
 
-- the KV pool is allocated once per world, big enough for the largest config, so
+A world is (dcp, merge) on `tp` ranks. When dcp > 1 it also holds the TP baseline:
+the same model (same weights, same process) compiled with the plain lowering over
+a full dcp = 1 KV pool (at dcp = 1 the cp_ascend pass has nothing to rewrite, so
+that is what cp_ascend runs). Baseline and DCP steps alternate (AB, BA, AB, ...),
+so a slow spell of a shared machine hits both alike and their ratio is fair.
+
+- each KV pool is allocated once per world, big enough for the largest config, so
   the cache tensors (graph inputs) keep their shapes across configs; the block
   table width is fixed per world for the same reason;
 - the context is filled directly (`cache.fill_context`), so decode attends over
@@ -18,7 +24,8 @@ from __future__ import annotations
 
 import statistics
 import time
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -48,94 +55,187 @@ def _decode_inputs(context: int, step: int, batch: int, alloc: cp_compile.BlockA
     return torch.randint(0, vocab, (batch,), generator=g).to(device), meta
 
 
-def timed_decode(compiled: Any, cache: cp_compile.KVCache, alloc: cp_compile.BlockAllocator, context: int,
-                 batch: int, args: BenchArgs, geom: WorldGeometry, vocab: int, device: torch.device
-                 ) -> tuple[list[float], int, list[dict[str, float]]]:
-    """Warm-up, timed, then profiled decode steps.
+@dataclass
+class Side:
+    """One of the models a world times: the DCP model or its dcp = 1 baseline."""
 
-    Returns each timed step's time in ms (max over ranks), the graphs compiled after
+    cfg: cp_compile.CPConfig
+    merge: str
+    dcp_rank: int
+    cache: cp_compile.KVCache
+    geom: WorldGeometry
+    compiled: Any
+    graphs: Callable[[], int]  # graphs compiled so far
+
+
+class _CountingBackend:
+    """The plain lowering, counting the graphs it compiles."""
+
+    def __init__(self, lowering: str) -> None:
+        self.inner = torch._dynamo.lookup_backend(lowering)
+        self.graphs = 0
+
+    def __call__(self, gm: Any, example_inputs: Any) -> Any:
+        self.graphs += 1
+        return self.inner(gm, example_inputs)
+
+
+def timed_decode(sides: list[Side], allocs: list[cp_compile.BlockAllocator], context: int, batch: int,
+                 args: BenchArgs, vocab: int, device: torch.device
+                 ) -> list[tuple[list[float], int, list[dict[str, float]]]]:
+    """Warm-up, timed, then profiled decode steps, the sides alternating step by step.
+
+    Per side: each timed step's time in ms (max over ranks), the graphs compiled after
     the warm-up (max over ranks; their compile time would be in the TPOT), and each
     rank's median breakdown of the profiled steps (empty without profiling).
     """
-    times = []
-    graphs_after_warmup = len(compiled.backend.pass_managers)
+    times: list[list[float]] = [[] for _ in sides]
+    graphs_after_warmup = [s.graphs() for s in sides]
     g = torch.Generator().manual_seed(context * 131 + batch)
     timed_end = args.warmup + args.steps
 
-    def run_step(step: int, label: str) -> float:
-        # Metadata and inputs are built outside the timed region: the runtime's job, not the model's.
-        ids, meta = _decode_inputs(context, step, batch, alloc, geom.max_blocks_per_req, vocab, g, device)
+    def run_step(step: int, label: str) -> list[float]:
+        ids = torch.randint(0, vocab, (batch,), generator=g).to(device)
+        out = [0.0] * len(sides)
+        for i in (range(len(sides)) if step % 2 == 0 else reversed(range(len(sides)))):
+            side = sides[i]
+            # Metadata is built outside the timed region: the runtime's job, not the model's.
+            meta = cp_compile.build_attention_metadata([(context + step, 1)] * batch, allocs[i],
+                                                       max_blocks_per_req=side.geom.max_blocks_per_req,
+                                                       device=device)
 
-        def step_fn() -> None:
-            with torch.no_grad(), torch.profiler.record_function(label):
-                compiled(ids, meta.positions, cache.layers, meta)
+            def step_fn() -> None:
+                with torch.no_grad(), torch.profiler.record_function(f"{label}:{i}"):
+                    side.compiled(ids, meta.positions, side.cache.layers, meta)
 
-        return timed_step(step_fn, device)
+            out[i] = timed_step(step_fn, device)
+        return out
 
     for step in range(timed_end):
         if step == args.warmup:
-            graphs_after_warmup = len(compiled.backend.pass_managers)
+            graphs_after_warmup = [s.graphs() for s in sides]
         elapsed = run_step(step, "bench::timed")
         if step >= args.warmup:
-            times.append(elapsed)
+            for i, t in enumerate(elapsed):
+                times[i].append(t)
     # The profiler runs only around the extra steps: its overhead stays out of the TPOT.
     with profiling(args.profile_steps > 0) as prof:
         for step in range(timed_end, args.decode_steps):
             run_step(step, STEP)
-    recompiles = len(compiled.backend.pass_managers) - graphs_after_warmup
-    steps = breakdown(prof) if prof is not None else []
-    per_rank: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(per_rank, median_breakdown(steps))
-    return max_over_ranks(times, device), int(max_over_ranks([float(recompiles)], device)[0]), per_rank
+    results = []
+    for i, side in enumerate(sides):
+        recompiles = side.graphs() - graphs_after_warmup[i]
+        steps = breakdown(prof, f"{STEP}:{i}") if prof is not None else []
+        per_rank: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(per_rank, median_breakdown(steps))
+        results.append((max_over_ranks(times[i], device), int(max_over_ranks([float(recompiles)], device)[0]),
+                        per_rank))
+    return results
 
 
-def compile_probe(model: torch.nn.Module, cfg: cp_compile.CPConfig, cache: cp_compile.KVCache, geom: WorldGeometry,
-                  args: BenchArgs, vocab: int, device: torch.device) -> dict[str, float]:
+class _TimedPasses:
+    """A pass manager that adds the seconds its passes take to `sink["pass_s"]`."""
+
+    def __init__(self, pm: Any, sink: dict[str, float]) -> None:
+        self._pm, self._sink = pm, sink
+
+    def __call__(self, gm: Any) -> Any:
+        t0 = time.perf_counter()
+        try:
+            return self._pm(gm)
+        finally:
+            self._sink["pass_s"] += time.perf_counter() - t0
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._pm, name)
+
+
+def _timed_backends(lowering: str) -> tuple[Any, Any, dict[str, float]]:
+    """(plain backend, cp_ascend backend, seconds each spent in its backend call / in the DCP pass)."""
+    from cp_compile.backend import CpAscendBackend
+
+    sink = {"backend_s_plain": 0.0, "backend_s_cp_ascend": 0.0, "pass_s": 0.0}
+    inner = torch._dynamo.lookup_backend(lowering)
+
+    def plain(gm: Any, example_inputs: Any) -> Any:
+        t0 = time.perf_counter()
+        try:
+            return inner(gm, example_inputs)
+        finally:
+            sink["backend_s_plain"] += time.perf_counter() - t0
+
+    class TimedCpAscend(CpAscendBackend):
+        def make_pass_manager(self) -> Any:
+            return _TimedPasses(super().make_pass_manager(), sink)
+
+        def __call__(self, gm: Any, example_inputs: Any) -> Any:
+            t0 = time.perf_counter()
+            try:
+                return super().__call__(gm, example_inputs)
+            finally:
+                sink["backend_s_cp_ascend"] += time.perf_counter() - t0
+
+    return plain, TimedCpAscend(lowering=lowering), sink
+
+
+def compile_probe(model: torch.nn.Module, dcp_side: Side, base: Side, args: BenchArgs, vocab: int,
+                  device: torch.device) -> dict[str, Any]:
     """Seconds to compile (and run once, batch 2, 16 tokens of context) a fresh copy of the model's
-    forward: plain lowering, cp_ascend, plain again; max over ranks.
+    forward: plain lowering, cp_ascend, plain again; max over ranks. Also the seconds spent
+    inside each backend (cp_ascend: DCP pass + lowering) and in the DCP pass alone, so that
+    the rest (Dynamo tracing, guards, the one step) is the difference.
 
     Dynamo is reset before each, and Inductor's FX-graph and AOT caches are off, so each
     compile traces, runs its passes and lowers the whole graph; the kernel caches on disk
     stay warm (the sweep compiled the same kernels), as on any run but the very first.
-    The plain run uses a dcp = 1 cache (its attention is the single-device op).
+    The plain run uses the baseline's dcp = 1 cache (its attention is the single-device op).
     """
     import torch._functorch.config as functorch_config
     import torch._inductor.config as inductor_config
 
-    plain_cfg = cp_compile.CPConfig(tensor_parallel_size=args.tp, block_size=args.block_size)
-    plain_geom = world_geometry(args.block_size, 1, 16, 2, 1)
-    plain_cache = cp_compile.allocate_kv_cache(plain_cfg, model.kv_cache_spec(), plain_geom.num_blocks,
-                                               dtype=args.torch_dtype, device=device)
+    plain_backend, cp_backend, sink = _timed_backends(args.lowering)
 
     def once(plain: bool) -> float:
         torch._dynamo.reset()
-        if plain:
-            fn = CompiledForward(model, model.forward, _DYNAMIC, args.lowering)
-            c, geo, kv = plain_cfg, plain_geom, plain_cache
-        else:
-            fn = cp_compile.compile_model(model, lowering=args.lowering)
-            c, geo, kv = cfg, geom, cache
-        alloc = reserve(geo, c, 2, 17)
-        ids, meta = _decode_inputs(16, 0, 2, alloc, geo.max_blocks_per_req, vocab, torch.Generator().manual_seed(0),
-                                   device)
+        fn = CompiledForward(model, model.forward, _DYNAMIC, plain_backend if plain else cp_backend)
+        side = base if plain else dcp_side
+        alloc = reserve(side.geom, side.cfg, 2, 17)
+        ids, meta = _decode_inputs(16, 0, 2, alloc, side.geom.max_blocks_per_req, vocab,
+                                   torch.Generator().manual_seed(0), device)
 
         def step_fn() -> None:
             with torch.no_grad():
-                fn(ids, meta.positions, kv.layers, meta)
+                fn(ids, meta.positions, side.cache.layers, meta)
 
         return timed_step(step_fn, device) / 1e3
 
     with inductor_config.patch(fx_graph_cache=False), functorch_config.patch(enable_autograd_cache=False):
-        secs = max_over_ranks([once(True), once(False), once(True)], device)
+        secs = [once(True), once(False), once(True)]
     torch._dynamo.reset()
+    secs = max_over_ranks(secs + [sink["backend_s_plain"] / 2, sink["backend_s_cp_ascend"], sink["pass_s"]], device)
     plain = statistics.fmean([secs[0], secs[2]])
     return dict(compile_s_cp_ascend=secs[1], compile_s_plain=plain, compile_s_plain_runs=[secs[0], secs[2]],
-                compile_ratio=secs[1] / plain)
+                compile_ratio=secs[1] / plain, backend_s_plain=secs[3], backend_s_cp_ascend=secs[4],
+                dcp_pass_s=secs[5])
+
+
+def _side(args: BenchArgs, model: torch.nn.Module, cfg: cp_compile.CPConfig, merge: str, dcp_rank: int,
+          plain: bool, device: torch.device) -> Side:
+    geom = world_geometry(args.block_size, cfg.dcp, max(args.context), max(args.batch), args.decode_steps)
+    cache = cp_compile.allocate_kv_cache(cfg, model.kv_cache_spec(), geom.num_blocks, dtype=args.torch_dtype,
+                                         device=device, attention=model.attention_spec())
+    if plain:
+        backend = _CountingBackend(args.lowering)
+        compiled = CompiledForward(model, model.forward, _DYNAMIC, backend)
+        return Side(cfg, merge, 0, cache, geom, compiled, lambda: backend.graphs)
+    compiled = cp_compile.compile_model(model, lowering=args.lowering)
+    return Side(cfg, merge, dcp_rank, cache, geom, compiled, lambda: len(compiled.backend.pass_managers))
 
 
 def run_world(rank: int, world_size: int, args: BenchArgs, world: World, source: ModelSource,
               device: torch.device) -> list[dict[str, Any]]:
-    """One (dcp, merge) on an initialised world: compile once, sweep (context, batch)."""
+    """One (dcp, merge) on an initialised world, with its baseline when dcp > 1: compile once,
+    sweep (context, batch)."""
     dcp, merge = world
     cfg = cp_compile.CPConfig(tensor_parallel_size=args.tp, decode_context_parallel_size=dcp,
                               cp_kv_cache_interleave_size=args.interleave, block_size=args.block_size,
@@ -149,49 +249,58 @@ def run_world(rank: int, world_size: int, args: BenchArgs, world: World, source:
         for p in model.parameters():
             p.data = p.data.to(device=device, dtype=dtype)
         model.to(device)
-        geom = world_geometry(args.block_size, dcp, max(args.context), max(args.batch), args.decode_steps)
-        cache = cp_compile.allocate_kv_cache(cfg, model.kv_cache_spec(), geom.num_blocks, dtype=dtype,
-                                             device=device, attention=model.attention_spec())
-        log(rank, f"[dcp={dcp} {merge}] {args.shape} tp={args.tp}: model built in {time.perf_counter() - t0:.1f} s, "
-                  f"pool {geom.num_blocks} pages x {args.block_size} tokens/rank "
-                  f"({cache.sharded_bytes / 2**20:.2f} MiB KV/rank), compiling with {args.lowering}")
-        compiled = cp_compile.compile_model(model, lowering=args.lowering)
+        sides = []
+        if dcp > 1:  # the baseline first: side 0
+            base_cfg = cp_compile.CPConfig(tensor_parallel_size=args.tp, block_size=args.block_size)
+            sides.append(_side(args, model, base_cfg, "none", 0, True, device))
+        sides.append(_side(args, model, cfg, merge, state.dcp_rank, False, device))
+        log(rank, f"[dcp={dcp} {merge}] {args.shape} tp={args.tp}: model built in {time.perf_counter() - t0:.1f} s; "
+                  + "; ".join(f"dcp={s.cfg.dcp} pool {s.geom.num_blocks} pages x {args.block_size} tokens/rank "
+                              f"({s.cache.sharded_bytes / 2**20:.2f} MiB KV/rank)" for s in sides)
+                  + f"; compiling with {args.lowering}")
         rows = []
         for context in args.context:
             for batch in args.batch:
-                rows.append(measure(rank, args, model, cfg, merge, state.dcp_rank, cache, geom, compiled, context,
-                                    batch, source, device))
+                rows += measure(rank, args, model, sides, world, context, batch, source, device)
         if args.compile_probe and dcp > 1:
             t0 = time.perf_counter()
-            probe = compile_probe(model, cfg, cache, geom, args, source.vocab_size, device)
-            log(rank, f"[dcp={dcp} {merge}] compile probe: cp_ascend {probe['compile_s_cp_ascend']:.1f} s, "
-                      f"{args.lowering} {probe['compile_s_plain']:.1f} s, ratio {probe['compile_ratio']:.2f} "
-                      f"[{time.perf_counter() - t0:.0f} s]")
+            probe = compile_probe(model, sides[-1], sides[0], args, source.vocab_size, device)
+            log(rank, f"[dcp={dcp} {merge}] compile probe: cp_ascend {probe['compile_s_cp_ascend']:.1f} s "
+                      f"(backend {probe['backend_s_cp_ascend']:.1f} s, DCP pass {probe['dcp_pass_s']:.2f} s), "
+                      f"{args.lowering} {probe['compile_s_plain']:.1f} s (backend {probe['backend_s_plain']:.1f} s), "
+                      f"ratio {probe['compile_ratio']:.2f} [{time.perf_counter() - t0:.0f} s]")
             for r in rows:
-                r.update(probe)
+                if r["dcp"] > 1:
+                    r.update(probe)
         return rows
     finally:
         cp_compile.destroy_parallel()
         torch._dynamo.reset()  # under torchrun the next world reuses this process
 
 
-def measure(rank: int, args: BenchArgs, model: torch.nn.Module, cfg: cp_compile.CPConfig, merge: str, dcp_rank: int,
-            cache: cp_compile.KVCache, geom: WorldGeometry, compiled: Any, context: int, batch: int,
-            source: ModelSource, device: torch.device) -> dict[str, Any]:
-    """Fill, warm up, time and profile one (context, batch) config; returns its JSON row."""
+def measure(rank: int, args: BenchArgs, model: torch.nn.Module, sides: list[Side], world: World, context: int,
+            batch: int, source: ModelSource, device: torch.device) -> list[dict[str, Any]]:
+    """Fill, warm up, time and profile one (context, batch) config on every side; their JSON rows."""
     t0 = time.perf_counter()
-    alloc = reserve(geom, cfg, batch, context + args.decode_steps)
-    fill_context(cache, cfg, dcp_rank, alloc, context, batch, device, seed=1000 * dcp_rank + context)
-    step_ms, recompiles, per_rank = timed_decode(compiled, cache, alloc, context, batch, args, geom,
-                                                 source.vocab_size, device)
-    graphs = len(compiled.backend.pass_managers)
-    row = decode_row(args, model, cfg, merge, context, batch, step_ms, geom.num_blocks - alloc.num_free, cache,
-                     graphs, recompiles, per_rank, source.real_layers)
-    bd = row["breakdown_ms"]
-    parts = ", ".join(f"{k} {bd[k]:.1f}" for k in CATEGORIES) if bd else "no profile"
-    log(rank, f"[dcp={cfg.dcp} {merge}] context={context:>6} batch={batch:>3}: TPOT {row['tpot_ms']:8.2f} ms "
-              f"(steps {', '.join(f'{t:.1f}' for t in step_ms)}), KV/rank "
-              f"{row['kv_cache_bytes_per_rank'] / 2**20:.2f} MiB, graphs {graphs}"
-              f"{f' RECOMPILED {recompiles} AFTER WARM-UP' if recompiles else ''}; profiled ms: {parts} "
-              f"[{time.perf_counter() - t0:.1f} s]")
-    return row
+    allocs = []
+    for side in sides:
+        alloc = reserve(side.geom, side.cfg, batch, context + args.decode_steps)
+        fill_context(side.cache, side.cfg, side.dcp_rank, alloc, context, batch, device,
+                     seed=1000 * side.dcp_rank + context)
+        allocs.append(alloc)
+    results = timed_decode(sides, allocs, context, batch, args, source.vocab_size, device)
+    rows = []
+    for side, alloc, (step_ms, recompiles, per_rank) in zip(sides, allocs, results):
+        graphs = side.graphs()
+        row = decode_row(args, model, side.cfg, side.merge, context, batch, step_ms,
+                         side.geom.num_blocks - alloc.num_free, side.cache, graphs, recompiles, per_rank,
+                         source.real_layers, world)
+        bd = row["breakdown_ms"]
+        parts = ", ".join(f"{k} {bd[k]:.1f}" for k in CATEGORIES) if bd else "no profile"
+        log(rank, f"[dcp={side.cfg.dcp} {side.merge}] context={context:>6} batch={batch:>3}: TPOT "
+                  f"{row['tpot_ms']:8.2f} ms (steps {', '.join(f'{t:.1f}' for t in step_ms)}), KV/rank "
+                  f"{row['kv_cache_bytes_per_rank'] / 2**20:.2f} MiB, graphs {graphs}"
+                  f"{f' RECOMPILED {recompiles} AFTER WARM-UP' if recompiles else ''}; profiled ms: {parts}")
+        rows.append(row)
+    log(rank, f"  [{time.perf_counter() - t0:.1f} s]")
+    return rows

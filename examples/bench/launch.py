@@ -18,6 +18,7 @@ import torch.distributed as dist
 
 from cp_compile.testing.multirank import run_on_ranks
 from examples.bench.args import BenchArgs
+from examples.bench.rows import merge_repeats
 
 World = tuple[int, str]  # (dcp, merge)
 WorldFn = Callable[[int, int, BenchArgs, World, Any, torch.device], list[dict[str, Any]]]
@@ -45,8 +46,8 @@ def _spawned_rank(rank: int, world_size: int, world_fn: WorldFn, args: BenchArgs
 def run_spawned(args: BenchArgs, world_fn: WorldFn, source: Any) -> list[dict[str, Any]]:
     """One spawned world of `tp` ranks per (dcp, merge); rank 0's rows (already max over ranks)."""
     rows: list[dict[str, Any]] = []
-    for i, (dcp, merge) in enumerate(args.worlds, 1):
-        log(0, f"== world {i}/{len(args.worlds)} tp={args.tp} dcp={dcp} merge={merge}: spawning {args.tp} ranks")
+    for i, (dcp, merge) in enumerate(args.schedule, 1):
+        log(0, f"== world {i}/{len(args.schedule)} tp={args.tp} dcp={dcp} merge={merge}: spawning {args.tp} ranks")
         with tempfile.TemporaryDirectory(prefix="bench_nccl_") as tmp:
             store = os.path.join(tmp, "store") if torch.cuda.is_available() else None
             per_rank = run_on_ranks(_spawned_rank, args.tp, world_fn, args, (dcp, merge), source, store,
@@ -70,8 +71,8 @@ def run_torchrun(args: BenchArgs, world_fn: WorldFn, make_source: Callable[[Benc
                          f"use --nproc-per-node={args.tp}")
     source = make_source(args)  # seeded: identical weights on every rank
     rows: list[dict[str, Any]] = []
-    for i, world in enumerate(args.worlds, 1):
-        log(rank, f"== world {i}/{len(args.worlds)} tp={args.tp} dcp={world[0]} merge={world[1]} (torchrun)")
+    for i, world in enumerate(args.schedule, 1):
+        log(rank, f"== world {i}/{len(args.schedule)} tp={args.tp} dcp={world[0]} merge={world[1]} (torchrun)")
         rows.extend(world_fn(rank, world_size, args, world, source, device))
     return rows
 
@@ -86,5 +87,5 @@ def run(args: BenchArgs, world_fn: WorldFn, make_source: Callable[[BenchArgs], A
         rows = run_torchrun(args, world_fn, make_source)
         rank = dist.get_rank()
         dist.destroy_process_group()
-        return rows, rank == 0
-    return run_spawned(args, world_fn, make_source(args)), True
+        return merge_repeats(rows), rank == 0
+    return merge_repeats(run_spawned(args, world_fn, make_source(args))), True

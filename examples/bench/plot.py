@@ -28,17 +28,19 @@ def plot_decode(rows: list[dict[str, Any]], args: BenchArgs, path: Path) -> Path
 
     fig, (ax_t, ax_kv) = plt.subplots(1, 2, figsize=(13, 5))
     styles = ["-", "--", ":", "-."]
-    for i, (dcp, merge) in enumerate(args.worlds):
+    series = list(dict.fromkeys((tuple(r["world"]), r["dcp"], r["merge"]) for r in rows))
+    for i, (world, dcp, merge) in enumerate(series):
         for j, batch in enumerate(args.batch):
-            pts = sorted(((r["context_len"], r) for r in rows
-                          if (r["dcp"], r["merge"], r["batch"]) == (dcp, merge, batch)), key=lambda p: p[0])
+            pts = sorted(((r["context_len"], r) for r in rows if (tuple(r["world"]), r["dcp"], r["batch"])
+                          == (world, dcp, batch)), key=lambda p: p[0])
             if not pts:
                 continue
             ctx = [c for c, _ in pts]
             color = f"C{i}"
             ls = styles[j % len(styles)]
-            label = f"dcp={dcp}, batch={batch}" if len(args.merge) == 1 or dcp == 1 else \
-                f"dcp={dcp} {merge}, batch={batch}"
+            label = f"dcp={dcp}, batch={batch}"
+            if len(args.merge) > 1:
+                label += f", {merge}" if dcp > 1 else f" (beside {world[1]})"
             ax_t.plot(ctx, [r["tpot_ms"] for _, r in pts], ls, marker="o", color=color, label=label)
             ax_kv.plot(ctx, [r["kv_cache_bytes_per_rank"] / 2**20 for _, r in pts], ls, marker="o", color=color,
                        label=label)
@@ -73,16 +75,17 @@ def plot_breakdown(rows: list[dict[str, Any]], args: BenchArgs, path: Path) -> P
         return None
     _, plt = _pyplot()
     worlds = list(args.worlds)
-    fig, axes = plt.subplots(1, len(args.batch), figsize=(max(6.0, 1.2 * len(worlds) * len(args.context) + 2)
+    fig, axes = plt.subplots(1, len(args.batch), figsize=(max(6.0, 1.0 * 2 * len(worlds) * len(args.context) + 2)
                                                           * len(args.batch), 4.5), squeeze=False)
     colors = {"attention": "C0", "dcp_local": "C1", "dcp_comm": "C3", "tp_comm": "C2", "other": "C7"}
-    by = {(r["dcp"], r["merge"], r["context_len"], r["batch"]): r for r in rows}
+    by = {(tuple(r["world"]), r["dcp"], r["context_len"], r["batch"]): r for r in rows}
     for ax, batch in zip(axes[0], args.batch):
         x, labels = 0.0, []
         ticks = []
         for context in args.context:
-            for dcp, merge in worlds:
-                r = by.get((dcp, merge, context, batch))
+            for world, dcp in ((w, d) for w in worlds for d in sorted({1, w[0]})):
+                merge = world[1]
+                r = by.get((world, dcp, context, batch))
                 if r is None or not r["breakdown_ms"]:
                     continue
                 bottom = 0.0
@@ -91,7 +94,8 @@ def plot_breakdown(rows: list[dict[str, Any]], args: BenchArgs, path: Path) -> P
                     ax.bar(x, v, bottom=bottom, color=colors[c], width=0.8,
                            label=c if not labels else None)
                     bottom += v
-                labels.append(f"{context}\ndcp={dcp}" + (f"\n{merge}" if dcp > 1 and len(args.merge) > 1 else ""))
+                labels.append(f"{context}\ndcp={dcp}" + (f"\n{merge}" if len(args.merge) > 1 and dcp > 1 else
+                                                           f"\n(beside {merge})" if len(args.merge) > 1 else ""))
                 ticks.append(x)
                 x += 1
             x += 0.6

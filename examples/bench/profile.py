@@ -1,6 +1,6 @@
 """Where a step's time goes, from the torch profiler on every rank.
 
-Each profiled step is one `bench::step` region; inside it the outermost events are
+Each profiled step is one `bench::step:<side>` region; inside it the outermost events are
 put in buckets by name (an op inside a bucketed op counts for its parent only):
 
 - `attention`: the attention ops (`cp::gqa_paged_attention`, `cp::mla_attention`,
@@ -99,10 +99,10 @@ def profiling(enabled: bool) -> Iterator[Any]:
         yield prof
 
 
-def breakdown(prof: Any) -> list[dict[str, float]]:
-    """One dict per profiled step, in order."""
+def breakdown(prof: Any, label: str = STEP) -> list[dict[str, float]]:
+    """One dict per profiled step (events named `label`), in order."""
     events = list(prof.events())
-    steps = sorted((e for e in events if e.name == STEP), key=lambda e: e.time_range.start)
+    steps = sorted((e for e in events if e.name == label), key=lambda e: e.time_range.start)
     return [step_breakdown(s, events) for s in steps]
 
 

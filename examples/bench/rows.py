@@ -47,8 +47,13 @@ def breakdown_fields(per_rank: list[dict[str, float]], num_layers: int) -> dict[
 
 def decode_row(args: BenchArgs, model: torch.nn.Module, cfg: cp_compile.CPConfig, merge: str, context: int,
                batch: int, step_ms: list[float], used_blocks: int, pool: cp_compile.KVCache, graphs: int,
-               recompiles: int, per_rank: list[dict[str, float]], real_layers: int) -> dict[str, Any]:
-    """One (dcp, merge, context, batch) decode config; step times are already the max over ranks."""
+               recompiles: int, per_rank: list[dict[str, float]], real_layers: int,
+               world: tuple[int, str]) -> dict[str, Any]:
+    """One (dcp, merge, context, batch) decode config; step times are already the max over ranks.
+
+    `world` is the (dcp, merge) world it ran in: a dcp = 1 row is the baseline timed
+    alongside that world's DCP model.
+    """
     dtype = args.torch_dtype
     # Right-sized shard for this config (the pages it used), measured off a meta allocation.
     used = cp_compile.allocate_kv_cache(cfg, model.kv_cache_spec(), used_blocks, dtype=dtype, device="meta")
@@ -64,11 +69,50 @@ def decode_row(args: BenchArgs, model: torch.nn.Module, cfg: cp_compile.CPConfig
         lowering=args.lowering, dtype=args.dtype, merge=merge, block_size=args.block_size,
         warmup=args.warmup, steps=args.steps, graphs_compiled=graphs, recompiled_in_timed_steps=recompiles > 0,
         device=str(pool.layers[0][0].device.type),
-        shape=args.shape, num_layers=model.cfg.num_layers, recompiles_after_warmup=recompiles,
+        shape=args.shape, world=list(world), num_layers=model.cfg.num_layers, recompiles_after_warmup=recompiles,
         profile_steps=args.profile_steps, **breakdown_fields(per_rank, model.cfg.num_layers),
         **kv_budget(args, model, cfg, batch, real_layers),
-        compile_s_cp_ascend=None, compile_s_plain=None, compile_ratio=None,
+        compile_s_cp_ascend=None, compile_s_plain=None, compile_ratio=None, backend_s_cp_ascend=None,
+        backend_s_plain=None, dcp_pass_s=None,
     )
+
+
+def merge_repeats(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One row per (dcp, merge, context, batch): the steps of every pass pooled (`--repeat`).
+
+    TPOT is recomputed over the pooled steps; the breakdown is the median over passes
+    of each category; compile times are averaged over passes. A single pass is unchanged.
+    """
+    groups: dict[tuple[Any, ...], list[dict[str, Any]]] = {}
+    for r in rows:
+        groups.setdefault((*r["world"], r["dcp"], r["merge"], r["context_len"], r["batch"]), []).append(r)
+    out = []
+    for rs in groups.values():
+        if len(rs) == 1:
+            out.append(rs[0])
+            continue
+        row = dict(rs[0])
+        row["step_ms"] = [t for r in rs for t in r["step_ms"]]
+        row.update(summarize(row["step_ms"]))
+        row["repeats"] = len(rs)
+        row["tpot_ms_per_pass"] = [r["tpot_ms"] for r in rs]
+        for k in ("graphs_compiled", "recompiles_after_warmup"):
+            row[k] = max(r[k] for r in rs)
+        row["recompiled_in_timed_steps"] = any(r["recompiled_in_timed_steps"] for r in rs)
+        if rs[0]["breakdown_ms"]:
+            row["breakdown_ms"] = {k: statistics.median(r["breakdown_ms"][k] for r in rs) for k in rs[0]["breakdown_ms"]}
+            row["breakdown_ms_per_rank"] = [x for r in rs for x in r["breakdown_ms_per_rank"]]
+            row["attention_ms"] = row["breakdown_ms"]["attention"]
+        if rs[0]["compile_s_cp_ascend"] is not None:
+            cp = statistics.fmean(r["compile_s_cp_ascend"] for r in rs)
+            plain = statistics.fmean(r["compile_s_plain"] for r in rs)
+            row.update({k: statistics.fmean(r[k] for r in rs) for k in ("backend_s_cp_ascend", "backend_s_plain",
+                                                                         "dcp_pass_s")})
+            row.update(compile_s_cp_ascend=cp, compile_s_plain=plain, compile_ratio=cp / plain,
+                       compile_s_plain_runs=[x for r in rs for x in r["compile_s_plain_runs"]],
+                       compile_s_cp_ascend_runs=[r["compile_s_cp_ascend"] for r in rs])
+        out.append(row)
+    return out
 
 
 def write_json(rows: list[dict[str, Any]], out: Path, name: str) -> Path:

@@ -17,12 +17,17 @@ def _ratio(a: float | None, b: float | None, width: int, digits: int = 2) -> str
     return f"{a / b:>{width}.{digits}f}" if a is not None and b else f"{'-':>{width}}"
 
 
-def _key(r: dict[str, Any]) -> tuple[int, str, int, int]:
-    return r["dcp"], r["merge"], r["context_len"], r["batch"]
+def _key(r: dict[str, Any]) -> tuple[Any, ...]:
+    """(world dcp, world merge, dcp, context, batch): a baseline row belongs to the world it ran in."""
+    return r["world"][0], r["world"][1], r["dcp"], r["context_len"], r["batch"]
+
+
+def _label(r: dict[str, Any]) -> str:
+    return r["merge"] if r["dcp"] > 1 else f"({r['world'][1]})" if r["world"][0] > 1 else "none"
 
 
 def format_table(rows: list[dict[str, Any]], args: BenchArgs) -> str:
-    """One line per (context, batch, dcp=N > 1, merge) against the dcp = 1 baseline."""
+    """One line per (context, batch, dcp=N > 1, merge) against the dcp = 1 baseline timed alongside it."""
     by = {_key(r): r for r in rows}
     head = (f"{'context':>8} {'batch':>5} {'N':>3} {'merge':>5} {'TPOT dcp=1':>11} {'TPOT dcp=N':>11} {'N/1':>6} "
             f"{'attn N/1':>8} {'KV/rank dcp=1':>14} {'KV/rank dcp=N':>14} {'KV N/1':>7} {'DCP comm B/step':>16} "
@@ -30,9 +35,9 @@ def format_table(rows: list[dict[str, Any]], args: BenchArgs) -> str:
     lines = [head, "-" * len(head)]
     for context in args.context:
         for batch in args.batch:
-            base = by.get((1, "none", context, batch))
             for n, merge in (w for w in args.worlds if w[0] > 1):
-                r = by.get((n, merge, context, batch))
+                base = by.get((n, merge, 1, context, batch))
+                r = by.get((n, merge, n, context, batch))
                 if base is None or r is None:
                     continue
                 lines.append(
@@ -48,17 +53,18 @@ def format_breakdown(rows: list[dict[str, Any]], args: BenchArgs) -> str:
     """Median profiled step per config: ms per category (mean over ranks), collectives per layer."""
     if not any(r["breakdown_ms"] for r in rows):
         return "(no profile: --profile-steps 0)"
-    head = (f"{'context':>8} {'batch':>5} {'dcp':>3} {'merge':>5} {'step':>8} "
+    head = (f"{'context':>8} {'batch':>5} {'dcp':>3} {'merge':>7} {'step':>8} "
             + " ".join(f"{c:>9}" for c in CATEGORIES) + f" {'DCP coll/layer':>14} {'TP coll/layer':>13}")
-    lines = [f"profiled step (ms, median of {args.profile_steps} steps per rank, mean over ranks)", head,
+    lines = [f"profiled step (ms, median of {args.profile_steps} steps per rank, mean over ranks; "
+             f"'(m)': the dcp = 1 baseline timed alongside merge m)", head,
              "-" * len(head)]
     order = {w: i for i, w in enumerate(args.worlds)}
-    for r in sorted(rows, key=lambda r: (r["context_len"], r["batch"], order.get((r["dcp"], r["merge"]), 0))):
+    for r in sorted(rows, key=lambda r: (r["context_len"], r["batch"], order.get(tuple(r["world"]), 0), r["dcp"])):
         bd = r["breakdown_ms"]
         if not bd:
             continue
         cpl = r["collectives_per_layer"]
-        lines.append(f"{r['context_len']:>8} {r['batch']:>5} {r['dcp']:>3} {r['merge']:>5} {bd['step']:>8.2f} "
+        lines.append(f"{r['context_len']:>8} {r['batch']:>5} {r['dcp']:>3} {_label(r):>7} {bd['step']:>8.2f} "
                      + " ".join(f"{bd[c]:>9.2f}" for c in CATEGORIES)
                      + f" {cpl['dcp']:>14g} {cpl['tp']:>13g}")
     return "\n".join(lines)
@@ -67,17 +73,18 @@ def format_breakdown(rows: list[dict[str, Any]], args: BenchArgs) -> str:
 def format_worlds(rows: list[dict[str, Any]], args: BenchArgs) -> str:
     """Per world: graphs compiled, recompiles after warm-up, compile time cp_ascend vs plain."""
     head = (f"{'dcp':>3} {'merge':>5} {'graphs':>6} {'recompiles after warm-up':>24} {'compile cp_ascend':>17} "
-            f"{'compile ' + args.lowering:>17} {'ratio':>6}")
+            f"{'compile ' + args.lowering:>17} {'ratio':>6} {'backend cp/plain':>16} {'DCP pass':>8}")
     lines = [head, "-" * len(head)]
     for dcp, merge in args.worlds:
-        rs = [r for r in rows if (r["dcp"], r["merge"]) == (dcp, merge)]
+        rs = [r for r in rows if tuple(r["world"]) == (dcp, merge)]
         if not rs:
             continue
-        r = rs[-1]
+        r = [x for x in rs if x["dcp"] == dcp][-1]
         cp, plain = r["compile_s_cp_ascend"], r["compile_s_plain"]
         lines.append(f"{dcp:>3} {merge:>5} {r['graphs_compiled']:>6} {max(x['recompiles_after_warmup'] for x in rs):>24} "
-                     + (f"{cp:>16.1f}s {plain:>16.1f}s {cp / plain:>6.2f}" if cp is not None else
-                        f"{'-':>17} {'-':>17} {'-':>6}"))
+                     + (f"{cp:>16.1f}s {plain:>16.1f}s {cp / plain:>6.2f} "
+                        f"{r['backend_s_cp_ascend']:>6.1f}s/{r['backend_s_plain']:>6.1f}s {r['dcp_pass_s']:>7.2f}s"
+                        if cp is not None else f"{'-':>17} {'-':>17} {'-':>6}"))
     return "\n".join(lines)
 
 

@@ -40,7 +40,7 @@ def test_bench_decode_minimal(tmp_path: Path) -> None:
     assert (tmp_path / "bench_decode.png").stat().st_size > 0
     # Where the time goes: every category, and the collectives per layer of GQA + AG/RS.
     for r in written:
-        assert r["recompiles_after_warmup"] == 0 and r["shape"] == "tiny"
+        assert r["recompiles_after_warmup"] == 0 and r["shape"] == "tiny" and r["world"] == [2, "ag_rs"]
         assert set(CATEGORIES) <= set(r["breakdown_ms"]) and r["attention_ms"] > 0
         assert r["collectives_per_layer"] == {"dcp": 0 if r["dcp"] == 1 else 3, "tp": 2}
         # The same KV budget holds dcp times the context.
@@ -56,6 +56,6 @@ def test_presets_reproduce_per_rank_attention() -> None:
     r1 = PRESETS["deepseek-r1-tp8"].model_config(tp=4)
     assert (r1.num_heads // 4, r1.kv_lora_rank, r1.qk_rope_head_dim) == (16, 512, 64)
     args = parse_args(["--shape", "deepseek-r1-tp8", "--merge", "ag_rs,a2a", "--dcp", "2"])
-    assert args.model == "mla" and args.worlds == ((1, "none"), (2, "ag_rs"), (2, "a2a"))
+    assert args.model == "mla" and args.worlds == ((2, "ag_rs"), (2, "a2a"))
     with pytest.raises(SystemExit):
         parse_args(["--shape", "deepseek-r1-tp8", "--model", "qwen3"])
