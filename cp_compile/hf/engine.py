@@ -1,0 +1,235 @@
+"""`Engine`: greedy generation with continuous batching for an unmodified HF model.
+
+    engine = cp_compile.hf.Engine(model, cfg, num_blocks=256)   # after init_parallel(cfg) when tp > 1
+    out = engine.generate([[1, 2, 3], [4, 5]], max_new_tokens=32)   # token ids per prompt
+
+Every step is one flattened batch (vLLM style): joining requests' prompts
+(prefill) ride beside running requests' single tokens (decode), so prefill and
+decode are one compiled graph. The token, request and block-table dims are
+dynamic; two things would still specialise a graph on size 1, and the engine
+avoids both: a batch of one request gets a one-token scratch request beside it
+(its own block, output dropped), and the block table is at least two blocks wide.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import torch
+from torch import nn
+
+from cp_compile.config import ConfigError, CPConfig
+from cp_compile.decorator import compile_model
+from cp_compile.hf.attention import GQA_NAME, MLA_NAME, register
+from cp_compile.hf.cache import PagedCache
+from cp_compile.hf.support import attention_spec, check_supported, head_dim
+from cp_compile.hf.tp import shard_model
+from cp_compile.kv_cache import KVCacheSpec, allocate_kv_cache, tp_kv_head_ids
+from cp_compile.lowering import Lowering
+from cp_compile.metadata import BlockAllocator, build_attention_metadata
+from cp_compile.parallel_state import parallel_state_or_none
+
+_SCRATCH = -1  # request id of the one-token scratch request (see module doc)
+
+
+class _HFStep(nn.Module):
+    """forward(input_ids[T], positions[T], kv_caches, meta) -> logits[T, vocab] over the HF model."""
+
+    def __init__(self, hf_model: nn.Module) -> None:
+        super().__init__()
+        self.hf = hf_model
+        self.cache = PagedCache()
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[tuple[torch.Tensor, ...]],
+                meta: Any) -> torch.Tensor:
+        out = self.hf(input_ids=input_ids.unsqueeze(0), position_ids=positions.unsqueeze(0), cache=self.cache,
+                      use_cache=True, cp_kv_caches=kv_caches, cp_meta=meta)
+        return out.logits[0]  # [T, vocab]
+
+
+@dataclass
+class _Request:
+    rid: int
+    tokens: list[int]
+    max_new_tokens: int
+    prompt_len: int
+    cached: int = 0
+    logits: list[torch.Tensor] = field(default_factory=list)
+
+    @property
+    def generated(self) -> list[int]:
+        return self.tokens[self.prompt_len:]
+
+
+def kv_cache_spec(config: Any, tp: int, tp_rank: int) -> KVCacheSpec:
+    """This TP rank's per-layer cache geometry, from the HF config."""
+    spec = attention_spec(config)
+    if spec.kind == "mla":
+        return KVCacheSpec(num_layers=config.num_hidden_layers, kind="mla",
+                           latent_dim=config.kv_lora_rank + config.qk_rope_head_dim)
+    ids = tp_kv_head_ids(spec.num_kv_heads, tp, tp_rank)
+    d = head_dim(config)
+    return KVCacheSpec(num_layers=config.num_hidden_layers, kind="gqa", head_dim=d, v_head_dim=d,
+                       num_kv_heads_per_rank=len(ids), kv_head_ids=ids)
+
+
+class Engine:
+    """Serve an HF `*ForCausalLM` with DCP (see module doc).
+
+    `config`: the `CPConfig` given to `cp_compile.init_parallel` (tp = dcp = 1 needs
+    no parallel state). The model is sharded in place for this TP rank.
+    `num_blocks`: pages per layer on this rank (`config.block_size` tokens each); the
+    group holds `num_blocks * block_size * dcp` tokens. `record_logits` keeps each
+    generated token's logits (`Engine.last_logits`) for checks.
+    """
+
+    def __init__(self, model: nn.Module, config: CPConfig, num_blocks: int, *, max_batch: int = 16,
+                 max_model_len: int | None = None, lowering: Lowering = "auto", warmup_steps: int = 2,
+                 forbid_recompiles: bool = False, eos_token_id: int | None | str = "auto",
+                 progress: bool | None = None, record_logits: bool = False) -> None:
+        self.kind = check_supported(model.config)
+        self.spec = attention_spec(model.config)
+        config.validate_for(self.spec)
+        state = parallel_state_or_none()
+        if (config.tp > 1 or config.dcp > 1) and state is None:
+            raise ConfigError("init_parallel before Engine at tp > 1 or dcp > 1",
+                              f"tensor_parallel_size={config.tp}, decode_context_parallel_size={config.dcp}",
+                              "call cp_compile.init_parallel(config) on every rank first")
+        if state is not None and (state.cfg.tp, state.cfg.dcp) != (config.tp, config.dcp):
+            raise ConfigError("Engine config == init_parallel config",
+                              f"Engine tp={config.tp} dcp={config.dcp}, init_parallel tp={state.cfg.tp} "
+                              f"dcp={state.cfg.dcp}", "pass the CPConfig given to init_parallel")
+        self.config = config
+        self.rank = state.rank if state is not None else 0
+        tp_rank = state.tp_rank if state is not None else 0
+        self.plan = shard_model(model, config.tp, tp_rank, state.tp_group if state is not None else None)
+        register()
+        model.config._attn_implementation = MLA_NAME if self.kind == "mla" else GQA_NAME
+        self.model = model.eval()
+        dtype = next(model.parameters()).dtype
+        self.cache = allocate_kv_cache(config, kv_cache_spec(model.config, config.tp, tp_rank), num_blocks,
+                                       dtype=dtype, attention=self.spec)
+        self.num_blocks = num_blocks
+        vbs = config.virtual_block_size
+        cap = num_blocks * vbs
+        self.max_model_len = min(max_model_len or cap, cap)
+        self.block_table_width = max(2, math.ceil(self.max_model_len / vbs))
+        self.max_batch = max_batch
+        self.warmup_steps = warmup_steps
+        self.forbid_recompiles = forbid_recompiles
+        if eos_token_id == "auto":
+            gen = getattr(model, "generation_config", None)
+            eos_token_id = getattr(gen, "eos_token_id", None)
+        self.eos = set(eos_token_id if isinstance(eos_token_id, (list, tuple)) else
+                       ([] if eos_token_id is None else [eos_token_id]))
+        self.progress = progress
+        self.record_logits = record_logits
+        self.step_module = _HFStep(model)
+        self.compiled = compile_model(self.step_module, config=config, attention=self.spec, lowering=lowering)
+        self.steps = 0
+
+    # ---- figures ------------------------------------------------------------------
+    @property
+    def num_graphs(self) -> int:
+        """Graphs compiled so far (1 after warm-up means no recompiles)."""
+        return len(self.compiled.backend.pass_managers)
+
+    def capacity(self) -> dict[str, int]:
+        """KV capacity: tokens this rank stores, tokens the DCP group serves, bytes on
+        this rank, and what this rank would hold for the same tokens at dcp = 1."""
+        bytes_rank = self.cache.sharded_bytes
+        return dict(tokens_per_rank=self.cache.tokens_per_rank,
+                    tokens_per_group=self.cache.tokens_per_rank * self.config.dcp,
+                    kv_bytes_per_rank=bytes_rank, kv_bytes_per_rank_dcp1=bytes_rank * self.config.dcp,
+                    dcp=self.config.dcp)
+
+    # ---- serving ------------------------------------------------------------------
+    def _step(self, batch: list[_Request], alloc: BlockAllocator) -> list[torch.Tensor]:
+        reqs = [(r.cached, len(r.tokens) - r.cached) for r in batch]
+        rids = [r.rid for r in batch]
+        ids = [t for r in batch for t in r.tokens[r.cached:]]
+        if len(batch) == 1:  # keep B >= 2 and T >= 2: no size-1 specialisation (module doc)
+            reqs.append((0, 1))
+            rids.append(_SCRATCH)
+            ids.append(0)
+        meta = build_attention_metadata(reqs, alloc, req_ids=rids, max_blocks_per_req=self.block_table_width)
+        input_ids = torch.tensor(ids, dtype=torch.long)
+        strict = self.forbid_recompiles and self.steps >= self.warmup_steps
+        with torch.no_grad(), torch.compiler.set_stance("fail_on_recompile" if strict else "default"):
+            logits = self.compiled(input_ids, meta.positions, self.cache.layers, meta)  # [T, vocab]
+        self.steps += 1
+        last = meta.query_start_loc[1:len(batch) + 1].long() - 1
+        return list(logits[last].float())
+
+    def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int | Sequence[int] = 32,
+                 arrivals: Sequence[int] | None = None) -> list[list[int]]:
+        """Greedy-decode each prompt; returns the generated token ids per prompt.
+
+        Requests join as soon as a batch slot and their whole KV budget
+        (prompt + max_new_tokens) are free, and leave when done (max_new_tokens or
+        EOS). `arrivals[i]`: the step before which prompt i may not join (to exercise
+        joins mid-run); default all at step 0."""
+        n = len(prompts)
+        max_new = [max_new_tokens] * n if isinstance(max_new_tokens, int) else list(max_new_tokens)
+        arrivals = list(arrivals) if arrivals is not None else [0] * n
+        for i, p in enumerate(prompts):
+            if not p:
+                raise ValueError(f"prompt {i} is empty; give at least one token")
+            if len(p) + max_new[i] > self.max_model_len:
+                raise ValueError(f"prompt {i}: {len(p)} tokens + max_new_tokens={max_new[i]} > max_model_len="
+                                 f"{self.max_model_len}. Fix: more num_blocks, a larger dcp, or fewer tokens")
+        vbs = self.config.virtual_block_size
+        alloc = BlockAllocator(self.num_blocks, vbs)
+        alloc.ensure(_SCRATCH, 1)  # the scratch request's block, held for the whole run
+        waiting = deque(sorted(range(n), key=lambda i: arrivals[i]))
+        running: list[_Request] = []
+        done: dict[int, _Request] = {}
+        reserved = 0  # blocks promised to running requests (their full length)
+        total = sum(max_new)
+        bar = None
+        show = self.progress if self.progress is not None else total >= 256
+        if show and self.rank == 0:
+            from tqdm.auto import tqdm
+
+            bar = tqdm(total=total, desc="cp_compile.hf generate", unit="tok")
+        step = 0
+        self.last_logits: dict[int, list[torch.Tensor]] = {}
+        while waiting or running:
+            while waiting and arrivals[waiting[0]] <= step and len(running) < self.max_batch:
+                i = waiting[0]
+                need = math.ceil((len(prompts[i]) + max_new[i]) / vbs)
+                if reserved + need > self.num_blocks - 1:
+                    break
+                waiting.popleft()
+                reserved += need
+                running.append(_Request(i, list(prompts[i]), max_new[i], len(prompts[i])))
+            if not running:  # nothing admitted yet: the next arrival is in the future
+                step += 1
+                continue
+            last = self._step(running, alloc)
+            for r, lg in zip(running, last):
+                r.cached = len(r.tokens)
+                tok = int(lg.argmax())
+                r.tokens.append(tok)
+                if self.record_logits:
+                    r.logits.append(lg)
+            if bar is not None:
+                bar.update(len(running))
+            still = []
+            for r in running:
+                if len(r.generated) >= r.max_new_tokens or r.tokens[-1] in self.eos:
+                    alloc.free(r.rid)
+                    reserved -= math.ceil((r.prompt_len + r.max_new_tokens) / vbs)
+                    done[r.rid] = r
+                else:
+                    still.append(r)
+            running = still
+            step += 1
+        if bar is not None:
+            bar.close()
+        if self.record_logits:
+            self.last_logits = {i: done[i].logits for i in range(n)}
+        return [done[i].generated for i in range(n)]
