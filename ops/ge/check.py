@@ -11,7 +11,8 @@ asserts op types, attributes and shapes. Nothing is compiled by GE or run.
    through `torchair.get_npu_backend`: the op's GE op types and key attributes;
 2. model graphs: the example models (Qwen3-style GQA, DeepSeek-style MLA) at tp = 4,
    dcp = 1 and dcp = 2 with both merges (`ag_rs`, `a2a`), compiled on 4 gloo ranks
-   (ranks 0 and 1, one DCP group, build graphs)
+   (ranks 0 and 1, one DCP group, build graphs), and the DeepSeek-V3.2-style sparse
+   (SFA) model at tp = dcp = 2 (SFA DCP needs dcp == tp) on 2 more gloo ranks,
    through the public path (`cp_compile.compile_model(..., lowering="torchair",
    torchair_mode="max-autotune")` after `init_parallel`), so the DCP group names
    are real: every FX node has a converter, the GE graph holds the expected ops,
@@ -314,6 +315,10 @@ MODEL_CONFIGS = [("gqa", 1, "ag_rs"), ("gqa", 2, "ag_rs"), ("gqa", 2, "a2a"),
 # process groups (graph building issues no collective).
 MODEL_WORLD = 4
 BUILDING_RANKS = (0, 1)
+# SFA DCP needs dcp == tp, which the tp = 4 world cannot give at dcp = 2: its own world
+# of 2 ranks (both build; the DCP group is the TP group).
+SFA_CONFIGS = [("sfa", 2, "ag_rs")]
+SFA_WORLD = 2
 
 
 def _model(kind: str, tp: int, tp_rank: int, tp_group):
@@ -321,6 +326,7 @@ def _model(kind: str, tp: int, tp_rank: int, tp_group):
     if repo not in sys.path:
         sys.path.append(repo)
     from examples.models.deepseek_mla import DeepseekMLAConfig, DeepseekMLAModel
+    from examples.models.deepseek_sfa import DeepseekSFAConfig, DeepseekSFAModel
     from examples.models.qwen3 import Qwen3Config, Qwen3Model
 
     torch.manual_seed(0)
@@ -328,6 +334,11 @@ def _model(kind: str, tp: int, tp_rank: int, tp_group):
         cfg = Qwen3Config(vocab_size=128, hidden_size=128, num_layers=1, num_heads=8, num_kv_heads=1, head_dim=64,
                           intermediate_size=128)
         return Qwen3Model(cfg, tp, tp_rank, tp_group).to(torch.bfloat16).eval()
+    if kind == "sfa":
+        cfg = DeepseekSFAConfig(vocab_size=128, hidden_size=128, num_layers=1, num_heads=8, q_lora_rank=64,
+                                kv_lora_rank=64, qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=32,
+                                intermediate_size=128, index_n_heads=4, index_head_dim=32, index_topk=4)
+        return DeepseekSFAModel(cfg, tp, tp_rank, tp_group).to(torch.bfloat16).eval()
     cfg = DeepseekMLAConfig(vocab_size=128, hidden_size=128, num_layers=1, num_heads=8, kv_lora_rank=64,
                             qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=32, intermediate_size=128)
     return DeepseekMLAModel(cfg, tp, tp_rank, tp_group).to(torch.bfloat16).eval()
@@ -357,6 +368,8 @@ def _rank_main(rank: int, world: int, configs: list, dump: str | None) -> list[d
             cache = cp_compile.allocate_kv_cache(cfg, model.kv_cache_spec(), 16, dtype=torch.bfloat16,
                                                  attention=model.attention_spec())
             compiled = cp_compile.compile_model(model, lowering="torchair", torchair_mode="max-autotune")
+            layers = cache.layers if not cache.replicated else \
+                [layer + (index,) for layer, index in zip(cache.layers, cache.replicated)]
             alloc = BlockAllocator(16, cfg.virtual_block_size)
             meta = cp_compile.build_attention_metadata([(0, 5), (0, 3)], alloc, num_padding_tokens=2,
                                                        max_blocks_per_req=4)
@@ -365,7 +378,8 @@ def _rank_main(rank: int, world: int, configs: list, dump: str | None) -> list[d
 
             def step():
                 with torch.no_grad():
-                    compiled(ids, meta.positions, cache.layers, meta)
+                    # SFA: each layer's tuple also holds its replicated indexer cache.
+                    compiled(ids, meta.positions, layers, meta)
 
             r = compile_and_load(step, name, recorder, rank)
             import torch.distributed as dist
@@ -381,7 +395,11 @@ def _rank_main(rank: int, world: int, configs: list, dump: str | None) -> list[d
 def run_model_graphs(dump: str | None, configs=None) -> list[GraphResult]:
     from cp_compile.testing.multirank import run_on_ranks
 
-    per_rank = run_on_ranks(_rank_main, MODEL_WORLD, configs or MODEL_CONFIGS, dump, timeout=600)
+    configs = configs or MODEL_CONFIGS + SFA_CONFIGS
+    dense = [c for c in configs if c[0] != "sfa"]
+    sfa = [c for c in configs if c[0] == "sfa"]
+    per_rank = run_on_ranks(_rank_main, MODEL_WORLD, dense, dump, timeout=600) if dense else []
+    per_rank += run_on_ranks(_rank_main, SFA_WORLD, sfa, dump, timeout=600) if sfa else []
     return [GraphResult(**r) for rank in per_rank for r in rank]
 
 
@@ -425,6 +443,8 @@ def expect_model(r: GraphResult) -> list[str]:
     kind = r.name.split()[0]
     dcp = int(re.search(r"dcp=(\d)", r.name).group(1))
     layers = 1  # the example models are built with one decoder layer: the graph of one DCP layer
+    if kind == "sfa":
+        return problems + _expect_sfa_model(r, dcp, layers)
     fia = r.attrs.get("FusedInferAttentionScore", [])
     if len(fia) != layers:
         problems.append(f"{len(fia)} FusedInferAttentionScore, want {layers}")
@@ -454,7 +474,7 @@ def expect_model(r: GraphResult) -> list[str]:
         want = {"ScatterPaKvCache": layers} if kind == "gqa" else {"ScatterNdUpdate": layers}
     else:
         merge = r.name.split()[-1]
-        q_gathers = 1 if kind == "gqa" else 2
+        q_gathers = 1  # GQA gathers q; MLA one fused [q_nope | q_pe]
         want = {"ScatterNdUpdate": layers * (2 if kind == "gqa" else 1)}
         if merge == "ag_rs":
             want.update(HcomAllGather=layers * (q_gathers + 1), HcomReduceScatter=layers)
@@ -467,6 +487,32 @@ def expect_model(r: GraphResult) -> list[str]:
                 problems.append(f"{g['type']} on group {g['group']!r}, want DCP ranks {r.expected_ranks}")
             if g["rank_size"] not in (None, dcp):
                 problems.append(f"{g['type']} rank_size {g['rank_size']}, want {dcp}")
+    for op_type, n in want.items():
+        if r.ge_ops.get(op_type, 0) != n:
+            problems.append(f"{r.ge_ops.get(op_type, 0)} {op_type}, want {n}")
+    return problems
+
+
+def _expect_sfa_model(r: GraphResult, dcp: int, layers: int) -> list[str]:
+    """The sparse model at tp = dcp: the indexer stays whole (LightningIndexer over the
+    replicated cache, its own key write), sparse MLA becomes the SFA DCP blocks."""
+    problems = []
+    sfa = r.attrs.get("SparseFlashAttention", [])
+    want = {"LightningIndexer": layers, "SparseFlashAttention": layers,
+            "ScatterNdUpdate": 2 * layers}  # indexer keys + latent
+    if dcp > 1:
+        want.update(Sort=layers, GatherElements=layers, HcomAllGather=2 * layers, HcomReduceScatter=layers)
+        if any(not a.get("return_softmax_lse") for a in sfa):
+            problems.append("DCP sparse attention without return_softmax_lse")
+        if any(a.get("stable") is not True for a in r.attrs.get("Sort", [])):
+            problems.append("the top-k compaction sort is not stable")
+        for g in r.groups:
+            if g["rank_list"] != r.expected_ranks:
+                problems.append(f"{g['type']} on group {g['group']!r}, want DCP ranks {r.expected_ranks}")
+    if r.ge_ops.get("FusedInferAttentionScore", 0):
+        problems.append("sparse model graph holds a dense FusedInferAttentionScore")
+    if not any(g["type"] == "HcomAllReduce" for g in r.groups):
+        problems.append("no HcomAllReduce (TP all-reduce) in the graph")
     for op_type, n in want.items():
         if r.ge_ops.get(op_type, 0) != n:
             problems.append(f"{r.ge_ops.get(op_type, 0)} {op_type}, want {n}")
@@ -535,7 +581,8 @@ def main(argv: list[str] | None = None) -> int:
                    seconds=time.perf_counter() - start)
     print(table(results))
     print(f"\ntorchair GE check: {summary['op_graphs']} op graphs, {summary['model_graphs']} model graphs "
-          f"(ranks {list(BUILDING_RANKS)} of {MODEL_WORLD}), {summary['fx_nodes']} FX nodes converted, {summary['ge_ops']} GE ops, "
+          f"(ranks {list(BUILDING_RANKS)} of {MODEL_WORLD}; SFA on {SFA_WORLD}), "
+          f"{summary['fx_nodes']} FX nodes converted, {summary['ge_ops']} GE ops, "
           f"{summary['hccl_ops']} HCCL ops; {summary['failed']} failed; {summary['cp_ops_defined']} cp ops, "
           f"without converter: {uncovered or 'none'}; {summary['seconds']:.1f} s")
     if args.dump:

@@ -3,7 +3,8 @@
 The check runs in its own environment (.venv-torchair: CPU torch + torch-npu's
 torchair, whose one C++ extension is replaced by cp_compile.testing.torchair_standin)
 as a subprocess: every cp:: op and the DCP-rewritten example models (GQA and MLA,
-tp = 4 on 4 gloo ranks, dcp 1 and 2, both merges) go through torchair's real
+tp = 4 on 4 gloo ranks, dcp 1 and 2, both merges; the sparse SFA model at tp = dcp = 2
+on 2 ranks) go through torchair's real
 FX -> GE conversion in max-autotune mode; the GE graphs handed to the stand-in's
 `load` must hold the expected CANN ops, attributes and HCCL groups. An op without a
 converter must fail the check.
@@ -70,14 +71,15 @@ def test_every_cp_op_converts_to_ge(check, summary_note) -> None:
     assert io["inputs"][:3] == ["y: DT_BF16[6, 8, 64]", "y: DT_BF16[8, 4, 2, 64]", "y: DT_BF16[8, 4, 2, 64]"], io
     assert io["outputs"] == ["input0: DT_BF16[6, 8, 64]", "input1: DT_FLOAT[6, 8]"], io
     summary_note(f"torchair GE check (torchair of torch-npu 2.13.0, only its C++ extension stood in): "
-                 f"{s['op_graphs']} op graphs + {s['model_graphs']} DCP model graphs (ranks 0, 1 of 4 gloo ranks), "
+                 f"{s['op_graphs']} op graphs + {s['model_graphs']} DCP model graphs (GQA / MLA on ranks 0, 1 "
+                 f"of 4 gloo ranks; SFA on 2), "
                  f"{s['fx_nodes']} FX nodes -> {s['ge_ops']} GE ops ({s['hccl_ops']} HCCL), all converted, "
                  f"{s['seconds']:.1f} s (.venv-torchair/bin/python -m cp_compile.ops.ge.check prints the table)")
 
 
 def test_dcp_model_graphs_use_hccl_on_the_dcp_group(check) -> None:
     rc, data, output = check
-    models = [r for r in data.get("results", []) if not r["name"].startswith("op:")]
+    models = [r for r in data.get("results", []) if not r["name"].startswith(("op:", "sfa "))]
     names = {(r["name"], r["rank"]) for r in models}
     want = {f"{m} tp=4 dcp={d}" for m in ("gqa", "mla") for d in ("1", "2 ag_rs", "2 a2a")}
     assert names == {(n, rank) for n in want for rank in (0, 1)}, output
@@ -100,6 +102,23 @@ def test_dcp_model_graphs_use_hccl_on_the_dcp_group(check) -> None:
         # The TP all-reduce and the DCP collectives are on different groups (ranks 0-3 vs 0-1).
         tp = {g["group"] for g in r["groups"] if g["type"] == "HcomAllReduce"}
         assert tp and not tp & {g["group"] for g in dcp_ops}
+
+
+def test_sfa_model_graph_keeps_the_indexer_and_attends_sparse(check) -> None:
+    """SFA DCP (tp = dcp = 2): LightningIndexer over the replicated cache, the top-k
+    remap (stable Sort), SparseFlashAttention with its LSE, collectives on the DCP group."""
+    rc, data, output = check
+    sfa = [r for r in data.get("results", []) if r["name"].startswith("sfa ")]
+    assert {(r["name"], r["rank"]) for r in sfa} == {("sfa tp=2 dcp=2 ag_rs", rank) for rank in (0, 1)}, output
+    for r in sfa:
+        assert r["status"] == "ok", (r["name"], r["message"])
+        ops = r["ge_ops"]
+        assert (ops["LightningIndexer"], ops["SparseFlashAttention"], ops["Sort"], ops["ScatterNdUpdate"]) == \
+            (1, 1, 1, 2), ops
+        assert "FusedInferAttentionScore" not in ops
+        assert r["attrs"]["SparseFlashAttention"][0]["return_softmax_lse"] is True
+        assert r["expected_ranks"] == [0, 1] and all(g["rank_list"] == [0, 1] for g in r["groups"]), r["groups"]
+        assert {g["type"] for g in r["groups"]} == {"HcomAllGather", "HcomReduceScatter", "HcomAllReduce"}
 
 
 def test_an_op_without_converter_fails_the_check(torchair_python: str, tmp_path: Path) -> None:
