@@ -13,6 +13,7 @@ capacity per rank against dcp = 1.
 from __future__ import annotations
 
 import argparse
+import copy
 import os
 
 import torch
@@ -71,7 +72,9 @@ def serve(rank: int, world: int, hf_config, state_dict, prompts: list[list[int]]
     cfg = cp_compile.CPConfig(tensor_parallel_size=world, decode_context_parallel_size=dcp, block_size=block_size)
     if world > 1 or dcp > 1:
         cp_compile.init_parallel(cfg, device="cpu")
-    model = transformers.AutoModelForCausalLM.from_config(hf_config).eval()
+    # A copy: the engine points the config at its attention functions, and under torchrun the
+    # caller's config also drives the HF reference.
+    model = transformers.AutoModelForCausalLM.from_config(copy.deepcopy(hf_config)).eval()
     model.load_state_dict(state_dict)
     model.generation_config.eos_token_id = None
     engine = cp_compile.hf.Engine(model, cfg, num_blocks=num_blocks, lowering=lowering,
