@@ -101,6 +101,8 @@ class LightningIndexer(nn.Module):
         # Rope on the first R dims only (both layouts rotate q and k alike, so q . k is HF's).
         q = torch.cat([self.rope_fn(q[..., :R], cos, sin), q[..., R:]], dim=-1)  # [T, Hi, Di]
         k = torch.cat([self.rope_fn(k[..., :R], cos, sin), k[..., R:]], dim=-1)[:, 0]  # [T, Di]
+        # In the model dtype (HF keeps weights_proj in fp32: a bf16 model rounds w once more
+        # than HF's); the op scores in fp32 either way.
         w = self.weights_proj(x) * self.w_scale  # [T, Hi]
         return torch.ops.cp.lightning_indexer(
             q.contiguous(), k.contiguous(), w.contiguous(), index_cache, meta.slot_mapping, meta.block_table,
