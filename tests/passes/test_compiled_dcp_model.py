@@ -107,7 +107,7 @@ def test_compiled_dcp_model_matches_single_device(kind, tp, dcp, lowering, merge
         assert _count(before, attn_op) == layers and _count(after, attn_op) == 0
         assert _count(before, "_c10d_functional.all_reduce") == _count(after, "_c10d_functional.all_reduce") > 0
         assert _count(after, "cp.dcp_localize_metadata") == 1
-        q_gathers = 1 if kind == "qwen3" else 2
+        q_gathers = 1  # GQA gathers q; MLA one fused [q_nope | q_pe]
         if merge == "ag_rs":
             assert _count(after, "all_gather_into_tensor") == layers * (q_gathers + 1)
             assert _count(after, "reduce_scatter_tensor") == layers

@@ -97,7 +97,7 @@ def test_pipeline_histograms(kind, dcp, merge):
     assert dcp_rec.rewrites == LAYERS and before[op] == LAYERS and op not in after
     assert check_rec.rewrites == 0 and check_rec.before == check_rec.after == after
     assert after["cp.dcp_localize_metadata.default"] == 1  # once per graph, shared by the layers
-    q_gathers = 2 if kind == "mla" else 1  # MLA gathers q_nope and q_pe; SFA one fused [q_nope | q_pe]
+    q_gathers = 1  # GQA gathers q; MLA and SFA one fused [q_nope | q_pe]
     writes = 2 if kind == "gqa" else 1
     if kind == "sfa":  # the indexer stays (replicated cache), its top-k remapped per layer
         assert after["cp.lightning_indexer"] == LAYERS
