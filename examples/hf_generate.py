@@ -23,7 +23,7 @@ import cp_compile
 import cp_compile.hf
 from examples.models.tiny import VOCAB, _randomize, hf_deepseek_v3, hf_qwen3
 
-MODELS = ("qwen3", "llama", "mistral", "deepseek_v3")
+MODELS = ("qwen3", "qwen2", "llama", "mistral", "deepseek_v3")
 
 
 def tiny_hf(kind: str, num_kv_heads: int = 1, num_layers: int = 2) -> transformers.PreTrainedModel:
@@ -32,13 +32,16 @@ def tiny_hf(kind: str, num_kv_heads: int = 1, num_layers: int = 2) -> transforme
         model = hf_qwen3(num_kv_heads=num_kv_heads, num_heads=4, num_layers=num_layers)
     elif kind == "deepseek_v3":
         model = hf_deepseek_v3(q_lora_rank=24, num_heads=4, num_layers=num_layers)
-    elif kind in ("llama", "mistral"):
+    elif kind in ("llama", "mistral", "qwen2"):
         common = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=num_layers,
                       num_attention_heads=4, num_key_value_heads=num_kv_heads, head_dim=16, rms_norm_eps=1e-6,
                       rope_parameters={"rope_type": "default", "rope_theta": 10000.0}, tie_word_embeddings=False,
                       attn_implementation="eager")
         if kind == "llama":
             cfg, cls = transformers.LlamaConfig(**common), transformers.LlamaForCausalLM
+        elif kind == "qwen2":  # q/k/v biases: the TP plan shards them with their rows
+            common.pop("head_dim")  # Qwen2 derives it: hidden / heads = 16
+            cfg, cls = transformers.Qwen2Config(**common), transformers.Qwen2ForCausalLM
         else:
             cfg, cls = transformers.MistralConfig(sliding_window=None, **common), transformers.MistralForCausalLM
         torch.manual_seed(0)

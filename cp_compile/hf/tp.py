@@ -72,7 +72,7 @@ def _split(total: int, tp: int, rank: int, what: str, field: str) -> range:
     return range(rank * per, (rank + 1) * per)
 
 
-def check_groups_agree(model: nn.Module, tp_group: dist.ProcessGroup) -> None:
+def check_groups_agree(model: nn.Module, tp_group: dist.ProcessGroup | None) -> None:
     """A model HF already sharded (`tp_plan` / `DistributedConfig`) must have used the
     same ranks as `init_parallel`'s TP group; we refuse it either way, since its
     k/v split does not replicate KV heads the way DCP needs."""
@@ -83,7 +83,7 @@ def check_groups_agree(model: nn.Module, tp_group: dist.ProcessGroup) -> None:
         hf_ranks = sorted(int(r) for r in mesh.mesh.flatten().tolist())
     except Exception:  # noqa: BLE001 - a mesh we cannot read is a mesh we cannot check
         hf_ranks = None
-    ours = sorted(dist.get_process_group_ranks(tp_group))
+    ours = sorted(dist.get_process_group_ranks(tp_group)) if tp_group is not None else [0]
     raise ConfigError("the HF model is loaded unsharded (cp_compile.hf applies its own TP plan)",
                       f"HF device mesh ranks {hf_ranks}, init_parallel TP group ranks {ours}",
                       "load the model without tp_plan / distributed_config and let cp_compile.hf.shard_model "
@@ -95,12 +95,12 @@ def shard_model(model: nn.Module, tp: int, tp_rank: int, tp_group: dist.ProcessG
     Returns the plan it applied (head ids per rank) for logs and tests."""
     cfg = model.config
     kind = check_supported(cfg)
+    check_groups_agree(model, tp_group)
     if tp == 1:
         return {"tp": 1}
     if tp_group is None:
         raise ConfigError("a TP group for tp > 1", f"tp={tp}, tp_group=None",
                           "call cp_compile.init_parallel(cfg) first and pass state.tp_group")
-    check_groups_agree(model, tp_group)
     hq = cfg.num_attention_heads
     q_heads = _split(hq, tp, tp_rank, "query heads", "num_attention_heads")
     inter = _split(cfg.intermediate_size, tp, tp_rank, "MLP width", "intermediate_size")
