@@ -107,7 +107,9 @@ def main() -> None:
 
         dist.init_process_group("gloo")
         outs = [serve(dist.get_rank(), dist.get_world_size(), *run[1:])]
-        if dist.get_rank() != 0:
+        world = dist.get_world_size()
+        dist.destroy_process_group()
+        if int(os.environ["RANK"]) != 0:
             return
     else:
         from cp_compile.testing.multirank import run_on_ranks
@@ -115,7 +117,7 @@ def main() -> None:
         outs = run_on_ranks(serve, args.tp, *run[1:], timeout=900)
     ref_tokens, ref_logits = hf_reference(hf, prompts, args.max_new_tokens)
     out = outs[0]
-    print(f"{args.model}: tp={len(outs) if 'RANK' not in os.environ else dist.get_world_size()} dcp={args.dcp} "
+    print(f"{args.model}: tp={world if 'RANK' in os.environ else len(outs)} dcp={args.dcp} "
           f"({args.lowering}), {out['steps']} steps, {out['graphs']} compiled graph(s)")
     worst = 0.0
     for i, p in enumerate(prompts):

@@ -150,3 +150,23 @@ def test_single_request_joins_and_leaves_without_recompiles(kind):
     for i in range(2):
         assert out["tokens"][i] == ref_tokens[i][:max_new[i]]
         torch.testing.assert_close(out["logits"][i], ref_logits[i][:max_new[i]], atol=1e-4, rtol=1e-4)
+
+
+def _hf_sharded_world(rank: int, world: int) -> str:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    model = tiny_hf("qwen3")
+    # What HF's loader sets after sharding with tp_plan / DistributedConfig
+    # (transformers/distributed/mixin.py: model._device_mesh = ...); loading that way
+    # needs `accelerate` and a checkpoint on disk, so the attribute is set directly.
+    model._device_mesh = init_device_mesh("cpu", (world,))
+    try:
+        cp_compile.hf.Engine(model, cp_compile.CPConfig(block_size=BLOCK), num_blocks=4)
+    except cp_compile.ConfigError as e:
+        return str(e)
+    return "accepted"
+
+
+def test_model_sharded_by_hf_refused_naming_both_meshes():
+    (msg,) = run_on_ranks(_hf_sharded_world, 1)
+    assert "HF device mesh ranks [0], init_parallel TP group ranks [0]" in msg, msg
