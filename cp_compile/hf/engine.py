@@ -112,9 +112,12 @@ class Engine:
         dtype = next(model.parameters()).dtype
         self.cache = allocate_kv_cache(config, kv_cache_spec(model.config, config.tp, tp_rank), num_blocks,
                                        dtype=dtype, attention=self.spec)
+        if num_blocks < 2:
+            raise ValueError(f"num_blocks={num_blocks}: the engine needs >= 2 (one is the scratch request's, "
+                             "see the module doc). Fix: allocate more blocks")
         self.num_blocks = num_blocks
         vbs = config.virtual_block_size
-        cap = num_blocks * vbs
+        cap = (num_blocks - 1) * vbs  # one virtual block is the scratch request's
         self.max_model_len = min(max_model_len or cap, cap)
         self.block_table_width = max(2, math.ceil(self.max_model_len / vbs))
         self.max_batch = max_batch

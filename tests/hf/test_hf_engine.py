@@ -170,3 +170,13 @@ def _hf_sharded_world(rank: int, world: int) -> str:
 def test_model_sharded_by_hf_refused_naming_both_meshes():
     (msg,) = run_on_ranks(_hf_sharded_world, 1)
     assert "HF device mesh ranks [0], init_parallel TP group ranks [0]" in msg, msg
+
+
+def test_request_beyond_capacity_refused_before_any_step():
+    hf = tiny_hf("llama")
+    engine = cp_compile.hf.Engine(hf, cp_compile.CPConfig(block_size=BLOCK), num_blocks=3, lowering="eager")
+    # 3 blocks of 4 tokens, one the scratch request's: 8 tokens per request at most.
+    assert engine.max_model_len == 8
+    with pytest.raises(ValueError, match="max_model_len=8. Fix"):
+        engine.generate([[1, 2, 3, 4, 5]], max_new_tokens=4)
+    assert engine.steps == 0 and engine.num_graphs == 0
