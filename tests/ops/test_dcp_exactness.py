@@ -21,18 +21,13 @@ import cp_compile.ops  # noqa: F401
 from cp_compile.context import CompileContext
 from cp_compile.parallel import dcp as D
 from cp_compile.parallel.dcp_eager import dcp_mla_chunked_prefill
+from cp_compile.testing.batches import STEP_B, meta_args, two_step_metas
 from cp_compile.testing.multirank import run_on_ranks
 
 TP = 4
 HQ = 8  # 2 query heads per TP rank
 BLOCK = 4
 NUM_BLOCKS = 16
-# Step A contexts, then step B (context, new) per request; request 0 is new in step B.
-STEP_B = {
-    "decode": [(9, 1), (1, 1), (7, 1), (16, 1)],
-    "mixed": [(0, 5), (9, 1), (7, 3), (1, 1), (12, 4)],
-    "spec_decode": [(0, 1), (6, 3), (15, 2)],
-}
 
 
 @dataclass(frozen=True)
@@ -48,15 +43,7 @@ class Case:
 
 
 def _metas(case: Case):
-    alloc = cp_compile.BlockAllocator(NUM_BLOCKS, BLOCK * case.dcp)
-    reqs = STEP_B[case.batch]
-    ids = list(range(len(reqs)))
-    a = [(i, (0, c)) for i, (c, _) in zip(ids, reqs) if c > 0]
-    meta_a = cp_compile.build_attention_metadata([r for _, r in a], alloc, req_ids=[i for i, _ in a],
-                                                 num_padding_tokens=case.padding)
-    meta_b = cp_compile.build_attention_metadata(reqs, alloc, req_ids=ids, num_padding_tokens=case.padding,
-                                                 max_blocks_per_req=NUM_BLOCKS // 2)
-    return meta_a, meta_b
+    return two_step_metas(case.batch, dcp=case.dcp, block_size=BLOCK, num_blocks=NUM_BLOCKS, padding=case.padding)
 
 
 def _inputs(case: Case, T: int, seed: int) -> dict[str, torch.Tensor]:
@@ -88,10 +75,6 @@ def _caches(case: Case, block: int, kv_heads: int, dtype: torch.dtype):
     return (torch.zeros(NUM_BLOCKS, block, 24, dtype=dtype),)
 
 
-def _meta_args(m):
-    return (m.slot_mapping, m.block_table, m.seq_lens, m.query_start_loc)
-
-
 def _reference(case: Case) -> list[torch.Tensor]:
     """Single-device outputs of both steps, all heads."""
     caches = _caches(case, BLOCK * case.dcp, case.kv_heads, case.dtype)
@@ -99,10 +82,10 @@ def _reference(case: Case) -> list[torch.Tensor]:
     for step, meta in enumerate(_metas(case)):
         x = _inputs(case, meta.num_tokens, seed=step)
         if case.kind.startswith("gqa"):
-            outs.append(torch.ops.cp.gqa_paged_attention(x["q"], x["k"], x["v"], *caches, *_meta_args(meta), 0.25))
+            outs.append(torch.ops.cp.gqa_paged_attention(x["q"], x["k"], x["v"], *caches, *meta_args(meta), 0.25))
         else:
             outs.append(torch.ops.cp.mla_attention(x["q_nope"], x["q_pe"], x["kv_c"], x["k_pe"], *caches,
-                                                   *_meta_args(meta), 0.2))
+                                                   *meta_args(meta), 0.2))
     return outs
 
 
@@ -119,15 +102,15 @@ def _run_cases(rank: int, world: int, cases: list[Case]) -> list[list[torch.Tens
         for step, meta in enumerate(_metas(case)):
             x = _rank_heads(case, state.tp_rank, _inputs(case, meta.num_tokens, seed=step))
             if case.kind == "gqa":
-                o = D.dcp_gqa_attention(x["q"], x["k"], x["v"], *caches, *_meta_args(meta), 0.25, ctx)
+                o = D.dcp_gqa_attention(x["q"], x["k"], x["v"], *caches, *meta_args(meta), 0.25, ctx)
             elif case.kind == "gqa_split":
-                o = D.dcp_gqa_chunked_prefill(x["q"], x["k"], x["v"], *caches, *_meta_args(meta), 0.25, ctx)
+                o = D.dcp_gqa_chunked_prefill(x["q"], x["k"], x["v"], *caches, *meta_args(meta), 0.25, ctx)
             elif case.kind == "mla":
-                o = D.dcp_mla_attention(x["q_nope"], x["q_pe"], x["kv_c"], x["k_pe"], *caches, *_meta_args(meta),
+                o = D.dcp_mla_attention(x["q_nope"], x["q_pe"], x["kv_c"], x["k_pe"], *caches, *meta_args(meta),
                                         0.2, ctx)
             else:
                 o = dcp_mla_chunked_prefill(x["q_nope"], x["q_pe"], x["kv_c"], x["k_pe"], *caches,
-                                            *_meta_args(meta), 0.2, ctx)
+                                            *meta_args(meta), 0.2, ctx)
             outs.append(o)
         results.append(outs)
         cp_compile.destroy_parallel()

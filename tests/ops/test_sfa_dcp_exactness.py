@@ -20,6 +20,7 @@ import torch
 import cp_compile
 from cp_compile.context import CompileContext
 from cp_compile.parallel import dcp as D
+from cp_compile.testing.batches import STEP_B, meta_args, two_step_metas
 from cp_compile.testing.multirank import run_on_ranks
 
 H = 8  # query heads in all
@@ -29,13 +30,6 @@ TOPK = 6
 BLOCK = 4
 NUM_BLOCKS = 16
 SCALE = 0.2
-# Step A contexts, then step B (context, new) per request. Short contexts (< dcp,
-# < TOPK) give -1 padded top-k rows and ranks with none of a query's keys.
-STEP_B = {
-    "decode": [(9, 1), (1, 1), (7, 1), (16, 1)],
-    "mixed": [(0, 5), (9, 1), (7, 3), (1, 1), (12, 4)],
-    "spec_decode": [(0, 1), (6, 3), (15, 2)],
-}
 
 
 @dataclass(frozen=True)
@@ -49,15 +43,7 @@ class Case:
 
 
 def _metas(case: Case):
-    alloc = cp_compile.BlockAllocator(NUM_BLOCKS, BLOCK * case.dcp)
-    reqs = STEP_B[case.batch]
-    ids = list(range(len(reqs)))
-    a = [(i, (0, c)) for i, (c, _) in zip(ids, reqs) if c > 0]
-    meta_a = cp_compile.build_attention_metadata([r for _, r in a], alloc, req_ids=[i for i, _ in a],
-                                                 num_padding_tokens=case.padding)
-    meta_b = cp_compile.build_attention_metadata(reqs, alloc, req_ids=ids, num_padding_tokens=case.padding,
-                                                 max_blocks_per_req=NUM_BLOCKS // 2)
-    return meta_a, meta_b
+    return two_step_metas(case.batch, dcp=case.dcp, block_size=BLOCK, num_blocks=NUM_BLOCKS, padding=case.padding)
 
 
 def _inputs(case: Case, T: int, seed: int) -> dict[str, torch.Tensor]:
@@ -69,17 +55,13 @@ def _inputs(case: Case, T: int, seed: int) -> dict[str, torch.Tensor]:
                 q_i=torch.randn(T, HI, DI, generator=g), k_i=k_i, w=torch.rand(T, HI, generator=g))
 
 
-def _meta_args(m):
-    return (m.slot_mapping, m.block_table, m.seq_lens, m.query_start_loc)
-
-
 def _index_cache(case: Case) -> torch.Tensor:
     # Replicated: virtual blocks of BLOCK * dcp tokens on every rank, as on one device.
     return torch.zeros(NUM_BLOCKS, BLOCK * case.dcp, DI)
 
 
 def _topk(x, index_cache, meta) -> torch.Tensor:
-    return torch.ops.cp.lightning_indexer(x["q_i"], x["k_i"], x["w"], index_cache, *_meta_args(meta), TOPK)
+    return torch.ops.cp.lightning_indexer(x["q_i"], x["k_i"], x["w"], index_cache, *meta_args(meta), TOPK)
 
 
 def _reference(case: Case) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -91,7 +73,7 @@ def _reference(case: Case) -> list[tuple[torch.Tensor, torch.Tensor]]:
         x = _inputs(case, meta.num_tokens, seed=step)
         topk = _topk(x, index_cache, meta)
         o = torch.ops.cp.sparse_mla_attention(x["q_nope"], x["q_pe"], x["kv_c"], x["k_pe"], latent,
-                                              *_meta_args(meta), topk, SCALE)
+                                              *meta_args(meta), topk, SCALE)
         outs.append((topk, o))
     return outs
 
@@ -113,7 +95,7 @@ def _run_cases(rank: int, world: int, cases: list[Case]) -> list[list[tuple[torc
             x = _inputs(case, meta.num_tokens, seed=step)
             topk = _topk(x, index_cache, meta)
             o = D.dcp_sfa_attention(x["q_nope"][:, heads], x["q_pe"][:, heads], x["kv_c"], x["k_pe"], latent,
-                                    *_meta_args(meta), topk, SCALE, ctx)
+                                    *meta_args(meta), topk, SCALE, ctx)
             outs.append((topk, o))
         results.append(outs)
         cp_compile.destroy_parallel()
