@@ -70,7 +70,7 @@ def hf_reference(model: transformers.PreTrainedModel, prompts: list[list[int]], 
 
 def serve(rank: int, world: int, hf_config, state_dict, prompts: list[list[int]], max_new_tokens: int,
           dcp: int, block_size: int, num_blocks: int, lowering: str, arrivals: list[int] | None = None,
-          forbid_recompiles: bool = True) -> dict:
+          forbid_recompiles: bool = True, progress: bool = False) -> dict:
     """One rank: init_parallel, rebuild the HF model from its config, serve it."""
     cfg = cp_compile.CPConfig(tensor_parallel_size=world, decode_context_parallel_size=dcp, block_size=block_size)
     if world > 1 or dcp > 1:
@@ -81,7 +81,7 @@ def serve(rank: int, world: int, hf_config, state_dict, prompts: list[list[int]]
     model.load_state_dict(state_dict)
     model.generation_config.eos_token_id = None
     engine = cp_compile.hf.Engine(model, cfg, num_blocks=num_blocks, lowering=lowering,
-                                  forbid_recompiles=forbid_recompiles, record_logits=True, progress=False)
+                                  forbid_recompiles=forbid_recompiles, record_logits=True, progress=progress)
     tokens = engine.generate(prompts, max_new_tokens=max_new_tokens, arrivals=arrivals)
     return dict(tokens=tokens, logits=[torch.stack(engine.last_logits[i]) for i in range(len(prompts))],
                 graphs=engine.num_graphs, steps=engine.steps, capacity=engine.capacity(), plan=engine.plan,

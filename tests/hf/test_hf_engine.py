@@ -42,6 +42,7 @@ CASES = [
     pytest.param("llama", 2, 4, 2, "aot_eager", id="llama-kv2-tp4-dcp2-aot_eager"),
     pytest.param("deepseek_v3", 4, 2, 2, "aot_eager", id="deepseek_v3-mla-tp2-dcp2-aot_eager"),
     pytest.param("mistral", 1, 2, 2, "aot_eager", id="mistral-kv1-tp2-dcp2-aot_eager", marks=pytest.mark.slow),
+    pytest.param("deepseek_v3", 4, 2, 2, "inductor", id="deepseek_v3-mla-tp2-dcp2-inductor", marks=pytest.mark.slow),
     pytest.param("qwen3", 2, 4, 2, "aot_eager", id="qwen3-kv2-tp4-dcp2-aot_eager", marks=pytest.mark.slow),
 ]
 
@@ -135,7 +136,7 @@ def test_dcp_beyond_kv_replication_refused():
 
 
 @pytest.mark.parametrize("kind", ["qwen3", "qwen2"])
-def test_single_request_joins_and_leaves_without_recompiles(kind):
+def test_single_request_joins_and_leaves_without_recompiles(kind, capfd):
     """One device, eager lowering: batches of 1 -> 2 -> 1 requests (the engine adds a
     scratch request to a batch of one) stay one graph and equal HF generate. Qwen2
     (q/k/v biases) is checked here only."""
@@ -144,7 +145,8 @@ def test_single_request_joins_and_leaves_without_recompiles(kind):
     max_new = [16, 4]
     arrivals = [0, 5]  # alone for 5 steps, then a second joins, leaves after 4 tokens
     sd = {k: v.detach().clone() for k, v in hf.state_dict().items()}
-    out = serve(0, 1, hf.config, sd, prompts, max_new, 1, BLOCK, NUM_BLOCKS, "eager", arrivals)
+    out = serve(0, 1, hf.config, sd, prompts, max_new, 1, BLOCK, NUM_BLOCKS, "eager", arrivals, progress=True)
+    assert "cp_compile.hf generate" in capfd.readouterr().err  # the progress bar (tqdm, stderr)
     ref_tokens, ref_logits = hf_reference(hf, prompts, 16)
     assert out["graphs"] == 1
     for i in range(2):
