@@ -22,6 +22,7 @@ so a slow spell of a shared machine hits both alike and their ratio is fair.
 
 from __future__ import annotations
 
+import dataclasses
 import statistics
 import time
 from dataclasses import dataclass
@@ -78,6 +79,26 @@ class _CountingBackend:
     def __call__(self, gm: Any, example_inputs: Any) -> Any:
         self.graphs += 1
         return self.inner(gm, example_inputs)
+
+
+class PlainCompiled:
+    """`forward(input_ids, positions, kv_caches, meta)` compiled with a plain backend, with the
+    same dynamic token dims as `cp_compile.compile_model` (no cp pass, no input validation)."""
+
+    def __init__(self, forward: Callable[..., Any], backend: Any) -> None:
+        self.backend = backend
+        self.compiled = torch.compile(forward, backend=backend, fullgraph=True)
+
+    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: Any, meta: Any) -> Any:
+        for t in (input_ids, positions):
+            torch._dynamo.maybe_mark_dynamic(t, 0)
+        for f in dataclasses.fields(meta):
+            t = getattr(meta, f.name)
+            if isinstance(t, torch.Tensor):
+                for d in range(t.dim()):
+                    torch._dynamo.maybe_mark_dynamic(t, d)
+        with torch.fx.experimental._config.patch(use_duck_shape=False):
+            return self.compiled(input_ids, positions, kv_caches, meta)
 
 
 def timed_decode(sides: list[Side], allocs: list[cp_compile.BlockAllocator], context: int, batch: int,
@@ -150,10 +171,12 @@ class _TimedPasses:
         return getattr(self._pm, name)
 
 
-def _timed_backends(lowering: str) -> tuple[Any, Any, dict[str, float]]:
-    """(plain backend, cp_ascend backend, seconds each spent in its backend call / in the DCP pass)."""
-    from cp_compile.backend import CpAscendBackend
+def _timed_backends(model: torch.nn.Module, lowering: str) -> tuple[Any, Any, dict[str, float]]:
+    """(plain backend, cp_ascend backend, seconds each spent in its backend call / in the DCP passes).
 
+    The cp_ascend backend is the one `compile_model` builds for this model (its config,
+    attention spec and roles), re-classed to time its calls.
+    """
     sink = {"backend_s_plain": 0.0, "backend_s_cp_ascend": 0.0, "pass_s": 0.0}
     inner = torch._dynamo.lookup_backend(lowering)
 
@@ -164,7 +187,9 @@ def _timed_backends(lowering: str) -> tuple[Any, Any, dict[str, float]]:
         finally:
             sink["backend_s_plain"] += time.perf_counter() - t0
 
-    class TimedCpAscend(CpAscendBackend):
+    ref = cp_compile.compile_model(model, lowering=lowering).backend
+
+    class TimedCpAscend(type(ref)):  # type: ignore[misc]
         def make_pass_manager(self) -> Any:
             return _TimedPasses(super().make_pass_manager(), sink)
 
@@ -175,7 +200,10 @@ def _timed_backends(lowering: str) -> tuple[Any, Any, dict[str, float]]:
             finally:
                 sink["backend_s_cp_ascend"] += time.perf_counter() - t0
 
-    return plain, TimedCpAscend(lowering=lowering), sink
+    timed = TimedCpAscend.__new__(TimedCpAscend)
+    timed.__dict__.update(ref.__dict__)
+    timed.pass_managers = []
+    return plain, timed, sink
 
 
 def compile_probe(model: torch.nn.Module, dcp_side: Side, base: Side, args: BenchArgs, vocab: int,
@@ -193,11 +221,12 @@ def compile_probe(model: torch.nn.Module, dcp_side: Side, base: Side, args: Benc
     import torch._functorch.config as functorch_config
     import torch._inductor.config as inductor_config
 
-    plain_backend, cp_backend, sink = _timed_backends(args.lowering)
+    plain_backend, cp_backend, sink = _timed_backends(model, args.lowering)
 
     def once(plain: bool) -> float:
         torch._dynamo.reset()
-        fn = CompiledForward(model, model.forward, _DYNAMIC, plain_backend if plain else cp_backend)
+        fn = PlainCompiled(model.forward, plain_backend) if plain else \
+            CompiledForward(model, model.forward, _DYNAMIC, cp_backend)
         side = base if plain else dcp_side
         alloc = reserve(side.geom, side.cfg, 2, 17)
         ids, meta = _decode_inputs(16, 0, 2, alloc, side.geom.max_blocks_per_req, vocab,
@@ -226,7 +255,7 @@ def _side(args: BenchArgs, model: torch.nn.Module, cfg: cp_compile.CPConfig, mer
                                          device=device, attention=model.attention_spec())
     if plain:
         backend = _CountingBackend(args.lowering)
-        compiled = CompiledForward(model, model.forward, _DYNAMIC, backend)
+        compiled = PlainCompiled(model.forward, backend)
         return Side(cfg, merge, 0, cache, geom, compiled, lambda: backend.graphs)
     compiled = cp_compile.compile_model(model, lowering=args.lowering)
     return Side(cfg, merge, dcp_rank, cache, geom, compiled, lambda: len(compiled.backend.pass_managers))
@@ -302,5 +331,8 @@ def measure(rank: int, args: BenchArgs, model: torch.nn.Module, sides: list[Side
                   f"{row['kv_cache_bytes_per_rank'] / 2**20:.2f} MiB, graphs {graphs}"
                   f"{f' RECOMPILED {recompiles} AFTER WARM-UP' if recompiles else ''}; profiled ms: {parts}")
         rows.append(row)
+    for r in rows:  # median of per-step DCP / baseline ratios: each pair ran back to back
+        r["tpot_ratio_paired"] = None if r is rows[0] else statistics.median(
+            b / a for a, b in zip(rows[0]["step_ms"], r["step_ms"]))
     log(rank, f"  [{time.perf_counter() - t0:.1f} s]")
     return rows

@@ -96,6 +96,8 @@ def merge_repeats(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
         row.update(summarize(row["step_ms"]))
         row["repeats"] = len(rs)
         row["tpot_ms_per_pass"] = [r["tpot_ms"] for r in rs]
+        if rs[0].get("tpot_ratio_paired") is not None:
+            row["tpot_ratio_paired"] = statistics.median(r["tpot_ratio_paired"] for r in rs)
         for k in ("graphs_compiled", "recompiles_after_warmup"):
             row[k] = max(r[k] for r in rs)
         row["recompiled_in_timed_steps"] = any(r["recompiled_in_timed_steps"] for r in rs)
