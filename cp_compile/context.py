@@ -17,6 +17,7 @@ from torch import nn
 
 from cp_compile.config import AttentionSpec, ConfigError, CPConfig
 from cp_compile.parallel.dcp import DCPContext
+from cp_compile.parallel.pcp import PCPContext
 
 if TYPE_CHECKING:
     from cp_compile.parallel_state import ParallelState
@@ -133,6 +134,14 @@ class CompileContext:
         cfg = self.config
         return DCPContext(dcp=self.dcp.size, rank=self.dcp.rank, interleave=cfg.interleave,
                           block_size=cfg.block_size, group_name=self.dcp.name, merge=cfg.dcp_merge)
+
+    def pcp_view(self) -> PCPContext:
+        """The narrow view the PCP compositions are specialised on: both groups (the
+        cache is sharded over pcp * dcp ranks, cp rank = pcp_rank * dcp + dcp_rank)."""
+        cfg = self.config
+        return PCPContext(pcp=self.pcp.size, pcp_rank=self.pcp.rank, pcp_group_name=self.pcp.name,
+                          dcp=self.dcp.size, dcp_rank=self.dcp.rank, dcp_group_name=self.dcp.name,
+                          interleave=cfg.interleave, block_size=cfg.block_size, merge=cfg.dcp_merge)
 
     def describe(self) -> str:
         """One line for error messages."""

@@ -1,0 +1,195 @@
+"""PCP (prefill context parallel) attention compositions (docs/pcp.md).
+
+Each PCP rank holds a head-tail share of the step's new tokens (`ops/pcp_layout.py`)
+and its TP heads. A composition has the semantics of the single-device op
+(`cp::gqa_paged_attention` / `cp::mla_attention`) restricted to this rank's query
+tokens: inputs are this rank's tokens' q / k / v (or latents), padded to the common
+per-rank count T_loc, the GLOBAL metadata (as on one device, virtual blocks of
+block_size * pcp * dcp tokens) and `token_index` [T_loc] (this rank's global token
+indices, ascending, -1 padded); the output is [T_loc, H, Dv] for those tokens (zeros
+on padding rows).
+
+Steps (all collectives `_c10d_functional` + `wait_tensor` on group names; no
+data-dependent Python control flow, so a pass can trace them):
+1. all-gather the new K/V (latents) and the token indices over the PCP group, put
+   them back in global order;
+2. write this rank's shard of them: the cache is sharded over N = pcp * dcp ranks
+   with the §5 rule, cp rank = pcp_rank * dcp + dcp_rank (a DCP decode with
+   `DCPContext(dcp=N, rank=cp rank)` reads it in place);
+3. new-token part: this rank's queries attend causally to the gathered new tokens
+   at their global positions (no collective);
+4. context part: queries all-gathered over DCP (heads) and PCP (tokens), every rank
+   attends its context shard, merged by LSE over DCP (back to own heads) and then
+   over PCP (back to own tokens, a reduce-scatter);
+5. LSE-combine the two parts.
+
+Nothing here reads module-level parallel state; `PCPContext` comes from
+`CompileContext.pcp_view()` or is built by an eager caller.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+from torch import Tensor
+
+import cp_compile.ops  # noqa: F401  (registers the cp::* building blocks)
+from cp_compile.ops import layout, pcp_layout
+from cp_compile.parallel.dcp import DCPContext, all_gather_heads, localize, merge_heads
+
+_c10d = torch.ops._c10d_functional
+_cp = torch.ops.cp
+
+
+@dataclass(frozen=True)
+class PCPContext:
+    """Static facts a PCP graph is specialised on."""
+
+    pcp: int
+    pcp_rank: int
+    pcp_group_name: str
+    dcp: int
+    dcp_rank: int
+    dcp_group_name: str
+    interleave: int
+    block_size: int  # per-rank page size; virtual blocks hold block_size * pcp * dcp tokens
+    merge: Literal["ag_rs", "a2a"] = "ag_rs"
+
+    @property
+    def cp_size(self) -> int:
+        return pcp_layout.cp_size(pcp=self.pcp, dcp=self.dcp)
+
+    @property
+    def cp_rank(self) -> int:
+        return pcp_layout.cp_rank(pcp_rank=self.pcp_rank, dcp=self.dcp, dcp_rank=self.dcp_rank)
+
+    def layout_view(self) -> DCPContext:
+        """The cache layout as `localize` sees it: N = pcp*dcp, rank = cp rank.
+        Its group name is unused by `localize` (no collective)."""
+        return DCPContext(dcp=self.cp_size, rank=self.cp_rank, interleave=self.interleave,
+                          block_size=self.block_size, group_name="")
+
+    def dcp_group_view(self) -> DCPContext:
+        """The DCP group, for the head gather / head merge of the context part."""
+        return DCPContext(dcp=self.dcp, rank=self.dcp_rank, interleave=self.interleave,
+                          block_size=self.block_size, group_name=self.dcp_group_name, merge=self.merge)
+
+
+def _gather_tokens(x: Tensor, ctx: PCPContext) -> Tensor:
+    """[T_loc, ...] on each PCP rank -> [pcp*T_loc, ...], rank-major (group rank order)."""
+    g = _c10d.all_gather_into_tensor.default(x.contiguous(), ctx.pcp, ctx.pcp_group_name)
+    return _c10d.wait_tensor.default(g)
+
+
+class _Step:
+    """Per-forward PCP metadata shared by every layer (computed once, like `localize`)."""
+
+    def __init__(self, ctx: PCPContext, token_index: Tensor, slot_mapping: Tensor, query_start_loc: Tensor,
+                 seq_lens: Tensor) -> None:
+        T = slot_mapping.shape[0]
+        self.token_index = token_index.long()  # [T_loc], -1 padded
+        self.valid = self.token_index >= 0  # [T_loc]
+        self.gathered_index = _gather_tokens(self.token_index, ctx)  # [pcp*T_loc]
+        self.inv = pcp_layout.restore_order(self.gathered_index, T)  # [T]: global token -> gather row
+        self.local = localize(ctx.layout_view(), slot_mapping, query_start_loc, seq_lens)
+        mine = self.token_index.clamp(min=0)
+        # New-token part: this rank's queries grouped by request (they are in global order).
+        self.local_qsl = pcp_layout.pcp_local_query_start_loc(self.token_index, query_start_loc)  # [B+1]
+        qsl = query_start_loc.long()
+        req = layout.request_index(query_start_loc, T).long().clamp(min=0)[mine]  # [T_loc]
+        self.new_lens = torch.where(self.valid, self.token_index - qsl[req] + 1,
+                                    torch.zeros_like(self.token_index)).to(torch.int32)  # [T_loc]
+        # The gathered new tokens as a paged "cache" of block size 1, in global order:
+        # request b's new token j is row qsl[b] + j. Width T keeps the shape static.
+        cols = torch.arange(T, device=slot_mapping.device, dtype=torch.int64)
+        self.new_table = (qsl[:-1, None] + cols[None, :]).clamp(max=T - 1).to(torch.int32)  # [B, T]
+
+
+def _context_part(part_out: Tensor, part_lse: Tensor, step: _Step, ctx: PCPContext, heads: int, v_dim: int,
+                  dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """Context partials of every global token over all gathered heads -> this rank's
+    tokens and heads, merged over the pcp*dcp shards. ([T, dcp*H, Dv], [T, dcp*H]) ->
+    ([T_loc, H, Dv] `dtype`, [T_loc, H] fp32)."""
+    if ctx.dcp > 1:
+        out, lse = merge_heads(part_out, part_lse, ctx.dcp_group_view(), heads, v_dim, dtype)  # [T, H, ...]
+    else:
+        out, lse = part_out, part_lse
+    # PCP merge on tokens: all-gather the LSEs, weight this rank's partial, then a
+    # reduce-scatter over rows in rank-major token order hands each rank its tokens.
+    lse_all = _c10d.wait_tensor.default(_c10d.all_gather_into_tensor.default(
+        lse.transpose(0, 1).contiguous(), ctx.pcp, ctx.pcp_group_name))  # [pcp*H, T]
+    rescaled = _cp.lse_rescale.default(out, lse, lse_all)
+    scaled, total = rescaled[0], rescaled[1]  # [T, H, Dv] fp32, [T, H] fp32
+    rows = step.gathered_index.clamp(min=0)
+    keep = (step.gathered_index >= 0)[:, None, None]
+    send = torch.where(keep, scaled[rows], torch.zeros((), dtype=torch.float32))  # [pcp*T_loc, H, Dv]
+    mine = _c10d.wait_tensor.default(_c10d.reduce_scatter_tensor.default(
+        send.to(dtype).contiguous(), "sum", ctx.pcp, ctx.pcp_group_name))  # [T_loc, H, Dv]
+    return mine, total[step.token_index.clamp(min=0)]
+
+
+def _finish(ctx_out: Tensor, ctx_lse: Tensor, new_out: Tensor, new_lse: Tensor, step: _Step,
+            dtype: torch.dtype) -> Tensor:
+    merged = _cp.lse_combine.default(torch.stack([ctx_out, new_out]), torch.stack([ctx_lse, new_lse]))[0]
+    return torch.where(step.valid[:, None, None], merged, torch.zeros((), dtype=merged.dtype)).to(dtype)
+
+
+def pcp_step(ctx: PCPContext, token_index: Tensor, slot_mapping: Tensor, query_start_loc: Tensor,
+             seq_lens: Tensor) -> _Step:
+    """Once per forward: the PCP metadata every layer of this rank shares (one small
+    all-gather of the token indices)."""
+    return _Step(ctx, token_index, slot_mapping, query_start_loc, seq_lens)
+
+
+def pcp_gqa_attention(q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, slot_mapping: Tensor,
+                      block_table: Tensor, seq_lens: Tensor, query_start_loc: Tensor, token_index: Tensor,
+                      scale: float, ctx: PCPContext, step: _Step | None = None) -> Tensor:
+    """PCP version of `cp::gqa_paged_attention` for this rank's tokens.
+
+    q [T_loc, Hq, D], k [T_loc, Hkv, D], v [T_loc, Hkv, Dv] (this rank's tokens and
+    heads), caches [NB, BS, Hkv, *] (this rank's shard), metadata global ->
+    out [T_loc, Hq, Dv]. Exact for prefill, chunked prefill with a cached prefix and
+    mixed batches.
+    """
+    if step is None:
+        step = pcp_step(ctx, token_index, slot_mapping, query_start_loc, seq_lens)
+    k_new = _gather_tokens(k, ctx)[step.inv].to(k_cache.dtype)  # [T, Hkv, D], global order
+    v_new = _gather_tokens(v, ctx)[step.inv].to(v_cache.dtype)  # [T, Hkv, Dv]
+    _cp.cache_write.default(k_new, k_cache, step.local.slot_mapping)
+    _cp.cache_write.default(v_new, v_cache, step.local.slot_mapping)
+    # New tokens: the single-device op reads them back from the cache, in its dtype.
+    new = _cp.paged_attention_lse.default(q, k_new.unsqueeze(1), v_new.unsqueeze(1), step.new_table,
+                                          step.local_qsl, step.new_lens, scale)
+    # Context: every global query, every DCP-group head, against this rank's shard.
+    q_h = all_gather_heads(q, ctx.dcp_group_view()) if ctx.dcp > 1 else q  # [T_loc, dcp*Hq, D]
+    q_glob = _gather_tokens(q_h, ctx)[step.inv]  # [T, dcp*Hq, D]
+    part = _cp.paged_attention_lse.default(q_glob, k_cache, v_cache, block_table, query_start_loc,
+                                           step.local.context_lens, scale)
+    ctx_out, ctx_lse = _context_part(part[0], part[1], step, ctx, q.shape[1], v.shape[-1], q.dtype)
+    return _finish(ctx_out, ctx_lse, new[0], new[1], step, q.dtype)
+
+
+def pcp_mla_attention(q_nope: Tensor, q_pe: Tensor, kv_c: Tensor, k_pe: Tensor, kv_cache: Tensor,
+                      slot_mapping: Tensor, block_table: Tensor, seq_lens: Tensor, query_start_loc: Tensor,
+                      token_index: Tensor, scale: float, ctx: PCPContext, step: _Step | None = None) -> Tensor:
+    """PCP version of `cp::mla_attention` (absorbed MLA) for this rank's tokens.
+
+    q_nope [T_loc, H, L], q_pe [T_loc, H, R], kv_c [T_loc, L], k_pe [T_loc, R],
+    kv_cache [NB, BS, L+R] (this rank's shard) -> latent out [T_loc, H, L].
+    """
+    if step is None:
+        step = pcp_step(ctx, token_index, slot_mapping, query_start_loc, seq_lens)
+    L = q_nope.shape[-1]
+    latent = _gather_tokens(torch.cat([kv_c, k_pe], dim=-1), ctx)[step.inv].to(kv_cache.dtype)  # [T, L+R]
+    _cp.cache_write.default(latent, kv_cache, step.local.slot_mapping)
+    new = _cp.mla_partial_attention.default(q_nope, q_pe, latent.unsqueeze(1), step.new_table, step.local_qsl,
+                                            step.new_lens, scale)
+    q = torch.cat([q_nope, q_pe], dim=-1)  # [T_loc, H, L+R]: one gather per group
+    q_h = all_gather_heads(q, ctx.dcp_group_view()) if ctx.dcp > 1 else q  # [T_loc, dcp*H, L+R]
+    q_glob = _gather_tokens(q_h, ctx)[step.inv]  # [T, dcp*H, L+R]
+    part = _cp.mla_partial_attention.default(q_glob[..., :L], q_glob[..., L:], kv_cache, block_table,
+                                             query_start_loc, step.local.context_lens, scale)
+    ctx_out, ctx_lse = _context_part(part[0], part[1], step, ctx, q_nope.shape[1], L, q_nope.dtype)
+    return _finish(ctx_out, ctx_lse, new[0], new[1], step, q_nope.dtype)

@@ -1,0 +1,215 @@
+"""PCP attention on real gloo ranks equals the single-device op (docs/pcp.md).
+
+Each case runs three steps on one set of caches:
+A. PCP prefill of several requests of odd lengths, two shorter than 2*pcp, plus
+   padding tokens;
+B. PCP chunked prefill: requests with the prefix cached by A take more tokens, a new
+   request joins;
+C. a decode step through the existing DCP composition (`dcp_gqa_attention` /
+   `dcp_mla_attention`) at N = pcp*dcp over a group of the pcp*dcp ranks, on the
+   very cache tensors A and B wrote (no copy, no re-layout).
+Every rank gets its head-tail token share (`pcp_token_table`) and its TP heads; the
+outputs, put back in global order and head order, must equal the single-device op
+on a cache with virtual blocks of block_size * pcp * dcp (fp32, 1e-5). Padding rows
+of each rank's inputs hold 1e4, so a padding row that leaked into a result shows.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import cp_compile
+import cp_compile.ops  # noqa: F401
+from cp_compile.context import CompileContext
+from cp_compile.ops import pcp_layout
+from cp_compile.parallel import dcp as D
+from cp_compile.parallel import pcp as P
+from cp_compile.testing.multirank import run_on_ranks
+
+HQ = 4
+BLOCK = 4
+NUM_BLOCKS = 16
+PAD = 1e4  # value of the padding rows of a rank's inputs
+STEPS = [
+    [(0, 1), (0, 3), (0, 7), (0, 12)],  # A: prefill; 1 and 3 < 2*pcp
+    [(1, 5), (3, 2), (7, 1), (12, 9), (0, 5)],  # B: chunked prefill + a new request
+    [(6, 1), (5, 1), (8, 1), (21, 1), (5, 1)],  # C: decode (DCP composition)
+]
+
+
+@dataclass(frozen=True)
+class Case:
+    kind: str  # "gqa" | "mla"
+    tp: int
+    dcp: int
+    interleave: int
+    pcp: int = 2
+    padding: int = 2
+
+
+def _metas(case: Case):
+    alloc = cp_compile.BlockAllocator(NUM_BLOCKS, BLOCK * case.pcp * case.dcp)
+    return [cp_compile.build_attention_metadata(reqs, alloc, req_ids=list(range(len(reqs))),
+                                                num_padding_tokens=case.padding, max_blocks_per_req=4)
+            for reqs in STEPS]
+
+
+def _inputs(case: Case, T: int, seed: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    r = lambda *s: torch.randn(*s, generator=g)  # noqa: E731
+    if case.kind == "gqa":
+        return dict(q=r(T, HQ, 16), k=r(T, 1, 16), v=r(T, 1, 12))
+    return dict(q_nope=r(T, HQ, 16), q_pe=r(T, HQ, 8), kv_c=r(T, 16), k_pe=r(T, 8))
+
+
+def _caches(case: Case, block: int):
+    if case.kind == "gqa":
+        return (torch.zeros(NUM_BLOCKS, block, 1, 16), torch.zeros(NUM_BLOCKS, block, 1, 12))
+    return (torch.zeros(NUM_BLOCKS, block, 24),)
+
+
+def _meta_args(m):
+    return (m.slot_mapping, m.block_table, m.seq_lens, m.query_start_loc)
+
+
+def _reference(case: Case) -> list[torch.Tensor]:
+    caches = _caches(case, BLOCK * case.pcp * case.dcp)
+    outs = []
+    for step, meta in enumerate(_metas(case)):
+        x = _inputs(case, meta.num_tokens, seed=step)
+        if case.kind == "gqa":
+            outs.append(torch.ops.cp.gqa_paged_attention(x["q"], x["k"], x["v"], *caches, *_meta_args(meta), 0.25))
+        else:
+            outs.append(torch.ops.cp.mla_attention(x["q_nope"], x["q_pe"], x["kv_c"], x["k_pe"], *caches,
+                                                   *_meta_args(meta), 0.2))
+    return outs
+
+
+def _heads(x: dict[str, torch.Tensor], tp: int, tp_rank: int) -> dict[str, torch.Tensor]:
+    h = HQ // tp
+    return {k: (v[:, tp_rank * h:(tp_rank + 1) * h] if k in ("q", "q_nope", "q_pe") else v) for k, v in x.items()}
+
+
+def _tokens(x: dict[str, torch.Tensor], row: torch.Tensor) -> dict[str, torch.Tensor]:
+    """This rank's token rows; padding rows (index -1) hold PAD."""
+    keep = row >= 0
+    out = {}
+    for k, v in x.items():
+        mine = v[row.clamp(min=0)]
+        out[k] = torch.where(keep.view(-1, *[1] * (v.dim() - 1)), mine, torch.full_like(mine, PAD))
+    return out
+
+
+def _cp_group(case: Case, state) -> tuple[int, str]:
+    """A group of the pcp*dcp ranks sharing this rank's KV shard set, ranks ascending
+    (group rank == cp rank). Every rank creates every group, in the same order."""
+    mine = None
+    for d in range(case.tp // case.dcp):
+        ranks = [g * case.tp + d * case.dcp + j for g in range(case.pcp) for j in range(case.dcp)]
+        grp = dist.new_group(ranks)
+        if state.rank in ranks:
+            mine = (ranks.index(state.rank), grp)
+    assert mine is not None
+    return mine[0], mine[1].group_name
+
+
+def _run(rank: int, world: int, cases: list[Case]):
+    results = []
+    for case in cases:
+        if case.tp * case.pcp != world:
+            results.append(None)
+            continue
+        cfg = cp_compile.CPConfig(tensor_parallel_size=case.tp, decode_context_parallel_size=case.dcp,
+                                  prefill_context_parallel_size=case.pcp,
+                                  cp_kv_cache_interleave_size=case.interleave, block_size=BLOCK)
+        state = cp_compile.init_parallel(cfg, device="cpu")
+        pctx = CompileContext.from_state(state).pcp_view()
+        cp_rank, cp_name = _cp_group(case, state)
+        assert cp_rank == pctx.cp_rank
+        caches = _caches(case, BLOCK)
+        ptrs = [c.data_ptr() for c in caches]
+        outs = []
+        for step, meta in enumerate(_metas(case)):
+            x = _heads(_inputs(case, meta.num_tokens, seed=step), case.tp, state.tp_rank)
+            if step < 2:  # PCP prefill steps
+                row = pcp_layout.pcp_token_table(meta.query_start_loc, meta.num_tokens, pcp=case.pcp)[state.pcp_rank]
+                xs = _tokens(x, row)
+                if case.kind == "gqa":
+                    o = P.pcp_gqa_attention(xs["q"], xs["k"], xs["v"], *caches, *_meta_args(meta), row, 0.25, pctx)
+                else:
+                    o = P.pcp_mla_attention(xs["q_nope"], xs["q_pe"], xs["kv_c"], xs["k_pe"], *caches,
+                                            *_meta_args(meta), row, 0.2, pctx)
+                outs.append((row, o))
+            else:  # decode on the same cache through the DCP composition at N = pcp*dcp
+                dctx = D.DCPContext(dcp=pctx.cp_size, rank=cp_rank, interleave=case.interleave,
+                                    block_size=BLOCK, group_name=cp_name)
+                if case.kind == "gqa":
+                    o = D.dcp_gqa_attention(x["q"], x["k"], x["v"], *caches, *_meta_args(meta), 0.25, dctx)
+                else:
+                    o = D.dcp_mla_attention(x["q_nope"], x["q_pe"], x["kv_c"], x["k_pe"], *caches,
+                                            *_meta_args(meta), 0.2, dctx)
+                outs.append((None, o))
+        assert [c.data_ptr() for c in caches] == ptrs  # the decode read the tensors the prefill wrote
+        results.append(dict(outs=outs, tp_rank=state.tp_rank, pcp_rank=state.pcp_rank))
+        cp_compile.destroy_parallel()
+    return results
+
+
+def _check(world: int, cases: list[Case]) -> dict[str, list[float]]:
+    per_rank = run_on_ranks(_run, world, cases, timeout=300)
+    errs = {}
+    for i, case in enumerate(cases):
+        if case.tp * case.pcp != world:
+            continue
+        ref = _reference(case)
+        h = HQ // case.tp
+        errs[str(case)] = []
+        for step in range(3):
+            want = ref[step]
+            got = torch.full_like(want, float("nan"))
+            for r in range(world):
+                res = per_rank[r][i]
+                row, o = res["outs"][step]
+                heads = slice(res["tp_rank"] * h, (res["tp_rank"] + 1) * h)
+                if row is None:  # decode: every rank all tokens, its heads (PCP peers agree)
+                    if res["pcp_rank"] == 0:
+                        got[:, heads] = o
+                    else:
+                        torch.testing.assert_close(o, got[:, heads], atol=1e-5, rtol=1e-5)
+                    continue
+                keep = row >= 0
+                assert bool((o[~keep] == 0).all()), (case, step, r)  # padding rows are zeros
+                got[row[keep], heads] = o[keep]
+            # Global padding tokens belong to no rank; the single-device op gives zeros there.
+            n_real = int(_metas(case)[step].query_start_loc[-1])
+            if step < 2:
+                assert bool(torch.isnan(got[n_real:]).all())
+                got[n_real:] = 0
+            assert torch.isfinite(got).all(), (case, step)
+            errs[str(case)].append((got - want).abs().max().item())
+            torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5, msg=f"{case} step {step}")
+    print("max abs error (prefill, chunked prefill, decode):",
+          *(f"{k}: {', '.join(f'{e:.1e}' for e in v)}" for k, v in errs.items()), sep="\n  ")
+    return errs
+
+
+def test_pcp_exact_two_ranks():
+    """pcp = 2, tp = 1 (world 2): GQA and MLA, interleave 1 and block."""
+    cases = [Case(k, 1, 1, i) for k in ("gqa", "mla") for i in (1, BLOCK)]
+    assert len(_check(2, cases)) == len(cases)
+
+
+def test_pcp_exact_four_ranks():
+    """pcp = 2, tp = 2, dcp = 2 (world 4, cache over 4 ranks); dcp = 1 at tp = 2 is in the slow sweep."""
+    cases = [Case("gqa", 2, 2, 1), Case("mla", 2, 2, BLOCK)]
+    assert len(_check(4, cases)) == len(cases)
+
+
+@pytest.mark.slow
+def test_pcp_exact_four_ranks_wide():
+    cases = [Case(k, 2, d, i) for k in ("gqa", "mla") for d in (1, 2) for i in (1, 2, BLOCK)]
+    assert len(_check(4, cases)) == len(cases)
