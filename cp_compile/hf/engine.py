@@ -133,6 +133,7 @@ class Engine:
         self.step_module = _HFStep(model)
         self.compiled = compile_model(self.step_module, config=config, attention=self.spec, lowering=lowering)
         self.steps = 0
+        self.last_logits: dict[int, list[torch.Tensor]] = {}  # prompt index -> [vocab] per generated token
 
     # ---- figures ------------------------------------------------------------------
     @property
@@ -199,7 +200,7 @@ class Engine:
 
             bar = tqdm(total=total, desc="cp_compile.hf generate", unit="tok")
         step = 0
-        self.last_logits: dict[int, list[torch.Tensor]] = {}
+        self.last_logits = {}
         while waiting or running:
             while waiting and arrivals[waiting[0]] <= step and len(running) < self.max_batch:
                 i = waiting[0]
