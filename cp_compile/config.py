@@ -129,9 +129,17 @@ class CPConfig:
         return self.tp * self.pcp
 
     @property
+    def context_parallel_size(self) -> int:
+        """Ranks one request's KV cache is sharded over: pcp * dcp (docs/pcp.md).
+        Under PCP the cache is laid out by the §5 rule at N = pcp * dcp, context-parallel
+        rank = pcp_rank * dcp + dcp_rank, so a decode on the same ranks reads it as is."""
+        return self.pcp * self.dcp
+
+    @property
     def virtual_block_size(self) -> int:
-        """Tokens per block as the runtime (and a single device) sees it."""
-        return self.block_size * self.dcp
+        """Tokens per block as the runtime (and a single device) sees it: each of the
+        pcp * dcp ranks the cache is sharded over holds block_size of them."""
+        return self.block_size * self.context_parallel_size
 
     def replace(self, **changes) -> "CPConfig":
         return dataclasses.replace(self, **changes)
@@ -174,6 +182,14 @@ class CPConfig:
                                   f"tensor_parallel_size={tp}, num_kv_heads={kv}, decode_context_parallel_size={dcp}",
                                   "choose tp as a multiple of num_kv_heads so every KV head is replicated "
                                   "on tp // num_kv_heads ranks")
+        if spec.kind == "sfa" and self.pcp > 1:
+            # PCP compositions exist for dense GQA and MLA only (cp_compile/parallel/pcp.py);
+            # a sparse MLA layer under PCP would meet no pass and be refused at compile.
+            raise ConfigError("prefill_context_parallel_size == 1 for SFA (PCP covers GQA and MLA)",
+                              f"attention kind='sfa', prefill_context_parallel_size={self.pcp}, "
+                              f"tensor_parallel_size={tp}, decode_context_parallel_size={dcp}",
+                              "set prefill_context_parallel_size=1 (SFA shards its cache with DCP: "
+                              f"decode_context_parallel_size={tp})")
         if spec.kind == "sfa" and self.pcp == 1 and dcp > 1 and dcp != tp:
             raise ConfigError("dcp == tp for SFA DCP with replicated indexer",
                               f"tensor_parallel_size={tp}, decode_context_parallel_size={dcp}",

@@ -40,7 +40,7 @@ def test_public_api_and_error_type():
                    prefill_context_parallel_size=2, cp_kv_cache_interleave_size=16, block_size=64)
     assert (cfg.tp, cfg.dcp, cfg.pcp, cfg.interleave) == (8, 4, 2, 16)
     assert cfg.world_size == 16
-    assert cfg.virtual_block_size == 64 * 4
+    assert cfg.virtual_block_size == 64 * 4 * 2  # the cache is sharded over pcp * dcp ranks (docs/pcp.md)
 
 
 # --------------------------------------------------------------------- sizes >= 1
@@ -177,7 +177,7 @@ def test_gqa_num_kv_heads_positive():
 # --------------------------------------------------------------------- SFA: dcp == tp
 
 
-@pytest.mark.parametrize("tp,dcp,pcp", [(8, 8, 1), (4, 4, 1), (8, 1, 1), (1, 1, 1), (8, 4, 2)])
+@pytest.mark.parametrize("tp,dcp,pcp", [(8, 8, 1), (4, 4, 1), (8, 1, 1), (1, 1, 1)])
 def test_sfa_dcp_equals_tp_ok(tp, dcp, pcp):
     CPConfig(tensor_parallel_size=tp, decode_context_parallel_size=dcp,
              prefill_context_parallel_size=pcp).validate_for(SFA)
@@ -281,3 +281,40 @@ def test_validate_for_needs_whole_kv_heads_per_dcp_group():
 def test_validate_for_refuses_a_non_spec():
     with raises("validate_for takes an AttentionSpec", "got dict"):
         CPConfig().validate_for({"kind": "gqa"})
+
+
+# --------------------------------------------------------------------- PCP (docs/pcp.md)
+
+
+@pytest.mark.parametrize("tp,dcp,pcp,kv", [(1, 1, 2, 1), (2, 2, 2, 1), (2, 1, 2, 2), (8, 2, 2, 4), (8, 8, 2, 1),
+                                            (8, 4, 4, 2)])
+def test_pcp_combinations_ok(tp, dcp, pcp, kv):
+    """(pcp, dcp, tp) the PCP compositions serve: any pcp with a valid DCP layout; the
+    cache is sharded over pcp * dcp ranks, in virtual blocks of block_size * pcp * dcp."""
+    cfg = CPConfig(tensor_parallel_size=tp, decode_context_parallel_size=dcp, prefill_context_parallel_size=pcp,
+                   block_size=16)
+    cfg.validate_for(gqa(kv))
+    cfg.validate_for(MLA)
+    cfg.validate_world_size(tp * pcp)
+    assert cfg.context_parallel_size == pcp * dcp
+    assert cfg.virtual_block_size == 16 * pcp * dcp
+
+
+@pytest.mark.parametrize("tp,dcp,pcp", [(8, 8, 2), (4, 4, 2), (2, 1, 2)])
+def test_pcp_with_sfa_refused(tp, dcp, pcp):
+    cfg = CPConfig(tensor_parallel_size=tp, decode_context_parallel_size=dcp, prefill_context_parallel_size=pcp)
+    with raises("prefill_context_parallel_size == 1 for SFA (PCP covers GQA and MLA)",
+                f"prefill_context_parallel_size={pcp}", "set prefill_context_parallel_size=1"):
+        cfg.validate_for(SFA)
+
+
+def test_pcp_keeps_the_dcp_rules():
+    # The GQA DCP rule is unchanged by PCP: PCP peers hold the same TP rank (same KV heads).
+    with raises("tp // num_kv_heads >= dcp and (tp // num_kv_heads) % dcp == 0 (GQA)", "num_kv_heads=2", "decode_context_parallel_size=2"):
+        CPConfig(tensor_parallel_size=2, decode_context_parallel_size=2,
+                 prefill_context_parallel_size=2).validate_for(gqa(2))
+    # KV transfer still needs block-interleaved sharding.
+    with raises("cp_kv_cache_interleave_size == block_size with KV transfer", "cp_kv_cache_interleave_size=1"):
+        CPConfig(tensor_parallel_size=2, prefill_context_parallel_size=2, block_size=16, kv_transfer=True)
+    CPConfig(tensor_parallel_size=2, prefill_context_parallel_size=2, block_size=16, cp_kv_cache_interleave_size=16,
+             kv_transfer=True)
