@@ -73,6 +73,20 @@ def _reference(hf_config, state_dict, dcp: int, with_replicated: bool = False):
     return res, cache.sharded_bytes
 
 
+def _assert_matches_reference(rank: int, out: dict, ref) -> float:
+    """One graph, then every step's logits (1e-4) and greedy tokens equal the
+    single-device run; returns the largest logit difference."""
+    assert out["graphs"] == 1, f"rank {rank} compiled {out['graphs']} graphs"
+    worst = 0.0
+    for step, (got, want) in enumerate(zip(out["results"], ref)):
+        assert got.req_ids == want.req_ids
+        torch.testing.assert_close(got.last_logits, want.last_logits, atol=1e-4, rtol=1e-4,
+                                   msg=f"rank {rank} step {step}")
+        assert got.next_tokens == want.next_tokens, f"rank {rank} step {step}"
+        worst = max(worst, (got.last_logits - want.last_logits).abs().max().item())
+    return worst
+
+
 def _count(hist: dict[str, int], needle: str) -> int:
     return sum(v for k, v in hist.items() if needle in k)
 
@@ -90,12 +104,7 @@ def test_compiled_dcp_model_matches_single_device(kind, tp, dcp, lowering, merge
     layers = hf.config.num_hidden_layers
     attn_op = "cp.gqa_paged_attention" if kind == "qwen3" else "cp.mla_attention"
     for rank, out in enumerate(per_rank):
-        assert out["graphs"] == 1, f"rank {rank} compiled {out['graphs']} graphs"
-        for step, (got, want) in enumerate(zip(out["results"], ref)):
-            assert got.req_ids == want.req_ids
-            torch.testing.assert_close(got.last_logits, want.last_logits, atol=1e-4, rtol=1e-4,
-                                       msg=f"rank {rank} step {step}")
-            assert got.next_tokens == want.next_tokens, f"rank {rank} step {step}"
+        _assert_matches_reference(rank, out, ref)
         # The context the passes saw: this rank's DCP and TP groups, the model's spec.
         ctx = out["ctx"]
         assert (ctx.dcp.size, ctx.dcp.rank, ctx.tp.rank) == (dcp, rank % dcp, rank)
@@ -138,13 +147,7 @@ def test_compiled_sfa_dcp_model_matches_single_device(interleave, merge, lowerin
     layers = hf.config.num_hidden_layers
     worst = 0.0
     for rank, out in enumerate(per_rank):
-        assert out["graphs"] == 1, f"rank {rank} compiled {out['graphs']} graphs"
-        for step, (got, want) in enumerate(zip(out["results"], ref)):
-            assert got.req_ids == want.req_ids
-            torch.testing.assert_close(got.last_logits, want.last_logits, atol=1e-4, rtol=1e-4,
-                                       msg=f"rank {rank} step {step}")
-            assert got.next_tokens == want.next_tokens, f"rank {rank} step {step}"
-            worst = max(worst, (got.last_logits - want.last_logits).abs().max().item())
+        worst = max(worst, _assert_matches_reference(rank, out, ref))
         ctx = out["ctx"]
         assert (ctx.dcp.size, ctx.dcp.rank, ctx.attention.kind, ctx.config.interleave) == (dcp, rank, "sfa",
                                                                                             interleave)
