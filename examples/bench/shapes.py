@@ -16,7 +16,8 @@ constant per step). Weights are random (seeded), so no download is needed.
 | `qwen3-235b-a22b-tp8` | Qwen/Qwen3-235B-A22B `config.json`: hidden 4096, 64 q heads, 4 KV heads, head_dim 128, 94 layers, 8 of 128 experts x 1536 | tp 8: 8 q heads, 1 KV head (each KV head on 2 ranks), head_dim 128; MLP 8 x 1536 / 8 = 1536 |
 | `deepseek-r1-tp8` | deepseek-ai/DeepSeek-R1 `config.json`: hidden 7168, 128 heads, q_lora 1536, kv_lora 512, rope 64, nope 128, v 128, 61 layers, 8 of 256 experts + 1 shared x 2048 | tp 8: 16 heads over the 512 + 64 latent; MLP 9 x 2048 / 8 = 2304 |
 
-GLM-5 (SFA) is not a preset yet: there is no SFA example model to build it from.
+GLM-5 (SFA) is not a preset yet: the SFA example model (`examples/models/deepseek_sfa.py`)
+landed after these presets; it is the one to build it from.
 """
 
 from __future__ import annotations
