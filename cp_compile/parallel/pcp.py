@@ -155,8 +155,9 @@ def pcp_gqa_attention(q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_cache:
     """
     if step is None:
         step = pcp_step(ctx, token_index, slot_mapping, query_start_loc, seq_lens)
-    k_new = _gather_tokens(k, ctx)[step.inv].to(k_cache.dtype)  # [T, Hkv, D], global order
-    v_new = _gather_tokens(v, ctx)[step.inv].to(v_cache.dtype)  # [T, Hkv, Dv]
+    D = k.shape[-1]
+    kv = _gather_tokens(torch.cat([k, v], dim=-1), ctx)[step.inv]  # [T, Hkv, D+Dv], global order; one gather
+    k_new, v_new = kv[..., :D].to(k_cache.dtype), kv[..., D:].to(v_cache.dtype)
     _cp.cache_write.default(k_new, k_cache, step.local.slot_mapping)
     _cp.cache_write.default(v_new, v_cache, step.local.slot_mapping)
     # New tokens: the single-device op reads them back from the cache, in its dtype.
