@@ -1,15 +1,20 @@
 """Decode benchmark in graph mode: TP baseline (dcp = 1) vs DCP at the same world size (docs/architecture.md §9).
 
-For each DCP size one world of `--tp` ranks builds the TP-sharded example model,
-compiles it once with the cp_ascend backend and sweeps context length x batch:
-the context is written straight into each rank's KV shard, then `--warmup` untimed
-and `--steps` timed decode steps; a step's time is the max over ranks and TPOT is
-the median over steps (`examples/bench/decode.py` has the details).
+For each (dcp, merge) one world of `--tp` ranks builds the TP-sharded example model
+(`--shape`: tiny, or a real deployment's per-rank attention), compiles it with the
+cp_ascend backend and, beside it, as the dcp = 1 baseline with the plain lowering,
+and sweeps context length x batch: the context is written straight into each KV
+pool, then `--warmup` untimed, `--steps` timed and `--profile-steps` profiled decode
+steps, DCP and baseline alternating; a step's time is the max over ranks and TPOT
+the median over steps (`examples/bench/decode.py` has the details,
+`docs/benchmarks.md` the figures and what they mean).
 
-Writes `<out>/bench_decode.json` (one row per (dcp, context, batch)) and
-`<out>/bench_decode.png`, and prints a comparison table. From the repo root:
+Writes `<out>/bench_decode.json` (one row per world x (dcp, context, batch)),
+`<out>/bench_decode.png` and `<out>/bench_decode_breakdown.png`, and prints the
+tables. Progress goes to stderr. From the repo root:
 
     python examples/bench_decode.py --tp 2 --dcp 1,2 --context 256,1024,4096 --batch 1,4
+    python examples/bench_decode.py --shape qwen3-235b-a22b-tp8 --dcp 2 --merge ag_rs,a2a --context 32768 --batch 8
     python -m examples.bench_decode ...           (the same)
     torchrun --nproc-per-node=2 examples/bench_decode.py --tp 2 --dcp 1,2
 
