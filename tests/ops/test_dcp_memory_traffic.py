@@ -45,17 +45,22 @@ def _measure(rank, world, cases):
                 D.dcp_gqa_attention(torch.randn(T, H, 32).to(dtype), torch.randn(T, 1, 32).to(dtype),
                                     torch.randn(T, 1, 16).to(dtype), torch.zeros(8, 4, 1, 32, dtype=dtype),
                                     torch.zeros(8, 4, 1, 16, dtype=dtype), *args, ctx, local)
-            else:
+            elif kind == "mla":
                 D.dcp_mla_attention(torch.randn(T, H, 32).to(dtype), torch.randn(T, H, 8).to(dtype),
                                     torch.randn(T, 32).to(dtype), torch.randn(T, 8).to(dtype),
                                     torch.zeros(8, 4, 40, dtype=dtype), *args, ctx, local)
+            else:  # SFA: the same wire format as MLA; the top-k rides on no collective (replicated indexer)
+                topk = torch.tensor([[0, 3, 5, -1]] * T, dtype=torch.int32)
+                D.dcp_sfa_attention(torch.randn(T, H, 32).to(dtype), torch.randn(T, H, 8).to(dtype),
+                                    torch.randn(T, 32).to(dtype), torch.randn(T, 8).to(dtype),
+                                    torch.zeros(8, 4, 40, dtype=dtype), *args[:4], topk, args[4], ctx, local)
         out.append((meter.total, dict(meter.calls)))
         cp_compile.destroy_parallel()
     return out
 
 
 def test_decode_bytes_match_the_model():
-    cases = [(k, d, m, dt) for k in ("gqa", "mla") for d in (2, 4) for m in ("ag_rs", "a2a")
+    cases = [(k, d, m, dt) for k in ("gqa", "mla", "sfa") for d in (2, 4) for m in ("ag_rs", "a2a")
              for dt in (torch.float32, torch.bfloat16)]
     res = run_on_ranks(_measure, 4, cases)
     for i, (kind, dcp, merge, dtype) in enumerate(cases):
@@ -66,3 +71,7 @@ def test_decode_bytes_match_the_model():
             total, calls = res[rank][i]
             assert total == want, (kind, dcp, merge, dtype, rank, calls)
             assert ("all_to_all" in calls) == (merge == "a2a")
+            # Collectives per layer: one Q gather (MLA / SFA fuse [q_nope | q_pe]) and the merge's.
+            want_calls = {"all_gather": 2, "reduce_scatter": 1} if merge == "ag_rs" else \
+                {"all_gather": 1, "all_to_all": 1}
+            assert calls == want_calls, (kind, dcp, merge, calls)
