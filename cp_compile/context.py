@@ -17,6 +17,7 @@ from torch import nn
 
 from cp_compile.config import AttentionSpec, ConfigError, CPConfig
 from cp_compile.parallel.dcp import DCPContext
+from cp_compile.parallel.dsa_cp import DSACPContext
 from cp_compile.parallel.pcp import PCPContext
 
 if TYPE_CHECKING:
@@ -142,6 +143,11 @@ class CompileContext:
         return PCPContext(pcp=self.pcp.size, pcp_rank=self.pcp.rank, pcp_group_name=self.pcp.name,
                           dcp=self.dcp.size, dcp_rank=self.dcp.rank, dcp_group_name=self.dcp.name,
                           interleave=cfg.interleave, block_size=cfg.block_size, merge=cfg.dcp_merge)
+
+    def tp_view(self) -> DSACPContext:
+        """The narrow view the DSA-CP compositions are specialised on: the TP group,
+        over which the indexer's and sparse attention's queries are token-sharded."""
+        return DSACPContext(tp=self.tp.size, rank=self.tp.rank, group_name=self.tp.name)
 
     def describe(self) -> str:
         """One line for error messages."""

@@ -1,13 +1,14 @@
 """Custom ops of cp-compile (installed as `cp_compile.ops`).
 
 Importing this package registers every `cp::*` op with torch.library:
-single-device attention ops (`attention`) and the DCP building blocks (`dcp`), with
+single-device attention ops (`attention`), the DCP building blocks (`dcp`) and the
+DSA-CP token-shard blocks (`dsa_cp`), with
 their torch references (`reference`), layout math (`layout`) and kernels
 (`kernels`). The parallel compositions built from these ops live in
 `cp_compile.parallel`; the graph rewrites that place them, in `cp_compile.passes`.
 """
 
-from cp_compile.ops import attention, dcp, layout, reference  # noqa: F401
+from cp_compile.ops import attention, dcp, dsa_cp, layout, reference  # noqa: F401
 from cp_compile.ops.kernels.registry import register_device_kernels
 
 register_device_kernels()

@@ -115,3 +115,65 @@ def global_to_local_indices(indices: torch.Tensor, *, dcp: int, rank: int, inter
     order = torch.sort((~owned).to(torch.int8), dim=-1, stable=True).indices
     local = torch.gather(torch.where(owned, local, torch.full_like(local, -1)), -1, order)
     return local.to(indices.dtype)
+
+
+# --------------------------------------------------------------------------- DSA-CP token shards
+#
+# DSA-CP (docs/dsa_cp.md) shards the *queries* of the indexer and of sparse attention
+# by tokens over the TP group: the step's T tokens are padded to T_pad = tp * rows
+# (rows = ceil(T / tp)) and rank r owns the contiguous rows [r * rows, (r + 1) * rows).
+# Rows at or past query_start_loc[-1] (the step's own padding and the shard padding)
+# are padding rows. Keyword-only parameters in one order: `tp, rank`.
+
+
+def token_shard_rows(num_tokens: int, *, tp: int) -> int:
+    """Rows per rank: ceil(T / tp) (T_pad = tp * rows; 0 when T is 0)."""
+    if tp < 1:
+        raise ValueError(f"tp must be >= 1, got {tp}")
+    return -(-num_tokens // tp)
+
+
+def shard_row_metadata(query_start_loc: torch.Tensor, seq_lens: torch.Tensor, rows: int, *, tp: int,
+                       rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(request index, causal kv length) of this rank's `rows` rows, from the global metadata.
+
+    Row i is the global token t = rank * rows + i. Its request is found from the
+    global query_start_loc (-1 for padding rows) and its kv length is its
+    single-device causal length pos + 1, so a row sees exactly what the token sees
+    on one device. Padding rows get (-1, 0); lengths are clamped at 0 so that a
+    malformed (graph-padded) batch can never produce a negative length. int32 [rows] each.
+    """
+    if not 0 <= rank < tp:
+        raise ValueError(f"rank {rank} outside the TP group of {tp}")
+    qsl = query_start_loc
+    t = rank * rows + torch.arange(rows, device=qsl.device, dtype=qsl.dtype)  # [rows] global token ids
+    req = torch.searchsorted(qsl[1:].contiguous(), t, right=True)
+    real = t < qsl[-1]
+    safe = torch.where(real, req, torch.zeros_like(req)).long()
+    q_len = qsl[1:] - qsl[:-1]  # [B]
+    pos = (seq_lens - q_len)[safe] + (t - qsl[safe])  # context + offset in the request's new tokens
+    kv = torch.where(real, (pos + 1).clamp(min=0), torch.zeros_like(pos))
+    req = torch.where(real, req, torch.full_like(req, -1))
+    return req.to(torch.int32), kv.to(torch.int32)
+
+
+def shard_request_lens(query_start_loc: torch.Tensor, seq_lens: torch.Tensor, rows: int, *, tp: int,
+                       rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The same shard per request (the TND layout the NPU kernels take): (local query
+    count [B], local causal key length [B]) int32.
+
+    Request b's new tokens [qs, qe) meet the shard [start, start + rows) in
+    [max(qs, start), min(qe, start + rows)); n = that count, clamped at 0. Its last
+    local row sits qe - le tokens before the request's last token, so its key length
+    is seq_len - (qe - le), clamped at 0, and 0 when n is 0. With a bottom-right causal
+    mask, local row j of the request then sees k - (n - 1 - j) keys, which equals
+    `shard_row_metadata`'s kv length of that row.
+    """
+    if not 0 <= rank < tp:
+        raise ValueError(f"rank {rank} outside the TP group of {tp}")
+    start, end = rank * rows, (rank + 1) * rows
+    qs, qe = query_start_loc[:-1], query_start_loc[1:]
+    ls, le = qs.clamp(min=start), qe.clamp(max=end)
+    n = (le - ls).clamp(min=0)
+    k = torch.where(n > 0, (seq_lens - (qe - le)).clamp(min=0), torch.zeros_like(seq_lens))
+    return n.to(torch.int32), k.to(torch.int32)

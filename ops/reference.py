@@ -181,10 +181,29 @@ def lightning_indexer_topk(
     every rank that holds the same (replicated) index cache. Rows with fewer than
     `topk` keys are padded with -1; padding tokens (kv_lens 0) are all -1.
     """
+    req = request_index(query_start_loc, q_i.shape[0])
+    return lightning_indexer_topk_rows(q_i, index_cache, w, block_table, req, kv_lens, topk)
+
+
+def lightning_indexer_topk_rows(
+    q_i: torch.Tensor,  # [T, Hi, Di]: any set of query rows (all tokens, or a DSA-CP shard)
+    index_cache: torch.Tensor,  # [NB, BS, Di]
+    w: torch.Tensor,  # [T, Hi]
+    block_table: torch.Tensor,  # [B, nb]
+    req: torch.Tensor,  # [T] request of each row, -1 = padding row
+    kv_lens: torch.Tensor,  # [T]: row t scores positions 0..kv_lens[t]-1 of its request
+    topk: int,
+) -> torch.Tensor:
+    """`lightning_indexer_topk` for rows given by their request index -> int32 [T, topk].
+
+    The rows need not be the step's tokens in order: a DSA-CP rank passes its token
+    shard with the request and causal length of each row. Same scoring, same stable
+    sort, same -1 padding, so a row gets the same top-k as that token on one device.
+    """
     T = q_i.shape[0]
     out = torch.full((T, topk), -1, dtype=torch.int32, device=q_i.device)
-    req = request_index(query_start_loc, T)
-    B = query_start_loc.shape[0] - 1
+    B = block_table.shape[0]
+    req = req.to(torch.int64)
     kv_lens = kv_lens.to(torch.int64)
     for b in range(B):
         toks = torch.nonzero((req == b) & (kv_lens > 0)).flatten()
@@ -222,13 +241,27 @@ def sparse_attention_with_lse(
     Returns out [T, H, v_dim] in q's dtype and lse [T, H] fp32; a query with no valid
     index (or a padding token) gets out 0 and lse -inf. Computed in fp32.
     """
+    req = request_index(query_start_loc, q.shape[0])  # [T], -1 for padding
+    return sparse_attention_rows_with_lse(q, kv_cache, block_table, req, indices, v_dim, scale)
+
+
+def sparse_attention_rows_with_lse(
+    q: torch.Tensor,  # [T, H, Dqk]: any set of query rows (all tokens, or a DSA-CP shard)
+    kv_cache: torch.Tensor,  # [NB, BS, Dqk]
+    block_table: torch.Tensor,  # [B, nb]
+    req: torch.Tensor,  # [T] request of each row, -1 = padding row (out 0, lse -inf)
+    indices: torch.Tensor,  # [T, K] request-local positions, -1 = skip
+    v_dim: int,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`sparse_attention_with_lse` for rows given by their request index (see there)."""
     T, H, _ = q.shape
     out = torch.zeros(T, H, v_dim, dtype=torch.float32, device=q.device)
     lse = torch.full((T, H), float("-inf"), dtype=torch.float32, device=q.device)
     if T == 0 or indices.shape[1] == 0 or block_table.shape[0] == 0:
         return out.to(q.dtype), lse
     bs = kv_cache.shape[1]
-    req = request_index(query_start_loc, T).long()  # [T], -1 for padding
+    req = req.long()
     idx = indices.long()  # [T, K]
     valid = (idx >= 0) & (req[:, None] >= 0)  # [T, K]
     j = torch.where(valid, idx, torch.zeros_like(idx))

@@ -2,7 +2,8 @@
 
 One module per op family: `cache` (metadata localisation, cache writes),
 `attention` (paged attention with LSE, single-device GQA / MLA, varlen causal),
-`merge` (LSE merges), `sparse` (lightning indexer, sparse MLA, the SFA DCP ops). The mapping of each
+`merge` (LSE merges), `sparse` (lightning indexer, sparse MLA, the SFA DCP ops), `dsa_cp`
+(the DSA-CP token-shard indexer and sparse MLA). The mapping of each
 op to CANN operators, and why, is in docs/torchair.md and each module's docstring.
 
 Importing this package imports no torchair; `register_converters()` does, lazily
@@ -16,7 +17,7 @@ from __future__ import annotations
 
 import importlib
 
-MODULES = ("cache", "attention", "merge", "sparse")
+MODULES = ("cache", "attention", "merge", "sparse", "dsa_cp")
 
 # Every cp:: op the project defines -> the GE op types its converter emits (the
 # check compares this with the ops registered in the `cp` namespace and with what
@@ -35,6 +36,8 @@ GE_OPS = {
     "cp::sparse_mla_attention": ("ScatterNdUpdate", "SparseFlashAttention"),
     "cp::sparse_mla_partial_attention": ("SparseFlashAttention",),
     "cp::dcp_sparse_indices": ("Sort", "GatherElements"),
+    "cp::lightning_indexer_topk_rows": ("Cumsum", "LightningIndexer", "SelectV2"),
+    "cp::sparse_mla_rows_attention": ("Cumsum", "SparseFlashAttention", "SelectV2"),
 }
 
 _registered = False

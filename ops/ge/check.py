@@ -261,6 +261,15 @@ def op_cases() -> dict[str, tuple[Callable[..., Any], tuple]]:
              torch.randn(NB, BS, L + R, dtype=bf), table, qsl, torch.zeros(T, 4, dtype=torch.int32))),
         "cp::dcp_sparse_indices": (lambda i: cp.dcp_sparse_indices(i, 2, 1, 1, BS),
                                    (torch.tensor([[0, 5, 2, -1]] * T, dtype=torch.int32),)),
+        # DSA-CP: rank 1's 3 rows of the 6 tokens at tp 2 (rows 3..5, the last one padding).
+        "cp::lightning_indexer_topk_rows": (
+            lambda qi, ic, w, t, sl, qs: cp.lightning_indexer_topk_rows(qi, ic, w, t, sl, qs, 2, 1, 4),
+            (torch.randn(3, 4, 32, dtype=bf), torch.zeros(NB, BS, 32, dtype=bf), torch.randn(3, 4, dtype=bf),
+             table, seq, qsl)),
+        "cp::sparse_mla_rows_attention": (
+            lambda qn, qp, c, t, sl, qs, i: cp.sparse_mla_rows_attention(qn, qp, c, t, sl, qs, i, 2, 1, 0.1),
+            (torch.randn(3, H, L, dtype=bf), torch.randn(3, H, R, dtype=bf), torch.randn(NB, BS, L + R, dtype=bf),
+             table, seq, qsl, torch.zeros(3, 4, dtype=torch.int32))),
     }
 
 
