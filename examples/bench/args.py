@@ -55,6 +55,19 @@ class BenchArgs:
         return DTYPES[self.dtype]
 
 
+@dataclass(frozen=True)
+class PrefillArgs(BenchArgs):
+    """The prefill benchmark's options: `context` is unused; each step prefills `prompt` tokens."""
+
+    prompt: tuple[int, ...] = (1024,)  # prompt lengths (tokens per request)
+    prefix: int = 0  # cached prefix of the chunked-prefill variant (0: whole-prompt steps only)
+
+    def chunks(self, prompt: int) -> tuple[int, ...]:
+        """Cached-prefix lengths measured at `prompt`: 0 (whole prompt in one step), and `prefix`
+        when it leaves a chunk to run."""
+        return (0, self.prefix) if 0 < self.prefix < prompt else (0,)
+
+
 def int_list(text: str) -> tuple[int, ...]:
     """argparse type: comma-separated positive integers."""
     try:
@@ -74,7 +87,8 @@ def merge_list(text: str) -> tuple[str, ...]:
     return values
 
 
-def build_parser(description: str) -> argparse.ArgumentParser:
+def build_parser(description: str, bench: str = "decode") -> argparse.ArgumentParser:
+    """Options of `bench` ("decode" or "prefill"); the shared ones are the same for both."""
     p = argparse.ArgumentParser(description=description, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     from examples.bench.shapes import PRESETS, SHAPES
 
@@ -87,39 +101,45 @@ def build_parser(description: str) -> argparse.ArgumentParser:
     p.add_argument("--tp", type=int, default=2, help="tensor-parallel size = world size")
     p.add_argument("--dcp", type=int_list, default=(1, 2),
                    help="DCP sizes to compare; 1 (the TP baseline) is always included")
-    p.add_argument("--context", type=int_list, default=(256, 1024, 4096), help="cached context lengths")
-    p.add_argument("--batch", type=int_list, default=(1, 4), help="decode batch sizes")
+    if bench == "decode":
+        p.add_argument("--context", type=int_list, default=(256, 1024, 4096), help="cached context lengths")
+    else:
+        p.add_argument("--prompt", type=int_list, default=(1024, 4096), help="prompt lengths (tokens per request)")
+        p.add_argument("--prefix", type=int, default=0,
+                       help="chunked-prefill variant: this many prompt tokens are already cached (filled "
+                            "directly) and the step runs the rest; 0: whole-prompt steps only")
+    p.add_argument("--batch", type=int_list, default=(1, 4) if bench == "decode" else (1,),
+                   help="requests per step")
     p.add_argument("--interleave", type=int, default=1, help="cp_kv_cache_interleave_size")
     p.add_argument("--block-size", type=int, default=16, help="per-rank KV page size (tokens)")
-    p.add_argument("--steps", type=int, default=5, help="timed decode steps per config")
-    p.add_argument("--warmup", type=int, default=2, help="untimed decode steps per config")
+    p.add_argument("--steps", type=int, default=5 if bench == "decode" else 3, help="timed steps per config")
+    p.add_argument("--warmup", type=int, default=2 if bench == "decode" else 1, help="untimed steps per config")
     p.add_argument("--lowering", choices=("inductor", "aot_eager"), default="inductor")
     p.add_argument("--merge", type=merge_list, default=("ag_rs",),
                    help="DCP LSE merges to compare side by side: ag_rs, a2a or ag_rs,a2a")
-    p.add_argument("--out", default="results/bench_decode", help="output directory")
+    p.add_argument("--out", default=f"results/bench_{bench}", help="output directory")
     p.add_argument("--dtype", choices=tuple(DTYPES), default="float32")
-    p.add_argument("--profile-steps", type=int, default=3,
+    p.add_argument("--profile-steps", type=int, default=3 if bench == "decode" else 1,
                    help="profiled steps per config after the timed ones: per-step time breakdown "
                         "(attention, DCP/TP collectives, rest); 0 turns it off")
-    p.add_argument("--compile-probe", action=argparse.BooleanOptionalAction, default=True,
-                   help="per DCP world, time a fresh compile with cp_ascend vs the plain lowering")
+    if bench == "decode":
+        p.add_argument("--compile-probe", action=argparse.BooleanOptionalAction, default=True,
+                       help="per DCP world, time a fresh compile with cp_ascend vs the plain lowering")
     p.add_argument("--repeat", type=int, default=1,
                    help="passes over the worlds, every other pass in reverse order, so that a slow spell of a "
                         "shared machine hits dcp = 1 and dcp = N alike; steps of all passes are pooled")
-    p.add_argument("--kv-budget-gib", type=float, default=16.0,
-                   help="KV bytes per rank for the largest context that fits (real layer count of the shape)")
+    if bench == "decode":
+        p.add_argument("--kv-budget-gib", type=float, default=16.0,
+                       help="KV bytes per rank for the largest context that fits (real layer count of the shape)")
     return p
 
 
-def parse_args(argv: Sequence[str] | None = None, description: str = "") -> BenchArgs:
-    p = build_parser(description)
-    a = p.parse_args(argv)
+def _shared_fields(p: argparse.ArgumentParser, a: argparse.Namespace) -> dict[str, object]:
+    """Checks and fields common to decode and prefill (argparse errors exit like any bad flag)."""
     if a.steps < 1 or a.warmup < 0 or a.profile_steps < 0:
         p.error("--steps must be >= 1, --warmup and --profile-steps >= 0")
     if a.repeat < 1:
         p.error("--repeat must be >= 1")
-    if a.kv_budget_gib <= 0:
-        p.error("--kv-budget-gib must be > 0")
     from examples.bench.shapes import PRESETS
 
     model = a.model or "qwen3"
@@ -131,8 +151,28 @@ def parse_args(argv: Sequence[str] | None = None, description: str = "") -> Benc
     bad = [d for d in dcp if a.tp % d]
     if bad:
         p.error(f"--dcp {bad} must divide --tp {a.tp}")
-    return BenchArgs(model=model, tp=a.tp, dcp=dcp, context=tuple(sorted(set(a.context))),
-                     batch=tuple(sorted(set(a.batch))), interleave=a.interleave, block_size=a.block_size,
-                     steps=a.steps, warmup=a.warmup, lowering=a.lowering, merge=a.merge, out=a.out,
-                     dtype=a.dtype, shape=a.shape, profile_steps=a.profile_steps, compile_probe=a.compile_probe,
-                     kv_budget_gib=a.kv_budget_gib, repeat=a.repeat)
+    return dict(model=model, tp=a.tp, dcp=dcp, batch=tuple(sorted(set(a.batch))), interleave=a.interleave,
+                block_size=a.block_size, steps=a.steps, warmup=a.warmup, lowering=a.lowering, merge=a.merge,
+                out=a.out, dtype=a.dtype, shape=a.shape, profile_steps=a.profile_steps, repeat=a.repeat)
+
+
+def parse_args(argv: Sequence[str] | None = None, description: str = "") -> BenchArgs:
+    p = build_parser(description)
+    a = p.parse_args(argv)
+    if a.kv_budget_gib <= 0:
+        p.error("--kv-budget-gib must be > 0")
+    return BenchArgs(**_shared_fields(p, a), context=tuple(sorted(set(a.context))),  # type: ignore[arg-type]
+                     compile_probe=a.compile_probe, kv_budget_gib=a.kv_budget_gib)
+
+
+def parse_prefill_args(argv: Sequence[str] | None = None, description: str = "") -> PrefillArgs:
+    p = build_parser(description, bench="prefill")
+    a = p.parse_args(argv)
+    if a.prefix < 0:
+        p.error("--prefix must be >= 0")
+    prompt = tuple(sorted(set(a.prompt)))
+    if a.prefix and a.prefix >= max(prompt):
+        p.error(f"--prefix {a.prefix} leaves no chunk to prefill: it must be < the longest --prompt {max(prompt)}")
+    # No compile probe: it times decode compiles, which bench_decode already reports.
+    return PrefillArgs(**_shared_fields(p, a), context=(), compile_probe=False,  # type: ignore[arg-type]
+                       prompt=prompt, prefix=a.prefix)

@@ -101,29 +101,44 @@ class PlainCompiled:
             return self.compiled(input_ids, positions, kv_caches, meta)
 
 
+StepInputs = Callable[[int], list[tuple[torch.Tensor, Any]]]  # step -> (input_ids, meta) per side
+
+
 def timed_decode(sides: list[Side], allocs: list[cp_compile.BlockAllocator], context: int, batch: int,
                  args: BenchArgs, vocab: int, device: torch.device
                  ) -> list[tuple[list[float], int, list[dict[str, float]]]]:
-    """Warm-up, timed, then profiled decode steps, the sides alternating step by step.
+    """`alternate_steps` over decode steps: one new token per request, positions advancing."""
+    g = torch.Generator().manual_seed(context * 131 + batch)
 
-    Per side: each timed step's time in ms (max over ranks), the graphs compiled after
-    the warm-up (max over ranks; their compile time would be in the TPOT), and each
-    rank's median breakdown of the profiled steps (empty without profiling).
+    def inputs(step: int) -> list[tuple[torch.Tensor, Any]]:
+        ids = torch.randint(0, vocab, (batch,), generator=g).to(device)
+        return [(ids, cp_compile.build_attention_metadata([(context + step, 1)] * batch, alloc,
+                                                          max_blocks_per_req=side.geom.max_blocks_per_req,
+                                                          device=device)) for side, alloc in zip(sides, allocs)]
+
+    return alternate_steps(sides, inputs, args, device)
+
+
+def alternate_steps(sides: list[Side], step_inputs: StepInputs, args: BenchArgs, device: torch.device
+                    ) -> list[tuple[list[float], int, list[dict[str, float]]]]:
+    """Warm-up, timed, then profiled steps, the sides alternating step by step (AB, BA, ...).
+
+    `step_inputs(step)` gives each side's (input_ids, meta); it runs outside the timed
+    region (building metadata is the runtime's job, not the model's). Per side: each
+    timed step's time in ms (max over ranks), the graphs compiled after the warm-up
+    (max over ranks; their compile time would be in the step time), and each rank's
+    median breakdown of the profiled steps (empty without profiling).
     """
     times: list[list[float]] = [[] for _ in sides]
     graphs_after_warmup = [s.graphs() for s in sides]
-    g = torch.Generator().manual_seed(context * 131 + batch)
     timed_end = args.warmup + args.steps
 
     def run_step(step: int, label: str) -> list[float]:
-        ids = torch.randint(0, vocab, (batch,), generator=g).to(device)
+        inputs = step_inputs(step)
         out = [0.0] * len(sides)
         for i in (range(len(sides)) if step % 2 == 0 else reversed(range(len(sides)))):
             side = sides[i]
-            # Metadata is built outside the timed region: the runtime's job, not the model's.
-            meta = cp_compile.build_attention_metadata([(context + step, 1)] * batch, allocs[i],
-                                                       max_blocks_per_req=side.geom.max_blocks_per_req,
-                                                       device=device)
+            ids, meta = inputs[i]
 
             def step_fn() -> None:
                 with torch.no_grad(), torch.profiler.record_function(f"{label}:{i}"):
@@ -249,8 +264,8 @@ def compile_probe(model: torch.nn.Module, dcp_side: Side, base: Side, args: Benc
 
 
 def _side(args: BenchArgs, model: torch.nn.Module, cfg: cp_compile.CPConfig, merge: str, dcp_rank: int,
-          plain: bool, device: torch.device) -> Side:
-    geom = world_geometry(args.block_size, cfg.dcp, max(args.context), max(args.batch), args.decode_steps)
+          plain: bool, device: torch.device, tokens_per_req: int) -> Side:
+    geom = world_geometry(args.block_size, cfg.dcp, tokens_per_req, max(args.batch), 0)
     cache = cp_compile.allocate_kv_cache(cfg, model.kv_cache_spec(), geom.num_blocks, dtype=args.torch_dtype,
                                          device=device, attention=model.attention_spec())
     if plain:
@@ -261,32 +276,47 @@ def _side(args: BenchArgs, model: torch.nn.Module, cfg: cp_compile.CPConfig, mer
     return Side(cfg, merge, dcp_rank, cache, geom, compiled, lambda: len(compiled.backend.pass_managers))
 
 
+def init_world(args: BenchArgs, world: World, device: torch.device) -> Any:
+    """`init_parallel` for a (dcp, merge) world of `args.tp` ranks; its parallel state."""
+    dcp, merge = world
+    cfg = cp_compile.CPConfig(tensor_parallel_size=args.tp, decode_context_parallel_size=dcp,
+                              cp_kv_cache_interleave_size=args.interleave, block_size=args.block_size,
+                              dcp_merge=merge if dcp > 1 else "ag_rs")
+    return cp_compile.init_parallel(cfg, device=device)
+
+
+def build_sides(rank: int, world_size: int, args: BenchArgs, world: World, source: ModelSource, state: Any,
+                device: torch.device, tokens_per_req: int) -> tuple[torch.nn.Module, list[Side]]:
+    """The model on this rank, and its sides: the dcp = 1 baseline first (when dcp > 1), then the
+    model at the world's dcp; each KV pool holds `max(args.batch)` requests of `tokens_per_req`."""
+    dcp, merge = world
+    t0 = time.perf_counter()
+    model = source.build(world_size, state.tp_rank, state.tp_group)
+    # Parameters only: the rope inverse frequencies stay fp32 (as in HF).
+    for p in model.parameters():
+        p.data = p.data.to(device=device, dtype=args.torch_dtype)
+    model.to(device)
+    sides = []
+    if dcp > 1:  # the baseline first: side 0
+        base_cfg = cp_compile.CPConfig(tensor_parallel_size=args.tp, block_size=args.block_size)
+        sides.append(_side(args, model, base_cfg, "none", 0, True, device, tokens_per_req))
+    sides.append(_side(args, model, state.cfg, merge, state.dcp_rank, False, device, tokens_per_req))
+    log(rank, f"[dcp={dcp} {merge}] {args.shape} tp={args.tp}: model built in {time.perf_counter() - t0:.1f} s; "
+              + "; ".join(f"dcp={s.cfg.dcp} pool {s.geom.num_blocks} pages x {args.block_size} tokens/rank "
+                          f"({s.cache.sharded_bytes / 2**20:.2f} MiB KV/rank)" for s in sides)
+              + f"; compiling with {args.lowering}")
+    return model, sides
+
+
 def run_world(rank: int, world_size: int, args: BenchArgs, world: World, source: ModelSource,
               device: torch.device) -> list[dict[str, Any]]:
     """One (dcp, merge) on an initialised world, with its baseline when dcp > 1: compile once,
     sweep (context, batch)."""
     dcp, merge = world
-    cfg = cp_compile.CPConfig(tensor_parallel_size=args.tp, decode_context_parallel_size=dcp,
-                              cp_kv_cache_interleave_size=args.interleave, block_size=args.block_size,
-                              dcp_merge=merge if dcp > 1 else "ag_rs")
-    state = cp_compile.init_parallel(cfg, device=device)
+    state = init_world(args, world, device)
     try:
-        dtype = args.torch_dtype
-        t0 = time.perf_counter()
-        model = source.build(world_size, state.tp_rank, state.tp_group)
-        # Parameters only: the rope inverse frequencies stay fp32 (as in HF).
-        for p in model.parameters():
-            p.data = p.data.to(device=device, dtype=dtype)
-        model.to(device)
-        sides = []
-        if dcp > 1:  # the baseline first: side 0
-            base_cfg = cp_compile.CPConfig(tensor_parallel_size=args.tp, block_size=args.block_size)
-            sides.append(_side(args, model, base_cfg, "none", 0, True, device))
-        sides.append(_side(args, model, cfg, merge, state.dcp_rank, False, device))
-        log(rank, f"[dcp={dcp} {merge}] {args.shape} tp={args.tp}: model built in {time.perf_counter() - t0:.1f} s; "
-                  + "; ".join(f"dcp={s.cfg.dcp} pool {s.geom.num_blocks} pages x {args.block_size} tokens/rank "
-                              f"({s.cache.sharded_bytes / 2**20:.2f} MiB KV/rank)" for s in sides)
-                  + f"; compiling with {args.lowering}")
+        model, sides = build_sides(rank, world_size, args, world, source, state, device,
+                                   tokens_per_req=max(args.context) + args.decode_steps)
         rows = []
         for context in args.context:
             for batch in args.batch:

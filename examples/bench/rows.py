@@ -77,6 +77,36 @@ def decode_row(args: BenchArgs, model: torch.nn.Module, cfg: cp_compile.CPConfig
     )
 
 
+def prefill_row(args: BenchArgs, model: torch.nn.Module, cfg: cp_compile.CPConfig, merge: str, prompt: int,
+                prefix: int, batch: int, step_ms: list[float], used_blocks: int, pool: cp_compile.KVCache,
+                graphs: int, recompiles: int, per_rank: list[dict[str, float]], world: tuple[int, str]
+                ) -> dict[str, Any]:
+    """One (dcp, merge, prompt, cached prefix, batch) prefill config; step times are the max over ranks.
+
+    `context_len` is the cached prefix (0: the whole prompt in one step), so that rows
+    key like decode rows; `new_tokens` per request ran in the step.
+    """
+    dtype = args.torch_dtype
+    new = prompt - prefix
+    used = cp_compile.allocate_kv_cache(cfg, model.kv_cache_spec(), used_blocks, dtype=dtype, device="meta")
+    # The decode traffic model is per query token, so a step of batch x new tokens sends that many tokens' worth.
+    dcp_bytes, tp_bytes = comm_bytes_per_step(model, batch * new, args.tp, cfg.dcp, cfg.dcp_merge, dtype)
+    ttft = summarize(step_ms, "ttft")
+    return dict(
+        kind=args.model, shape=args.shape, tp=args.tp, dcp=cfg.dcp, merge=merge, world=list(world),
+        interleave=args.interleave, block_size=args.block_size, batch=batch, variant="chunked" if prefix else "full",
+        prompt_len=prompt, context_len=prefix, new_tokens=new, metric="ttft", **ttft, step_ms=step_ms,
+        prefill_tokens_per_s=batch * new / ttft["ttft_ms"] * 1e3,
+        kv_cache_bytes_per_rank=used.sharded_bytes, kv_blocks_per_rank=used_blocks,
+        pool_kv_cache_bytes_per_rank=pool.sharded_bytes, comm_bytes_per_step=dcp_bytes,
+        tp_allreduce_bytes_per_step=tp_bytes, lowering=args.lowering, dtype=args.dtype, warmup=args.warmup,
+        steps=args.steps, graphs_compiled=graphs, recompiles_after_warmup=recompiles,
+        recompiled_in_timed_steps=recompiles > 0, device=str(pool.layers[0][0].device.type),
+        num_layers=model.cfg.num_layers, profile_steps=args.profile_steps,
+        **breakdown_fields(per_rank, model.cfg.num_layers), compile_s_cp_ascend=None,
+    )
+
+
 def merge_repeats(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """One row per (dcp, merge, context, batch): the steps of every pass pooled (`--repeat`).
 
@@ -85,7 +115,9 @@ def merge_repeats(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """
     groups: dict[tuple[Any, ...], list[dict[str, Any]]] = {}
     for r in rows:
-        groups.setdefault((*r["world"], r["dcp"], r["merge"], r["context_len"], r["batch"]), []).append(r)
+        # prompt_len: prefill rows of one cached prefix differ by prompt length (decode rows have none).
+        groups.setdefault((*r["world"], r["dcp"], r["merge"], r["context_len"], r["batch"], r.get("prompt_len")),
+                          []).append(r)
     out = []
     for rs in groups.values():
         if len(rs) == 1:
@@ -93,11 +125,12 @@ def merge_repeats(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
             continue
         row = dict(rs[0])
         row["step_ms"] = [t for r in rs for t in r["step_ms"]]
-        row.update(summarize(row["step_ms"]))
+        metric = row.get("metric", "tpot")
+        row.update(summarize(row["step_ms"], metric))
         row["repeats"] = len(rs)
-        row["tpot_ms_per_pass"] = [r["tpot_ms"] for r in rs]
-        if rs[0].get("tpot_ratio_paired") is not None:
-            row["tpot_ratio_paired"] = statistics.median(r["tpot_ratio_paired"] for r in rs)
+        row[f"{metric}_ms_per_pass"] = [r[f"{metric}_ms"] for r in rs]
+        if rs[0].get(f"{metric}_ratio_paired") is not None:
+            row[f"{metric}_ratio_paired"] = statistics.median(r[f"{metric}_ratio_paired"] for r in rs)
         for k in ("graphs_compiled", "recompiles_after_warmup"):
             row[k] = max(r[k] for r in rs)
         row["recompiled_in_timed_steps"] = any(r["recompiled_in_timed_steps"] for r in rs)

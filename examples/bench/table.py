@@ -109,3 +109,65 @@ def format_kv_budget(rows: list[dict[str, Any]], args: BenchArgs) -> str:
                 per_token.append(str(r["kv_bytes_per_token_per_rank"]))
         lines.append(f"{batch:>5} " + " ".join(cells) + f" {' / '.join(per_token):>24}")
     return "\n".join(lines)
+
+
+def format_prefill_table(rows: list[dict[str, Any]], args: Any) -> str:
+    """One line per (prompt, batch, variant, dcp = N > 1, merge) against the dcp = 1 baseline beside it.
+
+    N/1: median TTFT over median TTFT; paired: median over steps of each step's ratio to
+    the baseline step next to it; attn N/1: attention-op time (profiled) ratio.
+    """
+    by = {(*_key(r), r["prompt_len"]): r for r in rows}
+    head = (f"{'prompt':>7} {'prefix':>7} {'batch':>5} {'N':>3} {'merge':>5} {'TTFT dcp=1':>11} {'TTFT dcp=N':>11} "
+            f"{'N/1':>6} {'paired':>6} {'attn N/1':>8} {'KV/rank dcp=1':>14} {'KV/rank dcp=N':>14} "
+            f"{'DCP comm B/step':>16}")
+    lines = [head, "-" * len(head)]
+    for prompt in args.prompt:
+        for batch in args.batch:
+            for prefix in args.chunks(prompt):
+                for n, merge in (w for w in args.worlds if w[0] > 1):
+                    base = by.get((n, merge, 1, prefix, batch, prompt))
+                    r = by.get((n, merge, n, prefix, batch, prompt))
+                    if base is None or r is None:
+                        continue
+                    lines.append(
+                        f"{prompt:>7} {prefix:>7} {batch:>5} {n:>3} {merge:>5} {base['ttft_ms']:>9.1f}ms "
+                        f"{r['ttft_ms']:>9.1f}ms {r['ttft_ms'] / base['ttft_ms']:>6.2f} "
+                        f"{_ratio(r.get('ttft_ratio_paired'), 1.0, 6)} "
+                        f"{_ratio(r['attention_ms'], base['attention_ms'], 8)} "
+                        f"{mib(base['kv_cache_bytes_per_rank']):>14} {mib(r['kv_cache_bytes_per_rank']):>14} "
+                        f"{r['comm_bytes_per_step']:>16,}")
+    return "\n".join(lines)
+
+
+def format_prefill_breakdown(rows: list[dict[str, Any]], args: Any) -> str:
+    """Median profiled prefill step per config: ms per category (mean over ranks), collectives per layer."""
+    if not any(r["breakdown_ms"] for r in rows):
+        return "(no profile: --profile-steps 0)"
+    head = (f"{'prompt':>7} {'prefix':>7} {'batch':>5} {'dcp':>3} {'merge':>7} {'step':>9} "
+            + " ".join(f"{c:>9}" for c in CATEGORIES) + f" {'DCP coll/layer':>14} {'TP coll/layer':>13}")
+    lines = [f"profiled prefill step (ms, median of {args.profile_steps} steps per rank, mean over ranks; "
+             f"'(m)': the dcp = 1 baseline timed alongside merge m)", head, "-" * len(head)]
+    order = {w: i for i, w in enumerate(args.worlds)}
+    for r in sorted(rows, key=lambda r: (r["prompt_len"], r["context_len"], r["batch"],
+                                         order.get(tuple(r["world"]), 0), r["dcp"])):
+        bd = r["breakdown_ms"]
+        if not bd:
+            continue
+        cpl = r["collectives_per_layer"]
+        lines.append(f"{r['prompt_len']:>7} {r['context_len']:>7} {r['batch']:>5} {r['dcp']:>3} {_label(r):>7} "
+                     f"{bd['step']:>9.1f} " + " ".join(f"{bd[c]:>9.1f}" for c in CATEGORIES)
+                     + f" {cpl['dcp']:>14g} {cpl['tp']:>13g}")
+    return "\n".join(lines)
+
+
+def format_prefill_worlds(rows: list[dict[str, Any]], args: Any) -> str:
+    """Per world: graphs compiled and recompiles after warm-up (must be 0)."""
+    lines = []
+    for dcp, merge in args.worlds:
+        rs = [r for r in rows if tuple(r["world"]) == (dcp, merge)]
+        if rs:
+            lines.append(f"world dcp={dcp} {merge}: graphs " + ", ".join(
+                f"dcp={d} {max(r['graphs_compiled'] for r in rs if r['dcp'] == d)}" for d in sorted({1, dcp}))
+                + f"; recompiles after warm-up {max(r['recompiles_after_warmup'] for r in rs)}")
+    return "\n".join(lines)

@@ -39,6 +39,8 @@ def any_rank(flag: bool, device: torch.device) -> bool:
     return bool(t.item())
 
 
-def summarize(step_ms: list[float]) -> dict[str, float]:
-    """TPOT fields of a row: median (the figure), min and mean."""
-    return dict(tpot_ms=statistics.median(step_ms), tpot_min_ms=min(step_ms), tpot_mean_ms=statistics.fmean(step_ms))
+def summarize(step_ms: list[float], metric: str = "tpot") -> dict[str, float]:
+    """A row's step-time fields (`metric`: "tpot" for decode, "ttft" for prefill): median (the
+    figure), min and mean."""
+    return {f"{metric}_ms": statistics.median(step_ms), f"{metric}_min_ms": min(step_ms),
+            f"{metric}_mean_ms": statistics.fmean(step_ms)}

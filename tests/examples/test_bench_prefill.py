@@ -1,0 +1,59 @@
+"""`examples/bench_prefill.py` end to end at a minimal size (aot_eager, one tiny world of 2 ranks)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from examples import bench_prefill
+from examples.bench.args import parse_prefill_args
+from examples.bench.profile import CATEGORIES
+
+REQUIRED = ("kind", "shape", "tp", "dcp", "merge", "world", "batch", "variant", "prompt_len", "context_len",
+            "new_tokens", "ttft_ms", "ttft_min_ms", "ttft_mean_ms", "step_ms", "ttft_ratio_paired",
+            "prefill_tokens_per_s", "kv_cache_bytes_per_rank", "comm_bytes_per_step", "tp_allreduce_bytes_per_step",
+            "graphs_compiled", "recompiles_after_warmup", "breakdown_ms", "collectives_per_layer", "lowering", "dtype")
+
+
+def test_bench_prefill_minimal(tmp_path: Path) -> None:
+    rows = bench_prefill.main(["--tp", "2", "--dcp", "2", "--prompt", "24,40", "--prefix", "16", "--batch", "2",
+                               "--steps", "1", "--warmup", "1", "--profile-steps", "1", "--lowering", "aot_eager",
+                               "--out", str(tmp_path)])
+    written = json.loads((tmp_path / "bench_prefill.json").read_text())
+    assert written == json.loads(json.dumps(rows))
+    # Per prompt: the whole prompt from an empty cache, and the chunk after a 16-token cached prefix;
+    # each at dcp = 1 (the baseline, added even when not asked for) and dcp = 2.
+    assert sorted((r["prompt_len"], r["context_len"], r["dcp"]) for r in written) == [
+        (p, c, d) for p in (24, 40) for c in (0, 16) for d in (1, 2)]
+    for r in written:
+        assert all(k in r for k in REQUIRED), sorted(set(REQUIRED) - set(r))
+        assert r["kind"] == "qwen3" and r["shape"] == "tiny" and r["tp"] == 2 and r["batch"] == 2
+        assert r["world"] == [2, "ag_rs"] and r["lowering"] == "aot_eager" and r["ttft_ms"] > 0
+        assert r["variant"] == ("chunked" if r["context_len"] else "full")
+        assert r["new_tokens"] == r["prompt_len"] - r["context_len"]
+        # Every world compiles one graph per side, and nothing after the warm-up step.
+        assert r["graphs_compiled"] == 1 and r["recompiles_after_warmup"] == 0
+        assert not r["recompiled_in_timed_steps"]
+        assert set(CATEGORIES) <= set(r["breakdown_ms"]) and r["attention_ms"] > 0
+        assert r["collectives_per_layer"] == {"dcp": 0 if r["dcp"] == 1 else 3, "tp": 2}
+        assert (r["ttft_ratio_paired"] is None) == (r["dcp"] == 1)
+    by = {(r["prompt_len"], r["context_len"], r["dcp"]): r for r in written}
+    for p in (24, 40):
+        for c in (0, 16):
+            base, dcp = by[(p, c, 1)], by[(p, c, 2)]
+            assert base["comm_bytes_per_step"] == 0 < dcp["comm_bytes_per_step"]
+            assert base["tp_allreduce_bytes_per_step"] == dcp["tp_allreduce_bytes_per_step"] > 0
+            assert dcp["kv_cache_bytes_per_rank"] < base["kv_cache_bytes_per_rank"]
+    assert (tmp_path / "bench_prefill.png").stat().st_size > 0
+
+
+def test_prefill_args() -> None:
+    args = parse_prefill_args(["--prompt", "4096,1024", "--prefix", "2048", "--shape", "qwen3-235b-a22b-tp8"])
+    assert args.prompt == (1024, 4096) and args.model == "qwen3" and args.dcp == (1, 2)
+    # A prefix as long as a prompt leaves nothing to prefill: that prompt runs whole only.
+    assert args.chunks(1024) == (0,) and args.chunks(4096) == (0, 2048)
+    assert args.out == "results/bench_prefill"
+    with pytest.raises(SystemExit):
+        parse_prefill_args(["--prompt", "1024", "--prefix", "1024"])
