@@ -129,3 +129,16 @@ def dsa_cp_sparse_attention(q_nope: Tensor, q_pe: Tensor, kv_c: Tensor, k_pe: Te
     out = _cp.sparse_mla_rows_attention.default(q[..., :L], q[..., L:], kv_cache, block_table, seq_lens,
                                                 query_start_loc, topk_rows, ctx.tp, ctx.rank, scale)  # [rows, H, L]
     return heads_to_tokens(out, ctx, q_nope.shape[0])
+
+
+def all_gather_topk(topk_rows: Tensor, ctx: DSACPContext, num_tokens: int) -> Tensor:
+    """Every rank's top-k rows -> the step's full top-k [T, K] (rank order = token order).
+
+    The indexer-only variant of DSA-CP: shard the scoring, then give every rank the
+    single-device top-k so sparse attention keeps the TP head layout
+    (`cp::sparse_mla_attention` on this rank's heads of all tokens) with no Q / output
+    all-to-all and no change to the o_proj path. It sends K int32 per token instead of
+    the all-to-alls' H * (2L + R) activations (docs/dsa_cp.md, "Traffic").
+    """
+    g = _c10d.all_gather_into_tensor.default(topk_rows.contiguous(), ctx.tp, ctx.group_name)
+    return _c10d.wait_tensor.default(g)[:num_tokens]  # [T_pad, K] -> [T, K]

@@ -6,7 +6,8 @@ The single-device reference runs `cp::lightning_indexer` + `cp::sparse_mla_atten
 with all H heads in the test process. Each rank (tp ranks, dcp = 1, enable_dsa_cp)
 runs `dsa_cp_indexer` + `dsa_cp_sparse_attention` with its TP heads of every token.
 Checked per step: the ranks' top-k rows put back in token order are identical to the
-single-device top-k (ties and -1 padding included; shard padding rows all -1); the
+single-device top-k (ties and -1 padding included; shard padding rows all -1), and so
+is every rank's `all_gather_topk` (the indexer-only variant); the
 ranks' head slices put back together equal the single-device output (fp32 1e-5);
 every rank's latent and index caches equal the single-device caches.
 """
@@ -114,6 +115,8 @@ def _run_cases(rank: int, world: int, names: list[str]) -> dict[str, tuple[list[
                 out = S.dsa_cp_sparse_attention(x["q_nope"][:, heads], x["q_pe"][:, heads], x["kv_c"], x["k_pe"],
                                                 latent, *meta_args(meta), topk, SCALE, ctx)
             steps.append(Step(topk, out, meter.total, sum(meter.calls.values())))
+            # Indexer-only variant: the gathered top-k is the single-device top-k on every rank.
+            steps.append(Step(S.all_gather_topk(topk, ctx, meta.num_tokens), out))
         results[name] = (steps, latent, index_cache)
     cp_compile.destroy_parallel()
     return results
@@ -128,11 +131,13 @@ def _check(world: int, names: list[str]) -> dict[str, float]:
         for s, ref in enumerate(ref_steps):
             T = ref.out.shape[0]
             rows = -(-T // world)
-            topk = torch.cat([per_rank[r][name][0][s].topk for r in range(world)])  # [T_pad, K] in token order
+            for r in range(world):
+                assert torch.equal(per_rank[r][name][0][2 * s + 1].topk, ref.topk), (name, s, r, "all_gather_topk")
+            topk = torch.cat([per_rank[r][name][0][2 * s].topk for r in range(world)])  # [T_pad, K] in token order
             assert topk.shape == (rows * world, TOPK), (name, s, topk.shape)
             assert torch.equal(topk[:T], ref.topk), (name, s)
             assert (topk[T:] == -1).all(), (name, s, "shard padding rows must be all -1")
-            got = torch.cat([per_rank[r][name][0][s].out for r in range(world)], dim=1)  # TP heads in rank order
+            got = torch.cat([per_rank[r][name][0][2 * s].out for r in range(world)], dim=1)  # TP heads in rank order
             assert got.shape == ref.out.shape and torch.isfinite(got).all(), (name, s)
             torch.testing.assert_close(got, ref.out, atol=1e-5, rtol=1e-5, msg=f"{name} step {s}")
             worst[name] = max(worst[name], (got - ref.out).abs().max().item())
@@ -140,7 +145,7 @@ def _check(world: int, names: list[str]) -> dict[str, float]:
             # [rows, H, L] in fp32; nothing else crosses the wire.
             expect = (rows * world * (H // world) * (L + R) + rows * H * L) * 4 * (world - 1) // world
             for r in range(world):
-                st = per_rank[r][name][0][s]
+                st = per_rank[r][name][0][2 * s]
                 assert (st.sent, st.calls) == (expect, 2), (name, s, r, st.sent, st.calls, expect)
         for r in range(world):
             _, latent, index_cache = per_rank[r][name]

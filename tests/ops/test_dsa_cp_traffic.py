@@ -7,7 +7,8 @@ One request of T new tokens (prefill, no context), tp = 2. Per rank and layer:
 - bytes sent by this rank inside attention, by `CollectiveMeter`: plain TP none;
   DSA-CP the two all-to-alls, (tp-1)/tp of [T_pad, H/tp, L+R] and of [rows, H, L],
   i.e. (tp-1)/tp^2 * T_pad * H * (2L+R) * bytes.
-The formula is asserted against the meter, then evaluated at DeepSeek-V3.2 sizes.
+- the indexer-only variant's top-k all-gather: (tp-1) * rows * K * 4 bytes.
+The formulas are asserted against the meter, then evaluated at DeepSeek-V3.2 sizes.
 """
 
 from __future__ import annotations
@@ -33,6 +34,11 @@ def a2a_bytes(t: int, *, tp: int, heads: int, latent: int, rope: int, dtype_byte
     """Bytes one rank sends per layer in DSA-CP's two all-to-alls (equal splits)."""
     rows = layout.token_shard_rows(t, tp=tp)
     return (rows * tp * (heads // tp) * (latent + rope) + rows * heads * latent) * dtype_bytes * (tp - 1) // tp
+
+
+def topk_gather_bytes(t: int, *, tp: int, topk: int) -> int:
+    """Bytes one rank sends per layer in the indexer-only variant's top-k all-gather (int32)."""
+    return layout.token_shard_rows(t, tp=tp) * topk * 4 * (tp - 1)
 
 
 def _meta():
@@ -66,12 +72,14 @@ def _rank(rank: int, world: int) -> dict[str, int]:
         topk = S.dsa_cp_indexer(x["q_i"], x["k_i"], x["w"], index_cache, *meta_args(meta), TOPK, ctx)
         S.dsa_cp_sparse_attention(x["q_nope"], x["q_pe"], x["kv_c"], x["k_pe"], latent, *meta_args(meta), topk,
                                   0.2, ctx)
+    with CollectiveMeter() as gather_meter:
+        S.all_gather_topk(topk, ctx, T)
     rows = layout.token_shard_rows(T, tp=world)
     _, kv = layout.shard_row_metadata(meta.query_start_loc, meta.seq_lens, rows, tp=world, rank=rank)
     cp_compile.destroy_parallel()
     return dict(tp_bytes=tp_meter.total, cp_bytes=cp_meter.total, cp_calls=sum(cp_meter.calls.values()),
                 tp_work=int(layout.causal_lens(meta.query_start_loc, meta.seq_lens, T).long().sum()),
-                cp_work=int(kv.long().sum()), rows=rows)
+                cp_work=int(kv.long().sum()), rows=rows, gather_bytes=gather_meter.total)
 
 
 def test_dsa_cp_work_and_bytes_on_a_long_prefill(summary_note):
@@ -82,14 +90,17 @@ def test_dsa_cp_work_and_bytes_on_a_long_prefill(summary_note):
         assert res[r]["tp_bytes"] == 0
         assert (res[r]["cp_bytes"], res[r]["cp_calls"]) == (want, 2), res[r]
         assert res[r]["tp_work"] == T * (T + 1) // 2
+        assert res[r]["gather_bytes"] == topk_gather_bytes(T, tp=world, topk=TOPK)
     # Every real row is scored once across the ranks; contiguous shards of a causal
     # prefill are uneven: the last rank has the longest rows.
     assert sum(res[r]["cp_work"] for r in range(world)) == T * (T + 1) // 2
     assert res[world - 1]["cp_work"] > res[0]["cp_work"]
     worst = max(res[r]["cp_work"] for r in range(world)) / res[0]["tp_work"]
-    v32 = {t: a2a_bytes(t, tp=8, heads=128, latent=512, rope=64, dtype_bytes=2) for t in (4096, 32768)}
+    v32 = {t: (a2a_bytes(t, tp=8, heads=128, latent=512, rope=64, dtype_bytes=2),
+               topk_gather_bytes(t, tp=8, topk=2048)) for t in (4096, 32768)}
     summary_note(f"DSA-CP work / bytes (prefill T = {T}, tp = {world}): indexer pairs per rank plain TP "
                  f"{res[0]['tp_work']}, DSA-CP " + " / ".join(str(res[r]['cp_work']) for r in range(world))
                  + f" (busiest rank {worst:.2f} of TP); bytes sent per rank per layer in attention plain TP 0, "
-                 f"DSA-CP {want} measured = formula (2 all-to-alls); DeepSeek-V3.2 sizes tp 8 bf16: "
-                 + ", ".join(f"T={t}: {b / 2**20:.1f} MiB" for t, b in v32.items()))
+                 f"DSA-CP {want} measured = formula (2 all-to-alls), top-k all-gather "
+                 f"{res[0]['gather_bytes']}; DeepSeek-V3.2 sizes tp 8 (a2a bf16 / top-k gather int32): "
+                 + ", ".join(f"T={t}: {a / 2**20:.0f} / {g / 2**20:.0f} MiB" for t, (a, g) in v32.items()))
