@@ -15,7 +15,7 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 class BenchArgs:
     """Everything a rank needs (picklable: shipped to spawned ranks)."""
 
-    model: str  # "qwen3" | "mla": the kind (for presets, the preset's)
+    model: str  # "qwen3" | "mla" | "sfa": the kind (for presets, the preset's)
     tp: int
     dcp: tuple[int, ...]
     context: tuple[int, ...]
@@ -95,9 +95,9 @@ def build_parser(description: str, bench: str = "decode") -> argparse.ArgumentPa
     p.add_argument("--shape", choices=SHAPES, default="tiny",
                    help="tiny (CI) or a preset with a real deployment's per-rank attention "
                         "(examples/bench/shapes.py): " + ", ".join(f"{k} ({v.source})" for k, v in PRESETS.items()))
-    p.add_argument("--model", choices=("qwen3", "mla"), default=None,
-                   help="tiny shape: tiny Qwen3 (GQA, 1 KV head) or DeepSeek MLA (no q_lora) [qwen3]; "
-                        "presets fix the kind")
+    p.add_argument("--model", choices=("qwen3", "mla", "sfa"), default=None,
+                   help="tiny shape: tiny Qwen3 (GQA, 1 KV head), DeepSeek MLA (no q_lora) or DeepSeek-V3.2 SFA "
+                        "[qwen3]; presets fix the kind")
     p.add_argument("--tp", type=int, default=2, help="tensor-parallel size = world size")
     p.add_argument("--dcp", type=int_list, default=(1, 2),
                    help="DCP sizes to compare; 1 (the TP baseline) is always included")
@@ -151,6 +151,8 @@ def _shared_fields(p: argparse.ArgumentParser, a: argparse.Namespace) -> dict[st
     bad = [d for d in dcp if a.tp % d]
     if bad:
         p.error(f"--dcp {bad} must divide --tp {a.tp}")
+    if model == "sfa" and any(d not in (1, a.tp) for d in dcp):
+        p.error(f"SFA DCP (replicated indexer) runs at dcp == tp: use --dcp {a.tp}")
     return dict(model=model, tp=a.tp, dcp=dcp, batch=tuple(sorted(set(a.batch))), interleave=a.interleave,
                 block_size=a.block_size, steps=a.steps, warmup=a.warmup, lowering=a.lowering, merge=a.merge,
                 out=a.out, dtype=a.dtype, shape=a.shape, profile_steps=a.profile_steps, repeat=a.repeat)

@@ -40,7 +40,8 @@ def fill_context(cache: cp_compile.KVCache, cfg: cp_compile.CPConfig, dcp_rank: 
 
     The global slot mapping of a (0, context) prefill is localised exactly as the
     DCP pass does it, so each rank stores only the tokens it owns, at the slots the
-    decode steps will read.
+    decode steps will read. A replicated cache (SFA's indexer keys) gets every token, at the
+    global slots (its pages are whole virtual blocks).
     """
     meta = cp_compile.build_attention_metadata([(0, context)] * batch, alloc)
     slots = layout.local_slot_mapping(meta.slot_mapping, dcp=cfg.dcp, rank=dcp_rank, interleave=cfg.interleave,
@@ -50,3 +51,7 @@ def fill_context(cache: cp_compile.KVCache, cfg: cp_compile.CPConfig, dcp_rank: 
         for t in layer:
             new = torch.randn(slots.shape[0], *t.shape[2:], generator=g, device=device, dtype=torch.float32)
             torch.ops.cp.cache_write(new.to(t.dtype), t, slots)
+    global_slots = meta.slot_mapping.to(device)
+    for t in cache.replicated:
+        new = torch.randn(global_slots.shape[0], *t.shape[2:], generator=g, device=device, dtype=torch.float32)
+        torch.ops.cp.cache_write(new.to(t.dtype), t, global_slots)

@@ -40,6 +40,7 @@ from examples.bench.profile import CATEGORIES, STEP, breakdown, median_breakdown
 from examples.bench.rows import decode_row
 from examples.bench.shapes import ModelSource, model_source
 from examples.bench.timing import max_over_ranks, timed_step
+from examples.serving import layer_caches
 
 _DYNAMIC = ("input_ids", "positions", "meta")
 
@@ -142,7 +143,7 @@ def alternate_steps(sides: list[Side], step_inputs: StepInputs, args: BenchArgs,
 
             def step_fn() -> None:
                 with torch.no_grad(), torch.profiler.record_function(f"{label}:{i}"):
-                    side.compiled(ids, meta.positions, side.cache.layers, meta)
+                    side.compiled(ids, meta.positions, layer_caches(side.cache), meta)
 
             out[i] = timed_step(step_fn, device)
         return out
@@ -249,7 +250,7 @@ def compile_probe(model: torch.nn.Module, dcp_side: Side, base: Side, args: Benc
 
         def step_fn() -> None:
             with torch.no_grad():
-                fn(ids, meta.positions, side.cache.layers, meta)
+                fn(ids, meta.positions, layer_caches(side.cache), meta)
 
         return timed_step(step_fn, device) / 1e3
 

@@ -17,9 +17,13 @@ def build_hf_model(kind: str, tp: int) -> Any:
     """
     from examples.models.tiny import hf_deepseek_v3, hf_qwen3
 
+    from examples.models.tiny import hf_deepseek_sfa
+
     heads = max(4, 2 * tp)
     if kind == "qwen3":
         return hf_qwen3(num_kv_heads=1, num_heads=heads)
+    if kind == "sfa":
+        return hf_deepseek_sfa(num_heads=heads)
     return hf_deepseek_v3(q_lora_rank=None, num_heads=heads)
 
 

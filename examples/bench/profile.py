@@ -5,9 +5,10 @@ put in buckets by name (an op inside a bucketed op counts for its parent only):
 
 - `attention`: the attention ops (`cp::gqa_paged_attention`, `cp::mla_attention`,
   their DCP partials `cp::paged_attention_lse` / `cp::mla_partial_attention`, and
-  `cp::cache_write`, which the single-device ops do inside);
+  `cp::cache_write`, which the single-device ops do inside; SFA's indexer and sparse
+  attention, single-device and partial; chunked prefill's causal part);
 - `dcp_local`: DCP's own local work (`cp::dcp_localize_metadata`, `cp::lse_rescale`,
-  `cp::lse_combine`);
+  `cp::lse_combine`, SFA's top-k remap `cp::dcp_sparse_indices`);
 - `dcp_comm`: DCP collectives (all-gather, reduce-scatter, all-to-all), issue + wait;
 - `tp_comm`: TP all-reduces, issue + wait;
 - `other`: the rest of the step (projections, MLP, norms, rope, Python, launch).
@@ -30,8 +31,8 @@ CATEGORIES = ("attention", "dcp_local", "dcp_comm", "tp_comm", "other")
 STEP = "bench::step"
 ATTENTION_OPS = {"cp::gqa_paged_attention", "cp::mla_attention", "cp::paged_attention_lse",
                  "cp::mla_partial_attention", "cp::cache_write", "cp::sparse_mla_attention",
-                 "cp::lightning_indexer", "cp::varlen_causal_attention_lse"}
-DCP_LOCAL_OPS = {"cp::dcp_localize_metadata", "cp::lse_rescale", "cp::lse_combine"}
+                 "cp::lightning_indexer", "cp::varlen_causal_attention_lse", "cp::sparse_mla_partial_attention"}
+DCP_LOCAL_OPS = {"cp::dcp_localize_metadata", "cp::lse_rescale", "cp::lse_combine", "cp::dcp_sparse_indices"}
 _COLL = "_c10d_functional::"
 
 

@@ -15,9 +15,10 @@ constant per step). Weights are random (seeded), so no download is needed.
 | `tiny` | `examples/models/tiny.py` (CI) | 2 q heads (>= 4 total), 1 KV head, head_dim 16; MLA latent 32 + rope 8 |
 | `qwen3-235b-a22b-tp8` | Qwen/Qwen3-235B-A22B `config.json`: hidden 4096, 64 q heads, 4 KV heads, head_dim 128, 94 layers, 8 of 128 experts x 1536 | tp 8: 8 q heads, 1 KV head (each KV head on 2 ranks), head_dim 128; MLP 8 x 1536 / 8 = 1536 |
 | `deepseek-r1-tp8` | deepseek-ai/DeepSeek-R1 `config.json`: hidden 7168, 128 heads, q_lora 1536, kv_lora 512, rope 64, nope 128, v 128, 61 layers, 8 of 256 experts + 1 shared x 2048 | tp 8: 16 heads over the 512 + 64 latent; MLP 9 x 2048 / 8 = 2304 |
+| `deepseek-v32-tp8` | deepseek-ai/DeepSeek-V3.2-Exp `config.json`: R1's attention and MLP, plus a lightning indexer per layer (64 heads x 128, top-2048) | as R1, with the indexer replicated on every rank (SFA DCP runs at dcp == tp) |
 
-GLM-5 (SFA) is not a preset yet: the SFA example model (`examples/models/deepseek_sfa.py`)
-landed after these presets; it is the one to build it from.
+The SFA preset (`examples/models/deepseek_sfa.py`) takes `(latent, index_cache)` per layer
+(`examples.serving.layer_caches`); GLM-5 has the same structure and is not a preset.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ import torch.distributed as dist
 @dataclass(frozen=True)
 class ShapePreset:
     name: str
-    kind: str  # "qwen3" (GQA) | "mla"
+    kind: str  # "qwen3" (GQA) | "mla" | "sfa" (MLA + lightning indexer)
     source: str  # where the numbers come from
     real_layers: int  # the deployment's layer count (KV budget maths)
     layers: int = 2  # layers the benchmark runs
@@ -46,6 +47,10 @@ class ShapePreset:
     qk_nope_head_dim: int = 0
     qk_rope_head_dim: int = 0
     v_head_dim: int = 0
+    # SFA: the indexer (replicated on every rank)
+    index_n_heads: int = 0
+    index_head_dim: int = 0
+    index_topk: int = 0
     rope_theta: float = 10000.0
     vocab: int = 1024
 
@@ -59,12 +64,17 @@ class ShapePreset:
                                num_heads=self.heads_per_rank * tp, num_kv_heads=1, head_dim=self.head_dim,
                                intermediate_size=self.mlp_per_rank * tp, rope_theta=self.rope_theta)
         from examples.models.deepseek_mla import DeepseekMLAConfig
+        from examples.models.deepseek_sfa import DeepseekSFAConfig
 
-        return DeepseekMLAConfig(vocab_size=self.vocab, hidden_size=self.hidden, num_layers=self.layers,
-                                 num_heads=self.heads_per_rank * tp, q_lora_rank=self.q_lora_rank,
-                                 kv_lora_rank=self.kv_lora_rank, qk_nope_head_dim=self.qk_nope_head_dim,
-                                 qk_rope_head_dim=self.qk_rope_head_dim, v_head_dim=self.v_head_dim,
-                                 intermediate_size=self.mlp_per_rank * tp, rope_theta=self.rope_theta)
+        mla = dict(vocab_size=self.vocab, hidden_size=self.hidden, num_layers=self.layers,
+                   num_heads=self.heads_per_rank * tp, q_lora_rank=self.q_lora_rank,
+                   kv_lora_rank=self.kv_lora_rank, qk_nope_head_dim=self.qk_nope_head_dim,
+                   qk_rope_head_dim=self.qk_rope_head_dim, v_head_dim=self.v_head_dim,
+                   intermediate_size=self.mlp_per_rank * tp, rope_theta=self.rope_theta)
+        if self.kind == "sfa":
+            return DeepseekSFAConfig(**mla, index_n_heads=self.index_n_heads, index_head_dim=self.index_head_dim,
+                                     index_topk=self.index_topk)
+        return DeepseekMLAConfig(**mla)
 
 
 PRESETS = {
@@ -74,6 +84,11 @@ PRESETS = {
         ShapePreset("deepseek-r1-tp8", "mla", "deepseek-ai/DeepSeek-R1 config.json at tp 8", real_layers=61,
                     hidden=7168, heads_per_rank=16, mlp_per_rank=2304, q_lora_rank=1536, kv_lora_rank=512,
                     qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128),
+        # DeepSeek-V3.2's MLA is R1's; each layer adds the lightning indexer (64 heads x 128, top-2048).
+        ShapePreset("deepseek-v32-tp8", "sfa", "deepseek-ai/DeepSeek-V3.2-Exp config.json at tp 8", real_layers=61,
+                    hidden=7168, heads_per_rank=16, mlp_per_rank=2304, q_lora_rank=1536, kv_lora_rank=512,
+                    qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, index_n_heads=64,
+                    index_head_dim=128, index_topk=2048),
     )
 }
 SHAPES = ("tiny", *PRESETS)
@@ -106,8 +121,9 @@ class ModelSource:
 
             return Qwen3Model(cfg, tp, tp_rank, tp_group).eval()
         from examples.models.deepseek_mla import DeepseekMLAModel
+        from examples.models.deepseek_sfa import DeepseekSFAModel
 
-        return DeepseekMLAModel(cfg, tp, tp_rank, tp_group).eval()
+        return (DeepseekSFAModel if preset.kind == "sfa" else DeepseekMLAModel)(cfg, tp, tp_rank, tp_group).eval()
 
     @property
     def vocab_size(self) -> int:

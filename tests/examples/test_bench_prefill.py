@@ -10,6 +10,7 @@ import pytest
 from examples import bench_prefill
 from examples.bench.args import parse_prefill_args
 from examples.bench.profile import CATEGORIES
+from examples.bench.shapes import PRESETS
 
 REQUIRED = ("kind", "shape", "tp", "dcp", "merge", "world", "batch", "variant", "prompt_len", "context_len",
             "new_tokens", "ttft_ms", "ttft_min_ms", "ttft_mean_ms", "step_ms", "ttft_ratio_paired",
@@ -49,6 +50,18 @@ def test_bench_prefill_minimal(tmp_path: Path) -> None:
     assert (tmp_path / "bench_prefill.png").stat().st_size > 0
 
 
+def test_bench_prefill_sfa(tmp_path: Path) -> None:
+    """SFA (`(latent, index_cache)` per layer): the cached prefix is also written into the
+    replicated indexer cache; one world at dcp == tp, compiled once per side."""
+    rows = bench_prefill.main(["--model", "sfa", "--tp", "2", "--dcp", "2", "--prompt", "40", "--prefix", "16",
+                               "--batch", "1", "--steps", "1", "--warmup", "1", "--profile-steps", "1",
+                               "--lowering", "aot_eager", "--out", str(tmp_path)])
+    assert sorted((r["context_len"], r["dcp"]) for r in rows) == [(0, 1), (0, 2), (16, 1), (16, 2)]
+    for r in rows:
+        assert r["kind"] == "sfa" and r["graphs_compiled"] == 1 and r["recompiles_after_warmup"] == 0
+        assert r["attention_ms"] > 0 and r["collectives_per_layer"]["dcp"] == (0 if r["dcp"] == 1 else 3)
+
+
 def test_prefill_args() -> None:
     args = parse_prefill_args(["--prompt", "4096,1024", "--prefix", "2048", "--shape", "qwen3-235b-a22b-tp8"])
     assert args.prompt == (1024, 4096) and args.model == "qwen3" and args.dcp == (1, 2)
@@ -57,3 +70,8 @@ def test_prefill_args() -> None:
     assert args.out == "results/bench_prefill"
     with pytest.raises(SystemExit):
         parse_prefill_args(["--prompt", "1024", "--prefix", "1024"])
+    # SFA DCP runs at dcp == tp; the V3.2 preset is R1's per-rank MLA plus the indexer.
+    with pytest.raises(SystemExit):
+        parse_prefill_args(["--model", "sfa", "--tp", "4", "--dcp", "2"])
+    v32 = PRESETS["deepseek-v32-tp8"].model_config(tp=2)
+    assert (v32.num_heads // 2, v32.kv_lora_rank, v32.index_n_heads, v32.index_topk) == (16, 512, 64, 2048)
