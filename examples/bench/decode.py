@@ -37,7 +37,7 @@ from examples.bench.args import BenchArgs
 from examples.bench.cache import WorldGeometry, fill_context, reserve, world_geometry
 from examples.bench.launch import World, log
 from examples.bench.profile import CATEGORIES, STEP, breakdown, median_breakdown, profiling
-from examples.bench.rows import decode_row
+from examples.bench.rows import add_paired_ratios, decode_row
 from examples.bench.shapes import ModelSource, model_source
 from examples.bench.timing import max_over_ranks, timed_step
 from examples.serving import layer_caches
@@ -362,8 +362,6 @@ def measure(rank: int, args: BenchArgs, model: torch.nn.Module, sides: list[Side
                   f"{row['kv_cache_bytes_per_rank'] / 2**20:.2f} MiB, graphs {graphs}"
                   f"{f' RECOMPILED {recompiles} AFTER WARM-UP' if recompiles else ''}; profiled ms: {parts}")
         rows.append(row)
-    for r in rows:  # median of per-step DCP / baseline ratios: each pair ran back to back
-        r["tpot_ratio_paired"] = None if r is rows[0] else statistics.median(
-            b / a for a, b in zip(rows[0]["step_ms"], r["step_ms"]))
+    add_paired_ratios(rows, "tpot_ratio_paired")
     log(rank, f"  [{time.perf_counter() - t0:.1f} s]")
     return rows

@@ -22,7 +22,6 @@ as it was. The pool of each side is allocated once per world for the largest
 
 from __future__ import annotations
 
-import statistics
 import time
 from typing import Any
 
@@ -34,7 +33,7 @@ from examples.bench.cache import fill_context, reserve
 from examples.bench.decode import Side, alternate_steps, build_sides, init_world
 from examples.bench.launch import World, log
 from examples.bench.profile import CATEGORIES
-from examples.bench.rows import prefill_row
+from examples.bench.rows import add_paired_ratios, prefill_row
 from examples.bench.shapes import ModelSource
 
 Result = tuple[list[float], int, list[dict[str, float]]]  # step ms, recompiles after warm-up, per-rank breakdown
@@ -99,8 +98,6 @@ def measure(rank: int, args: PrefillArgs, model: torch.nn.Module, sides: list[Si
                   f"{row['graphs_compiled']}{f' RECOMPILED {recompiles} AFTER WARM-UP' if recompiles else ''}; "
                   f"profiled ms: {parts}")
         rows.append(row)
-    for r in rows:  # median of per-step DCP / baseline ratios: each pair ran back to back
-        r["ttft_ratio_paired"] = None if r is rows[0] else statistics.median(
-            b / a for a, b in zip(rows[0]["step_ms"], r["step_ms"]))
+    add_paired_ratios(rows, "ttft_ratio_paired")
     log(rank, f"  [{time.perf_counter() - t0:.1f} s]")
     return rows

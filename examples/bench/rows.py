@@ -107,6 +107,14 @@ def prefill_row(args: BenchArgs, model: torch.nn.Module, cfg: cp_compile.CPConfi
     )
 
 
+def add_paired_ratios(rows: list[dict[str, Any]], key: str) -> None:
+    """rows[0] is the dcp = 1 baseline of one world; every other row gets `key`: the
+    median over steps of its step time / the baseline step run next to it (each
+    pair ran back to back, so machine noise cancels better than in a ratio of medians)."""
+    for r in rows:
+        r[key] = None if r is rows[0] else statistics.median(b / a for a, b in zip(rows[0]["step_ms"], r["step_ms"]))
+
+
 def merge_repeats(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """One row per (dcp, merge, context, batch): the steps of every pass pooled (`--repeat`).
 

@@ -32,7 +32,7 @@ from torchair.ge._ge_graph import Tensor
 
 import cp_compile.ops.dsa_cp  # noqa: F401
 from cp_compile.ops.ge._util import I32, I64, cast, const, dims, head, reshape, tail, where
-from cp_compile.ops.ge.sparse import MAX_INT64, _paged
+from cp_compile.ops.ge.sparse import MAX_INT64, _paged, lightning_indexer_op
 
 
 def _shard_tnd(q: Tensor, query_start_loc: Tensor, seq_lens: Tensor, rank: int) -> tuple[Tensor, Tensor, Tensor]:
@@ -58,27 +58,7 @@ def convert_lightning_indexer_topk_rows(q_i: Tensor, index_cache: Tensor, w: Ten
                                         meta_outputs: Any = None):
     rows = dims(q_i)[0]
     cum, k, real = _shard_tnd(q_i, query_start_loc, seq_lens, rank)
-    indices, _ = torchair.ge.custom_op(
-        "LightningIndexer",
-        inputs={
-            "query": q_i,
-            "key": _paged(index_cache, int(index_cache.meta.shape[-1])),
-            "weights": w,
-            "actual_seq_lengths_query": cum,
-            "actual_seq_lengths_key": k,
-            "block_table": cast(block_table, I32),
-        },
-        attrs={
-            "layout_query": attr.Str("TND"),
-            "layout_key": attr.Str("PA_BSND"),
-            "sparse_count": attr.Int(int(topk)),
-            "sparse_mode": attr.Int(3),
-            "pre_tokens": attr.Int(MAX_INT64),
-            "next_tokens": attr.Int(MAX_INT64),
-            "return_values": attr.Bool(False),
-        },
-        outputs=["sparse_indices", "sparse_values"],
-    )
+    indices = lightning_indexer_op(q_i, index_cache, int(index_cache.meta.shape[-1]), w, cum, k, block_table, topk)
     indices = cast(reshape(indices, [rows, int(topk)]), I32)
     return where(ge.Unsqueeze(real, axes=[1]), indices, const(-1, I32))
 

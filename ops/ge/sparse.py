@@ -54,14 +54,25 @@ def convert_lightning_indexer(q_i: Tensor, k_i: Tensor, w: Tensor, index_cache: 
     T = dims(q_i)[0]
     written = scatter_into(index_cache, k_i, slot_mapping)
     written.set_meta(index_cache.meta)
+    indices = lightning_indexer_op(q_i, written, int(index_cache.meta.shape[-1]), w,
+                                   cast(tail(cast(query_start_loc, I64)), I32), cast(seq_lens, I32),
+                                   block_table, topk)
+    return reshape(indices, [T, int(topk)])
+
+
+def lightning_indexer_op(q_i: Tensor, index_cache: Tensor, key_dim: int, w: Tensor, cum_query_lens: Tensor,
+                         key_lens: Tensor, block_table: Tensor, topk: int) -> Tensor:
+    """CANN `LightningIndexer`: TND queries (cumulative counts per request) over the
+    paged index cache (PA_BSND), causal (sparse_mode 3) -> `sparse_indices`.
+    Shared by the single-device indexer and the DSA-CP row shard."""
     indices, _ = torchair.ge.custom_op(
         "LightningIndexer",
         inputs={
             "query": q_i,
-            "key": _paged(written, int(index_cache.meta.shape[-1])),
+            "key": _paged(index_cache, key_dim),
             "weights": w,
-            "actual_seq_lengths_query": cast(tail(cast(query_start_loc, I64)), I32),
-            "actual_seq_lengths_key": cast(seq_lens, I32),
+            "actual_seq_lengths_query": cum_query_lens,
+            "actual_seq_lengths_key": key_lens,
             "block_table": cast(block_table, I32),
         },
         attrs={
@@ -75,7 +86,7 @@ def convert_lightning_indexer(q_i: Tensor, k_i: Tensor, w: Tensor, index_cache: 
         },
         outputs=["sparse_indices", "sparse_values"],
     )
-    return reshape(indices, [T, int(topk)])
+    return indices
 
 
 @register_fx_node_ge_converter(torch.ops.cp.sparse_mla_attention.default)
