@@ -246,10 +246,7 @@ def test_allocator_transaction_rolls_back_every_ensure():
 
 
 def _dcp_world(rank: int, world: int, hf_config, state_dict, ok_config, ok_state_dict) -> dict:
-    try:
-        from cp_compile.parallel import dcp as D
-    except ImportError:  # before the compositions moved to cp_compile.parallel
-        from cp_compile.ops import dcp_attention as D  # type: ignore[no-redef]
+    from cp_compile.parallel import dcp as D
 
     out: dict = {}
     cfg = cp_compile.CPConfig(tensor_parallel_size=2, decode_context_parallel_size=2, block_size=4)

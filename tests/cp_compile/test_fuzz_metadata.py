@@ -219,10 +219,7 @@ def test_fuzz_catches_every_kind_of_mutation():
 
 
 def _dcp_cases(rank: int, world: int, cases_: list[dict]) -> list[tuple]:
-    try:
-        from cp_compile.parallel import dcp as D
-    except ImportError:  # before the compositions moved to cp_compile.parallel
-        from cp_compile.ops import dcp_attention as D  # type: ignore[no-redef]
+    from cp_compile.parallel import dcp as D
 
     cfg = cp_compile.CPConfig(tensor_parallel_size=2, decode_context_parallel_size=2, block_size=VBS // 2)
     state = cp_compile.init_parallel(cfg, device="cpu", timeout=30)

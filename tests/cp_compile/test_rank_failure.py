@@ -19,10 +19,7 @@ import pytest
 import torch
 
 import cp_compile
-try:
-    from cp_compile.parallel import dcp as D
-except ImportError:  # before the compositions moved to cp_compile.parallel
-    from cp_compile.ops import dcp_attention as D  # type: ignore[no-redef]
+from cp_compile.parallel import dcp as D
 from cp_compile.testing.multirank import RankFailed, run_on_ranks
 
 BLOCK = 4
