@@ -20,6 +20,7 @@ import cp_compile.ops  # noqa: F401  (registers cp::* ops before any graph is tr
 from cp_compile.config import AttentionSpec, ConfigError, CPConfig
 from cp_compile.context import CompileContext, RoleBinding
 from cp_compile.lowering import Lowering, TorchairMode, lower
+from cp_compile.metadata import BatchKind
 from cp_compile.parallel_state import parallel_state_or_none
 from cp_compile.passes.pass_manager import PassManager
 
@@ -54,12 +55,14 @@ class CpAscendBackend:
     allowed (the pipeline is then empty). attention: the model's `AttentionSpec`,
     required at dcp > 1 or pcp > 1 and validated against the config before any pass
     runs. roles: the resolved roles of `@cp_module` (`context.resolve_roles`).
+    batch_kind: the batches its graphs serve (None: all; see `CompileContext.batch_kind`).
     """
 
     def __init__(self, config: CPConfig | None = None, lowering: Lowering = "auto",
                  torchair_mode: TorchairMode = "reduce-overhead", attention: AttentionSpec | None = None,
-                 roles: tuple[RoleBinding, ...] = ()) -> None:
+                 roles: tuple[RoleBinding, ...] = (), batch_kind: BatchKind | None = None) -> None:
         self.config = config
+        self.batch_kind = batch_kind
         self.lowering = lowering
         self.torchair_mode = torchair_mode
         self.attention = attention
@@ -78,13 +81,14 @@ class CpAscendBackend:
                                   f"tensor_parallel_size={cfg.tp}, decode_context_parallel_size={cfg.dcp}, "
                                   f"prefill_context_parallel_size={cfg.pcp} but init_parallel was not called",
                                   "call cp_compile.init_parallel(cfg) on every rank before compiling")
-            ctx = CompileContext(config=cfg, attention=self.attention, roles=self.roles)
+            ctx = CompileContext(config=cfg, attention=self.attention, roles=self.roles, batch_kind=self.batch_kind)
         else:
             if self.config is not None and self.config != state.cfg:
                 raise ConfigError("backend config == init_parallel config",
                                   f"backend config {self.config} != parallel state config {state.cfg}",
                                   "pass the same CPConfig to cp_compile.backend and cp_compile.init_parallel")
-            ctx = CompileContext.from_state(state, attention=self.attention, roles=self.roles)
+            ctx = CompileContext.from_state(state, attention=self.attention, roles=self.roles,
+                                            batch_kind=self.batch_kind)
         cfg = ctx.config
         if ctx.attention is not None:
             cfg.validate_for(ctx.attention)
@@ -95,6 +99,11 @@ class CpAscendBackend:
                               "give the model an attention_spec() method returning cp_compile.AttentionSpec "
                               "(cp_module / compile_model read it), or pass attention= to cp_compile.backend")
         return ctx
+
+    def for_batch_kind(self, kind: BatchKind) -> "CpAscendBackend":
+        """The same backend for graphs that serve only `kind` batches."""
+        return CpAscendBackend(config=self.config, lowering=self.lowering, torchair_mode=self.torchair_mode,
+                               attention=self.attention, roles=self.roles, batch_kind=kind)
 
     def make_pass_manager(self) -> PassManager:
         ctx = self.make_context()

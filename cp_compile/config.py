@@ -77,6 +77,13 @@ class CPConfig:
     # reduce-scatter) or "a2a" (one all-to-all of [out | lse] + local combine).
     dcp_merge: Literal["ag_rs", "a2a"] = "ag_rs"
 
+    @property
+    def graph_per_batch_kind(self) -> bool:
+        """True when decode and prefill batches need different graphs: PCP token-shards
+        only prefill, DSA-CP keeps decode in the TP head layout. The compiled entry
+        then keeps one graph per `metadata.batch_kind` and picks one per step."""
+        return self.prefill_context_parallel_size > 1 or self.enable_dsa_cp
+
     def __post_init__(self) -> None:
         for name in ("tensor_parallel_size", "decode_context_parallel_size",
                      "prefill_context_parallel_size", "block_size"):

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 from torch import nn
 
 from cp_compile.config import AttentionSpec, ConfigError, CPConfig
+from cp_compile.metadata import BatchKind
 from cp_compile.parallel.dcp import DCPContext
 from cp_compile.parallel.dsa_cp import DSACPContext
 from cp_compile.parallel.pcp import PCPContext
@@ -89,8 +90,14 @@ class CompileContext:
     pcp: GroupInfo = field(default_factory=GroupInfo)
     attention: AttentionSpec | None = None
     roles: tuple[RoleBinding, ...] = ()
+    # The batches this graph serves: None = every kind (one graph); "decode" /
+    # "prefill" when `config.graph_per_batch_kind` splits them (decorator.CompiledForward).
+    batch_kind: BatchKind | None = None
 
     def __post_init__(self) -> None:
+        if self.batch_kind not in (None, "decode", "prefill"):
+            raise ConfigError("batch_kind is None, 'decode' or 'prefill'", f"batch_kind={self.batch_kind!r}",
+                              "pass one of None, 'decode', 'prefill'")
         for name, g, want in (("tp", self.tp, self.config.tp), ("dcp", self.dcp, self.config.dcp),
                               ("pcp", self.pcp, self.config.pcp)):
             if g.size != want or not 0 <= g.rank < g.size:
@@ -103,25 +110,25 @@ class CompileContext:
 
     @classmethod
     def from_state(cls, state: "ParallelState", attention: AttentionSpec | None = None,
-                   roles: tuple[RoleBinding, ...] = ()) -> "CompileContext":
+                   roles: tuple[RoleBinding, ...] = (), batch_kind: BatchKind | None = None) -> "CompileContext":
         """The context of a compile on this rank of an initialised parallel state."""
         cfg = state.cfg
         return cls(config=cfg,
                    tp=GroupInfo(cfg.tp, state.tp_rank, state.tp_group.group_name),
                    dcp=GroupInfo(cfg.dcp, state.dcp_rank, state.dcp_group.group_name),
                    pcp=GroupInfo(cfg.pcp, state.pcp_rank, state.pcp_group.group_name),
-                   attention=attention, roles=roles)
+                   attention=attention, roles=roles, batch_kind=batch_kind)
 
     @classmethod
     def for_test(cls, config: CPConfig, *, rank: int = 0, attention: AttentionSpec | None = None,
-                 roles: tuple[RoleBinding, ...] = ()) -> "CompileContext":
+                 roles: tuple[RoleBinding, ...] = (), batch_kind: BatchKind | None = None) -> "CompileContext":
         """A context for graph-structure tests in one process: group names are
         placeholders no collective ever resolves (the graph is inspected, not run)."""
         def grp(kind: str, size: int) -> GroupInfo:
             return GroupInfo(size, rank % size, f"test_{kind}" if size > 1 else "")
 
         return cls(config=config, tp=grp("tp", config.tp), dcp=grp("dcp", config.dcp),
-                   pcp=grp("pcp", config.pcp), attention=attention, roles=roles)
+                   pcp=grp("pcp", config.pcp), attention=attention, roles=roles, batch_kind=batch_kind)
 
     def role(self, name: str) -> RoleBinding | None:
         return next((r for r in self.roles if r.role == name), None)
@@ -155,5 +162,5 @@ class CompileContext:
         kind = self.attention.kind if self.attention is not None else "unknown"
         return (f"tensor_parallel_size={cfg.tp}, decode_context_parallel_size={cfg.dcp}, "
                 f"prefill_context_parallel_size={cfg.pcp}, enable_dsa_cp={cfg.enable_dsa_cp}, "
-                f"attention kind={kind}")
+                f"attention kind={kind}, batch kind={self.batch_kind or 'any'}")
 

@@ -35,7 +35,7 @@ from cp_compile.backend import CpAscendBackend
 from cp_compile.config import AttentionSpec, ConfigError, CPConfig
 from cp_compile.context import RoleBinding, resolve_roles
 from cp_compile.lowering import Lowering, TorchairMode
-from cp_compile.metadata import AttentionMetadata, validate_forward_args
+from cp_compile.metadata import AttentionMetadata, BatchKind, batch_kind, validate_forward_args
 
 M = TypeVar("M", bound=type[nn.Module])
 
@@ -53,7 +53,15 @@ def _mark_dynamic(value: Any) -> None:
 
 
 class CompiledForward:
-    """A module's forward compiled with the cp_ascend backend, with dynamic token dims."""
+    """A module's forward compiled with the cp_ascend backend, with dynamic token dims.
+
+    Under `CPConfig.graph_per_batch_kind` (PCP, DSA-CP) it keeps one compiled graph
+    per batch kind, each from its own backend (`backends["decode"]`,
+    `backends["prefill"]`), and picks one per step from the metadata on the host
+    (`metadata.batch_kind`). Dynamo guards each cache entry on its backend, so the
+    two graphs never evict or recompile each other. Otherwise `backends` is
+    `{None: backend}` and one graph serves every batch.
+    """
 
     def __init__(self, module: nn.Module, forward: Callable[..., Any], dynamic_args: Sequence[str],
                  backend: CpAscendBackend) -> None:
@@ -63,23 +71,45 @@ class CompiledForward:
             raise TypeError(f"{type(module).__name__}: dynamic_args {unknown} are not arguments of forward "
                             f"{list(self.signature.parameters)}. Fix: name forward's token-count arguments")
         self.dynamic_args = tuple(dynamic_args)
+        self.forward = forward
         self.backend = backend
-        self.compiled = torch.compile(forward, backend=backend, fullgraph=True)
+        self.backends: dict[BatchKind | None, CpAscendBackend] = {}
+        self._compiled: dict[BatchKind | None, Callable[..., Any]] = {}
         self._validated = False
         # Check each step's metadata against the caches before the graph runs (outside
         # it; `validate_forward_args`). Set False only for a measured hot path.
         self.validate_inputs = True
 
+    def _setup(self) -> None:
+        # Before the first trace: a model the config cannot serve fails here, as a
+        # ConfigError, not half-way through tracing.
+        ctx = self.backend.make_context()
+        kinds: tuple[BatchKind | None, ...] = ("decode", "prefill") if ctx.config.graph_per_batch_kind else (None,)
+        for kind in kinds:
+            b = self.backend if kind is None else self.backend.for_batch_kind(kind)
+            self.backends[kind] = b
+            self._compiled[kind] = torch.compile(self.forward, backend=b, fullgraph=True)
+        self._validated = True
+
+    def batch_kind_of(self, arguments: dict[str, Any]) -> BatchKind | None:
+        """The graph a step runs in: None when one graph serves every batch."""
+        if None in self._compiled:
+            return None
+        meta = next((v for v in arguments.values() if isinstance(v, AttentionMetadata)), None)
+        if meta is None:
+            raise TypeError("this config compiles one graph per batch kind (PCP or DSA-CP) and picks it from the "
+                            "step's AttentionMetadata, but forward got none. Fix: pass the AttentionMetadata as an "
+                            "argument of forward")
+        return batch_kind(meta)
+
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if not self._validated:
-            # Before the first trace: a model the config cannot serve fails here,
-            # as a ConfigError, not half-way through tracing.
-            self.backend.make_context()
-            self._validated = True
+            self._setup()
         bound = self.signature.bind(*args, **kwargs)
         if self.validate_inputs:
             # Global metadata: every rank refuses the same step, before any collective.
             validate_forward_args(bound.arguments, backend=self.backend)
+        compiled = self._compiled[self.batch_kind_of(bound.arguments)]
         for name in self.dynamic_args:
             if name in bound.arguments:
                 _mark_dynamic(bound.arguments[name])
@@ -87,7 +117,7 @@ class CompiledForward:
         # equality between them, or the next mixed batch would recompile.
         with torch.fx.experimental._config.patch(use_duck_shape=False):
             try:
-                return self.compiled(*args, **kwargs)
+                return compiled(*args, **kwargs)
             except torch._dynamo.exc.BackendCompilerFailed as e:
                 if isinstance(e.inner_exception, ConfigError):  # torch versions that wrap it
                     raise e.inner_exception from None

@@ -13,7 +13,7 @@ the same verdict before any collective: no rank waits on a peer that refused.
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
-from typing import Any, Mapping, Sequence
+from typing import Any, Literal, Mapping, Sequence
 
 import torch
 
@@ -65,6 +65,25 @@ class AttentionMetadata:
         """Raise `MetadataError` unless this step is safe for a cache of `num_blocks`
         pages of `block_size` tokens per rank (virtual blocks of block_size * dcp)."""
         validate_metadata(self, num_blocks=num_blocks, block_size=block_size, dcp=dcp, num_tokens=num_tokens)
+
+
+BatchKind = Literal["decode", "prefill"]
+
+
+def batch_kind(meta: AttentionMetadata) -> BatchKind:
+    """"decode" when every request brings at most one new token, else "prefill"
+    (prefill, chunked prefill, mixed and speculative batches).
+
+    PCP shards only prefill tokens and DSA-CP keeps decode in the TP head layout, so
+    those configs compile one graph per kind (`CPConfig.graph_per_batch_kind`) and
+    the compiled entry picks the graph with this, outside the graph. It reads the
+    metadata on the host (one sync, like `validate_step`); a graph cannot branch on
+    tensor values without a data-dependent control flow.
+    """
+    qsl = meta.query_start_loc
+    if qsl.numel() < 2:
+        return "decode"
+    return "decode" if int((qsl[1:] - qsl[:-1]).max()) <= 1 else "prefill"
 
 
 def _first(mask: torch.Tensor) -> int:

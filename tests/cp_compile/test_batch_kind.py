@@ -1,0 +1,56 @@
+"""One graph per batch kind (PCP, DSA-CP): the step's kind picks the graph, on the host."""
+
+import torch
+
+import cp_compile
+from cp_compile.metadata import BlockAllocator, batch_kind, build_attention_metadata
+from cp_compile.testing.batches import STEP_B, two_step_metas
+
+
+def _meta(reqs: list[tuple[int, int]], padding: int = 2):
+    return build_attention_metadata(reqs, BlockAllocator(32, 4), req_ids=list(range(len(reqs))),
+                                    num_padding_tokens=padding)
+
+
+def test_batch_kind_reads_query_lengths():
+    assert batch_kind(_meta(STEP_B["decode"])) == "decode"
+    assert batch_kind(_meta([(0, 1)], padding=0)) == "decode"
+    for kind in ("mixed", "spec_decode"):
+        assert batch_kind(_meta(STEP_B[kind])) == "prefill"
+    assert batch_kind(_meta([(0, 7)])) == "prefill"
+
+
+class Sparse(torch.nn.Module):
+    """No attention op: the test is about which graph runs, not what it rewrites."""
+
+    def attention_spec(self) -> cp_compile.AttentionSpec:
+        return cp_compile.AttentionSpec("sfa", 4, has_indexer=True)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta) -> torch.Tensor:
+        return input_ids * 2 + positions + meta.seq_lens.sum()
+
+
+def test_graph_per_batch_kind_compiles_two_graphs_and_never_recompiles():
+    cfg = cp_compile.CPConfig(enable_dsa_cp=True, block_size=4)
+    assert cfg.graph_per_batch_kind and not cp_compile.CPConfig().graph_per_batch_kind
+    compiled = cp_compile.compile_model(Sparse(), config=cfg, lowering="eager")
+    model = Sparse()
+    steps = [m for batch in ("decode", "mixed") for m in two_step_metas(batch, dcp=1, block_size=4, num_blocks=32)]
+    for i, meta in enumerate(steps + steps):
+        if i == len(steps):  # every kind seen once, with its dynamic shapes: nothing may compile again
+            torch.compiler.set_stance("fail_on_recompile")
+        try:
+            ids = torch.arange(meta.num_tokens)
+            torch.testing.assert_close(compiled(ids, meta.positions, meta), model(ids, meta.positions, meta))
+        finally:
+            torch.compiler.set_stance("default")
+    kinds = {k: [c.batch_kind for c in b.contexts] for k, b in compiled.backends.items()}
+    assert kinds == {"decode": ["decode"], "prefill": ["prefill"]}
+
+
+def test_one_graph_when_kinds_do_not_differ():
+    compiled = cp_compile.compile_model(Sparse(), config=cp_compile.CPConfig(block_size=4), lowering="eager")
+    for batch in ("decode", "mixed"):
+        meta = two_step_metas(batch, dcp=1, block_size=4, num_blocks=32)[1]
+        compiled(torch.arange(meta.num_tokens), meta.positions, meta)
+    assert list(compiled.backends) == [None] and [c.batch_kind for c in compiled.backend.contexts] == [None]
