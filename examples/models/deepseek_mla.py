@@ -42,7 +42,6 @@ from examples.models.common import (
     CausalLM,
     ColumnParallelLinear,
     RMSNorm,
-    RowParallelLinear,
     StateDictReader,
     apply_rope_interleaved,
     apply_rope_neox,
@@ -50,6 +49,7 @@ from examples.models.common import (
     load_replicated,
     shard,
 )
+from examples.models.quant import row_parallel_o_proj
 
 
 @dataclass
@@ -72,6 +72,9 @@ class DeepseekMLAConfig:
     rope_interleave: bool = True
     tie_word_embeddings: bool = False
     attention_bias: bool = False
+    # o_proj as a W8A8 row-parallel linear (examples.models.quant.W8A8Config), quantised
+    # from the checkpoint's float weight at load; None: the float RowParallelLinear.
+    o_proj_quant: Any = None
 
     @property
     def qk_head_dim(self) -> int:
@@ -132,7 +135,8 @@ class MLAAttention(nn.Module):
         self.w_uv = nn.Parameter(torch.empty(self.num_heads, self.L, self.dv))  # [H, L, v]
         nn.init.normal_(self.w_uk, std=0.02)
         nn.init.normal_(self.w_uv, std=0.02)
-        self.o_proj = RowParallelLinear(H * self.dv, cfg.hidden_size, tp_size, tp_rank, bias, tp_group)
+        self.o_proj = row_parallel_o_proj(H * self.dv, cfg.hidden_size, tp_size, tp_rank, bias, tp_group,
+                                          cfg.o_proj_quant)
         self.rope_fn = apply_rope_interleaved if cfg.rope_interleave else apply_rope_neox
 
     def project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, ...]:
