@@ -1,0 +1,204 @@
+"""DSA-CP pass: token-shard the lightning indexer and sparse MLA over the TP group
+in prefill graphs (docs/dsa_cp.md).
+
+Under `CPConfig.enable_dsa_cp` the compiled entry keeps one graph per batch kind
+(`CPConfig.graph_per_batch_kind`, `metadata.batch_kind`). This pass runs only in the
+"prefill" graph (prefill, chunked-prefill, mixed and speculative batches); the
+"decode" graph keeps the TP head layout, where T <= batch size rows would not pay
+for the all-to-alls.
+
+In the prefill graph, for every `cp::lightning_indexer` node:
+
+- the indexer becomes `dsa_cp_indexer`: every rank writes all T indexer keys into its
+  full index cache and scores only its own `rows = ceil(T / tp)` query rows
+  -> top-k rows [rows, K];
+- each `cp::sparse_mla_attention` that reads that top-k *directly* (its
+  `topk_indices` argument is the indexer node; "paired through the top-k edge")
+  becomes `dsa_cp_sparse_attention`: full-cache latent write, all-to-all #1
+  (tokens scattered, heads gathered), sparse MLA of the shard's rows with all
+  heads, all-to-all #2 back to the TP head layout [T, H/tp, L], so the model's W_UV
+  and row-parallel o_proj run unchanged. Several attentions reading one indexer
+  (GLM-5's shared-indexer layers) all pair with it;
+- every other consumer of the top-k (anything that is not a paired sparse
+  attention) gets the step's full top-k [T, K] from one `all_gather_topk` per
+  indexer (the indexer-only variant). A `cp::sparse_mla_attention` fed that way
+  (through a clone, a view, ...) stays as it is: on this rank's TP heads with the
+  single-device top-k it *is* the plain TP model's op, exact, so nothing is refused.
+  It is claimed (`fx_utils.CLAIMED_KEY`) so the record says who decided to keep it.
+
+All of it is exact for every batch of the prefill graph: each row runs the
+single-device reference arithmetic on the global metadata (tests/passes/
+test_dsa_cp_model.py checks the whole model against one device).
+
+The compositions read the token count of intermediate tensors (the shard size
+ceil(T / tp) and the pad), so unlike the DCP compositions they cannot be traced on
+plain proxies: `_FakeTracingProxy` gives every node it creates its fake value at
+once and answers `.shape` with `aten.sym_size` nodes for symbolic dims, so the
+shape arithmetic becomes graph nodes and stays valid for every T.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.fx as fx
+from torch._dispatch.python import enable_python_dispatcher
+from torch._subclasses.fake_tensor import FakeTensor
+
+from cp_compile.context import CompileContext
+from cp_compile.parallel import dsa_cp as dsa
+from cp_compile.passes.base import CPPass
+from cp_compile.passes.fx_utils import CLAIMED_KEY, VALUE_KEY, fake_value, op_nodes
+
+_INDEXER = torch.ops.cp.lightning_indexer
+_SPARSE = torch.ops.cp.sparse_mla_attention
+
+
+def _bind(op: torch._ops.OpOverloadPacket, node: fx.Node) -> dict[str, Any]:
+    """The node's arguments by schema name (Dynamo may pass some as kwargs)."""
+    names = [a.name for a in op.default._schema.arguments]
+    bound = dict(zip(names, node.args), **node.kwargs)
+    missing = [n for n in names if n not in bound]
+    if missing:
+        raise RuntimeError(f"{node.format_node()}: arguments {missing} not found; cannot rewrite for DSA-CP")
+    return bound
+
+
+class _FakeTracer(fx.proxy.GraphAppendingTracer):
+    """Appends to an existing graph; every node it creates gets its fake value at once
+    (run on the fake values of its inputs in the graph's fake mode), so compositions
+    may read the shapes of their own intermediates while being traced."""
+
+    def __init__(self, graph: fx.Graph, mode: Any) -> None:
+        super().__init__(graph)
+        self.mode = mode
+        # One sym_size node per (tensor node, dim), shared by every read of that size.
+        self.sizes: dict[tuple[fx.Node, int], fx.Proxy] = {}
+
+    def sym_size(self, proxy: fx.Proxy, dim: int) -> fx.Proxy:
+        key = (proxy.node, dim)
+        if key not in self.sizes:
+            self.sizes[key] = self.create_proxy("call_function", torch.ops.aten.sym_size.int, (proxy, dim), {})
+        return self.sizes[key]
+
+    def drop_unused_sizes(self) -> None:
+        # `a, b, c = x.shape` reads every dim; sizes nothing used are pure and dead.
+        for p in self.sizes.values():
+            if not p.node.users:
+                self.graph.erase_node(p.node)
+        self.sizes.clear()
+
+    def proxy(self, node: fx.Node) -> fx.Proxy:
+        if VALUE_KEY not in node.meta and node.op in ("call_function", "call_method"):
+            args, kwargs = fx.map_arg((node.args, node.kwargs), fake_value)
+            # The python dispatcher, as Dynamo uses: composite ops (F.pad) take SymInt
+            # arguments only through their Python decompositions.
+            with self.mode, enable_python_dispatcher():
+                if node.op == "call_function":
+                    node.meta[VALUE_KEY] = node.target(*args, **kwargs)
+                else:
+                    node.meta[VALUE_KEY] = getattr(args[0], node.target)(*args[1:], **kwargs)
+        return _FakeTracingProxy(node, self)
+
+
+class _FakeTracingProxy(fx.Proxy):
+    """A proxy that answers `.shape`, `.dim()` and `.dtype` from its fake value. Static
+    dims are ints; a symbolic dim (the token count) is an `aten.sym_size.int` node, so
+    arithmetic on it is recorded, never baked into the graph as a SymInt constant."""
+
+    def _fake(self) -> torch.Tensor:
+        val = fake_value(self.node)
+        if not isinstance(val, torch.Tensor):
+            raise RuntimeError(f"node {self.node.name} has no fake tensor value; DSA-CP traces on fake values")
+        return val
+
+    @property
+    def shape(self) -> tuple[Any, ...]:  # type: ignore[override]
+        dims: list[Any] = []
+        for d, size in enumerate(self._fake().shape):
+            if isinstance(size, torch.SymInt) and size.node.maybe_as_int() is None:
+                dims.append(self.tracer.sym_size(self, d))  # type: ignore[attr-defined]
+            else:
+                dims.append(int(size))
+        return tuple(dims)
+
+    def size(self, dim: int | None = None) -> Any:  # type: ignore[override]
+        return self.shape if dim is None else self.shape[dim]
+
+    def dim(self) -> int:  # type: ignore[override]
+        return self._fake().dim()
+
+    @property
+    def dtype(self) -> torch.dtype:  # type: ignore[override]
+        return self._fake().dtype
+
+
+class DSACPPass(CPPass):
+    """Rewrite indexer + sparse MLA into their DSA-CP compositions in prefill graphs."""
+
+    name = "dsa_cp"
+    handles = (_INDEXER, _SPARSE)
+    enabled_when = ("enable_dsa_cp, a 'prefill' batch-kind graph, tensor_parallel_size > 1, "
+                    "decode_context_parallel_size == 1, prefill_context_parallel_size == 1 and an attention "
+                    "kind of 'sfa'")
+    emits_from = ("cp_compile.parallel.dsa_cp",)
+
+    def __init__(self, ctx: CompileContext) -> None:
+        super().__init__(ctx)
+        self.tp = ctx.tp_view()
+
+    @classmethod
+    def is_enabled(cls, ctx: CompileContext) -> bool:
+        spec = ctx.attention
+        return (ctx.config.enable_dsa_cp and ctx.batch_kind == "prefill" and ctx.tp.size > 1
+                and ctx.dcp.size == 1 and ctx.pcp.size == 1 and spec is not None and spec.kind == "sfa")
+
+    def config_values(self) -> dict[str, Any]:
+        return dict(self.tp.__dict__, batch_kind=self.ctx.batch_kind)
+
+    def __call__(self, gm: fx.GraphModule) -> int:
+        graph = gm.graph
+        indexers = op_nodes(gm, (_INDEXER,))
+        if not indexers:
+            return 0
+        mode = next((v.fake_mode for v in map(fake_value, graph.nodes) if isinstance(v, FakeTensor)), None)
+        if mode is None:
+            raise RuntimeError("the DSA-CP pass reads shapes from fake values; this graph has none "
+                               "(trace it with Dynamo, as the cp_ascend backend receives it)")
+        tracer = _FakeTracer(graph, mode)
+        wrap = lambda a: fx.map_arg(a, lambda n: _FakeTracingProxy(n, tracer))  # noqa: E731
+        count = 0
+        for idx in indexers:
+            args = _bind(_INDEXER, idx)
+            paired = [u for u in idx.users if u.target in (_SPARSE, _SPARSE.default)
+                      and _bind(_SPARSE, u)["topk_indices"] is idx
+                      and sum(a is idx for a in _bind(_SPARSE, u).values()) == 1]
+            others = [u for u in idx.users if u not in paired]
+            with graph.inserting_before(idx):
+                rows = dsa.dsa_cp_indexer(**{k: wrap(v) for k, v in args.items()}, ctx=self.tp)  # [rows, K]
+                if others:
+                    # The indexer-only variant for whatever else reads the top-k: the step's
+                    # full [T, K], identical on every rank to the single-device one.
+                    full = dsa.all_gather_topk(rows, self.tp, wrap(args["q_i"]).shape[0])  # [T, K]
+            for user in others:
+                user.replace_input_with(idx, full.node)
+                if user.target in (_SPARSE, _SPARSE.default):
+                    user.meta[CLAIMED_KEY] = self.name  # TP-layout sparse MLA on the full top-k: exact
+            for attn in paired:
+                a = _bind(_SPARSE, attn)
+                a.pop("topk_indices")
+                with graph.inserting_before(attn):
+                    out = dsa.dsa_cp_sparse_attention(**{k: wrap(v) for k, v in a.items()}, topk_rows=rows,
+                                                      ctx=self.tp)  # [T, H/tp, L]
+                attn.replace_all_uses_with(out.node)
+                graph.erase_node(attn)
+                count += 1
+            graph.erase_node(idx)
+            count += 1
+        tracer.drop_unused_sizes()
+        # No dead-code elimination: the cache writes have no users by design.
+        graph.lint()
+        gm.recompile()
+        return count
+

@@ -1,0 +1,292 @@
+"""DSA-CP on the SFA example model: the `dsa_cp` pass, checked against one device.
+
+The DeepSeek-V3.2 example model (MLA + lightning indexer, tiny HF weights, index
+top-k 5 below most sequence lengths, so the top-k is a strict subset of the keys
+and -1 padded for the short ones) runs on real gloo ranks at tp = 2 with
+`enable_dsa_cp` on and off, compiled (Inductor) and eager (`lowering="eager"`:
+Dynamo + passes, no Inductor). One schedule covers every batch kind:
+
+| step | batch (request: context, new) | kind | what it covers |
+|---|---|---|---|
+| 0 prefill | A (0,9) B (0,1) C (0,3) + 1 pad | prefill | B shorter than tp; top-k -1 padding |
+| 1 decode  | A B C one token + 2 pad | decode | the decode graph (TP head layout) |
+| 2 chunk1  | D (0,7) E (0,3) | prefill | first chunks, T odd after no padding |
+| 3 chunked | D (7,5) E (3,3) | prefill | chunked prefill with a cached prefix |
+| 4 mixed   | A B C D E decode + F (0,4) + 1 pad | prefill | mixed decode + prefill |
+| 5 decode  | A C D E F | decode | |
+| 6 short   | G (0,1) H (0,2) | prefill | T = 3 rows over tp 2: rank 1 one real row |
+| 7 decode  | A C G H | decode | |
+
+Steps 0 and 1 warm both graphs; from step 2 on a recompile fails the test. Every
+step's logits of each request's last token (1e-4 compiled, 1e-5 eager) and every
+greedy token must equal the single-device eager model's. The prefill graph must be
+rewritten by the `dsa_cp` pass (indexer and sparse MLA gone, row ops and two
+all-to-alls per layer in) and the decode graph must not. Other passes that run in
+DSA-CP prefill graphs (o_proj) are not asserted on: only this pass's record.
+
+The max logit difference per (step x DSA-CP on/off x eager/compiled) is printed
+(`pytest -s`); docs/dsa_cp.md holds the table.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+import cp_compile
+from cp_compile.config import AttentionSpec, ConfigError, CPConfig
+from cp_compile.context import CompileContext
+from cp_compile.metadata import BlockAllocator, batch_kind, build_attention_metadata
+from cp_compile.passes.dsa_cp import DSACPPass
+from cp_compile.testing.multirank import run_on_ranks
+from examples.models.tiny import VOCAB, example_from_config, hf_deepseek_sfa
+from examples.serving import layer_caches
+
+BLOCK = 4
+NUM_BLOCKS = 32
+MAX_BLOCKS = 8  # fixed block-table width: no shape change from it
+WARMUP = 2  # steps 0 (prefill graph) and 1 (decode graph)
+
+PROMPT_LENS = dict(A=9, B=1, C=3, D=12, E=6, F=4, G=1, H=2)
+# Per step: (label, {request: new tokens or None = all it has not run yet}, padding tokens).
+STEPS: list[tuple[str, dict[str, int | None], int]] = [
+    ("prefill", dict(A=None, B=None, C=None), 1),
+    ("decode", dict(A=None, B=None, C=None), 2),
+    ("chunk1", dict(D=7, E=3), 0),
+    ("chunked", dict(D=None, E=None), 0),
+    ("mixed", dict(A=None, B=None, C=None, D=None, E=None, F=None), 1),
+    ("decode2", dict(A=None, C=None, D=None, E=None, F=None), 0),
+    ("short", dict(G=None, H=None), 0),
+    ("decode3", dict(A=None, C=None, G=None, H=None), 0),
+]
+
+
+@dataclass
+class Step:
+    label: str
+    kind: str  # metadata.batch_kind of the step
+    rids: list[str]
+    last_logits: torch.Tensor  # [B, vocab]
+    next_tokens: dict[str, int]  # requests that finished their known tokens this step
+
+
+def run_steps(forward, kv_layers, virtual_block: int, seed: int = 0) -> list[Step]:
+    """Drive `forward(input_ids, positions, kv_layers, meta)` through STEPS, greedily.
+
+    A request gets its greedy next token when a step runs all of its known tokens
+    (a first chunk does not). Metadata is global, as on one device."""
+    g = torch.Generator().manual_seed(seed)
+    tokens = {r: torch.randint(0, VOCAB, (n,), generator=g).tolist() for r, n in PROMPT_LENS.items()}
+    cached = dict.fromkeys(PROMPT_LENS, 0)
+    ids_of = {r: i for i, r in enumerate(PROMPT_LENS)}
+    alloc = BlockAllocator(NUM_BLOCKS, virtual_block)
+    out: list[Step] = []
+    for label, plan, padding in STEPS:
+        rids = list(plan)
+        new = {r: (len(tokens[r]) - cached[r]) if n is None else n for r, n in plan.items()}
+        meta = build_attention_metadata([(cached[r], new[r]) for r in rids], alloc,
+                                        req_ids=[ids_of[r] for r in rids], num_padding_tokens=padding,
+                                        max_blocks_per_req=MAX_BLOCKS)
+        ids = torch.tensor([t for r in rids for t in tokens[r][cached[r]:cached[r] + new[r]]] + [0] * padding)
+        with torch.no_grad():
+            logits = forward(ids, meta.positions, kv_layers, meta)  # [T, vocab]
+        last = logits[meta.query_start_loc[1:].long() - 1]  # [B, vocab]
+        nxt = {}
+        for i, r in enumerate(rids):
+            cached[r] += new[r]
+            if cached[r] == len(tokens[r]):
+                nxt[r] = int(last[i].argmax())
+                tokens[r].append(nxt[r])
+        out.append(Step(label, batch_kind(meta), rids, last.clone(), nxt))
+    return out
+
+
+def _hf():
+    hf = hf_deepseek_sfa("deepseek_v32", num_heads=4)
+    assert hf.config.index_topk < max(PROMPT_LENS.values())  # sparse: the top-k is a strict subset
+    return hf, {k: v.detach().clone() for k, v in hf.state_dict().items()}
+
+
+def _count(hist: dict[str, int], needle: str) -> int:
+    return sum(v for k, v in hist.items() if needle in k)
+
+
+def _op(hist: dict[str, int], name: str) -> int:
+    """Nodes of op `name` (packet or .default), not of ops whose name extends it."""
+    return hist.get(name, 0) + hist.get(name + ".default", 0)
+
+
+def _world(rank: int, world: int, hf_config, state_dict, runs: list[tuple[bool, str]]) -> list[dict]:
+    """Each (enable_dsa_cp, lowering) of `runs` in turn, on fresh parallel state and caches."""
+    results = []
+    for dsa_cp, lowering in runs:
+        cfg = CPConfig(tensor_parallel_size=world, block_size=BLOCK, enable_dsa_cp=dsa_cp)
+        state = cp_compile.init_parallel(cfg, device="cpu")
+        model = example_from_config(hf_config, state_dict, world, state.tp_rank, state.tp_group)
+        cache = cp_compile.allocate_kv_cache(cfg, model.kv_cache_spec(), NUM_BLOCKS,
+                                             attention=model.attention_spec())
+        torch._dynamo.reset()  # a fresh model of the same class: its graphs are not recompiles
+        compiled = cp_compile.compile_model(model, lowering=lowering)
+        real_forward = compiled.__call__
+        calls = [0]
+
+        def forward(*args, **kwargs):
+            if calls[0] == WARMUP:
+                torch.compiler.set_stance("fail_on_recompile")
+            calls[0] += 1
+            return real_forward(*args, **kwargs)
+
+        try:
+            steps = run_steps(forward, layer_caches(cache), cfg.virtual_block_size)
+        finally:
+            torch.compiler.set_stance("default")
+        graphs = {str(kind): dict(count=len(b.pass_managers),
+                                  names=[pm.names for pm in b.pass_managers],
+                                  history=[(h.name, h.rewrites, h.before, h.after)
+                                           for pm in b.pass_managers for h in pm.history],
+                                  batch_kinds=[c.batch_kind for c in b.contexts])
+                  for kind, b in compiled.backends.items()}
+        results.append(dict(dsa_cp=dsa_cp, lowering=lowering, steps=steps, graphs=graphs))
+        cp_compile.destroy_parallel()
+    return results
+
+
+def _reference(hf_config, state_dict) -> list[Step]:
+    model = example_from_config(hf_config, state_dict)
+    cfg = CPConfig(block_size=BLOCK)
+    cache = cp_compile.allocate_kv_cache(cfg, model.kv_cache_spec(), NUM_BLOCKS)
+    return run_steps(model, layer_caches(cache), cfg.virtual_block_size)
+
+
+def _check_run(rank: int, run: dict, ref: list[Step], layers: int) -> dict[str, float]:
+    """Logits and tokens equal the single-device run; graphs as the config asks.
+    Returns the max |logit diff| per step label."""
+    tol = 1e-4 if run["lowering"] == "inductor" else 1e-5
+    where = f"rank {rank} dsa_cp={run['dsa_cp']} {run['lowering']}"
+    diffs = {}
+    for got, want in zip(run["steps"], ref, strict=True):
+        assert (got.label, got.kind, got.rids) == (want.label, want.kind, want.rids)
+        torch.testing.assert_close(got.last_logits, want.last_logits, atol=tol, rtol=tol,
+                                   msg=lambda m: f"{where} step {got.label}: {m}")
+        assert got.next_tokens == want.next_tokens, f"{where} step {got.label}"
+        diffs[got.label] = (got.last_logits - want.last_logits).abs().max().item()
+    graphs = run["graphs"]
+    if not run["dsa_cp"]:
+        # Plain TP: one graph for every batch, no pass.
+        assert list(graphs) == ["None"] and graphs["None"]["count"] == 1, (where, graphs)
+        assert graphs["None"]["names"] == [[]], where
+        return diffs
+    # One graph per batch kind, each compiled once (no recompile after the warm-up).
+    assert sorted(graphs) == ["decode", "prefill"], (where, graphs)
+    for kind, g in graphs.items():
+        assert g["count"] == 1 and g["batch_kinds"] == [kind], (where, kind, g)
+    assert all("dsa_cp" not in names for names in graphs["decode"]["names"]), where
+    for name, _, _, after in graphs["decode"]["history"]:  # whatever other passes ran: TP layout kept
+        assert _op(after, "cp.lightning_indexer") == _op(after, "cp.sparse_mla_attention") == layers
+        assert _count(after, "all_to_all_single") == 0, (where, name)
+    (rewrites, before, after), = [(r, b, a) for n, r, b, a in graphs["prefill"]["history"] if n == "dsa_cp"]
+    assert rewrites == 2 * layers, where
+    assert _op(before, "cp.lightning_indexer") == _op(before, "cp.sparse_mla_attention") == layers
+    assert _op(after, "cp.lightning_indexer") == _op(after, "cp.sparse_mla_attention") == 0, where
+    assert _count(after, "cp.lightning_indexer_topk_rows") == _count(after, "cp.sparse_mla_rows_attention") == layers
+    # Two all-to-alls per layer (Q in, output back); every key and latent written on every rank.
+    assert _count(after, "all_to_all_single") - _count(before, "all_to_all_single") == 2 * layers
+    assert _count(after, "cp.cache_write") - _count(before, "cp.cache_write") == 2 * layers
+    # The indexer's top-k feeds only its sparse attention here: no top-k all-gather.
+    assert _count(after, "all_gather_into_tensor") == _count(before, "all_gather_into_tensor")
+    return diffs
+
+
+def _run_matrix(runs: list[tuple[bool, str]], world: int = 2) -> dict[tuple[bool, str], dict[str, float]]:
+    hf, sd = _hf()
+    per_rank = run_on_ranks(_world, world, hf.config, sd, runs, timeout=1200)
+    ref = _reference(hf.config, sd)
+    layers = hf.config.num_hidden_layers
+    worst: dict[tuple[bool, str], dict[str, float]] = {}
+    for rank, rank_runs in enumerate(per_rank):
+        for run in rank_runs:
+            diffs = _check_run(rank, run, ref, layers)
+            key = (run["dsa_cp"], run["lowering"])
+            worst[key] = {k: max(v, worst.get(key, {}).get(k, 0.0)) for k, v in diffs.items()}
+    # DSA-CP on and off give the same tokens (each equals the single-device run, checked above).
+    labels = [s.label for s in ref]
+    kinds = {s.label: s.kind for s in ref}
+    print(f"\nDSA-CP tp={world}: max |logit diff| vs single device, per step (kind)")
+    print("| run | " + " | ".join(f"{lb} ({kinds[lb]})" for lb in labels) + " |")
+    for (on, lowering), diffs in sorted(worst.items()):
+        print(f"| dsa_cp={'on' if on else 'off'} {lowering} | "
+              + " | ".join(f"{diffs[lb]:.1e}" for lb in labels) + " |")
+    return worst
+
+
+def test_schedule_covers_every_batch_kind():
+    """The schedule is what the module docstring says (the matrix relies on it)."""
+    hf, sd = _hf()
+    ref = _reference(hf.config, sd)
+    kinds = [(s.label, s.kind) for s in ref]
+    assert kinds == [("prefill", "prefill"), ("decode", "decode"), ("chunk1", "prefill"), ("chunked", "prefill"),
+                     ("mixed", "prefill"), ("decode2", "decode"), ("short", "prefill"), ("decode3", "decode")]
+    assert [s.rids for s in ref][6] == ["G", "H"]  # T = 3: fewer than tp * 2 rows
+    # Every request of steps >= 2 is running when the step is taken (B >= 2, T >= 3).
+    assert min(len(s.rids) for s in ref) >= 2
+
+
+def test_dsa_cp_eager_matches_single_device():
+    """Eager lowering (Dynamo + passes, no Inductor), DSA-CP on and off, tp = 2."""
+    worst = _run_matrix([(True, "eager"), (False, "eager")])
+    assert set(worst) == {(True, "eager"), (False, "eager")}
+
+
+def test_dsa_cp_compiled_matches_single_device():
+    """Inductor, DSA-CP on: the prefill graph token-shards, the decode graph keeps TP."""
+    _run_matrix([(True, "inductor")])
+
+
+@pytest.mark.slow
+def test_dsa_cp_compiled_off_matches_single_device():
+    """Inductor, DSA-CP off (plain TP): the other half of the compiled matrix."""
+    _run_matrix([(False, "inductor")])
+
+
+@pytest.mark.slow
+def test_dsa_cp_eager_tp4_matches_single_device():
+    """tp = 4: the short step's 3 tokens leave rank 3 with padding rows only."""
+    _run_matrix([(True, "eager")], world=4)
+
+
+# --------------------------------------------------------------------- in one process: enablement, config
+
+
+def _ctx(batch_kind, tp: int = 2, **cfg) -> CompileContext:
+    spec = AttentionSpec("sfa", num_heads=8, has_indexer=True)
+    return CompileContext.for_test(CPConfig(tensor_parallel_size=tp, block_size=BLOCK, **cfg), attention=spec,
+                                   batch_kind=batch_kind)
+
+
+def test_pass_enabled_only_in_prefill_graphs_with_dsa_cp():
+    assert DSACPPass.is_enabled(_ctx("prefill", enable_dsa_cp=True))
+    assert not DSACPPass.is_enabled(_ctx("decode", enable_dsa_cp=True))
+    assert not DSACPPass.is_enabled(_ctx(None, enable_dsa_cp=True))  # a single graph for every batch: TP
+    assert not DSACPPass.is_enabled(_ctx("prefill"))
+    assert not DSACPPass.is_enabled(_ctx("prefill", tp=1, enable_dsa_cp=True))
+    mla = CompileContext.for_test(CPConfig(tensor_parallel_size=2, enable_dsa_cp=True),
+                                  attention=AttentionSpec("mla", num_heads=8), batch_kind="prefill")
+    assert not DSACPPass.is_enabled(mla)
+    # The uuid follows the TP rank (the shard) and the batch kind.
+    uuids = {DSACPPass(c).uuid() for c in (_ctx("prefill", enable_dsa_cp=True),
+                                            CompileContext.for_test(_ctx("prefill", enable_dsa_cp=True).config,
+                                                                    rank=1, batch_kind="prefill"))}
+    assert len(uuids) == 2
+
+
+@pytest.mark.parametrize("dcp,pcp", [(2, 1), (1, 2)])
+def test_dsa_cp_with_dcp_or_pcp_is_refused(dcp, pcp):
+    with pytest.raises(ConfigError) as e:
+        CPConfig(tensor_parallel_size=2, decode_context_parallel_size=dcp, prefill_context_parallel_size=pcp,
+                 enable_dsa_cp=True)
+    msg = str(e.value)
+    assert "DSA-CP with DCP / PCP is not built" in e.value.rule
+    assert f"decode_context_parallel_size={dcp}" in msg and f"prefill_context_parallel_size={pcp}" in msg
+    assert "Fix: set enable_dsa_cp=False" in msg
