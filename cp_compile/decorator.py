@@ -36,6 +36,7 @@ from cp_compile.config import AttentionSpec, ConfigError, CPConfig
 from cp_compile.context import RoleBinding, resolve_roles
 from cp_compile.lowering import Lowering, TorchairMode
 from cp_compile.metadata import AttentionMetadata, BatchKind, batch_kind, validate_forward_args
+from cp_compile.ops.pcp_layout import pcp_token_table
 
 M = TypeVar("M", bound=type[nn.Module])
 
@@ -52,6 +53,14 @@ def _mark_dynamic(value: Any) -> None:
                     torch._dynamo.maybe_mark_dynamic(t, d)
 
 
+def _take_tokens(x: torch.Tensor, token_index: torch.Tensor) -> torch.Tensor:
+    """Rows `token_index` of x ([T, ...] -> [T_loc, ...]); zeros where the index is -1
+    (a rank's padding rows: token id 0 at position 0, harmless, never read back)."""
+    rows = x[token_index.clamp(min=0)]  # [T_loc, ...]
+    keep = (token_index >= 0).view(-1, *([1] * (x.dim() - 1)))
+    return torch.where(keep, rows, torch.zeros((), dtype=x.dtype, device=x.device))
+
+
 class CompiledForward:
     """A module's forward compiled with the cp_ascend backend, with dynamic token dims.
 
@@ -61,6 +70,16 @@ class CompiledForward:
     (`metadata.batch_kind`). Dynamo guards each cache entry on its backend, so the
     two graphs never evict or recompile each other. Otherwise `backends` is
     `{None: backend}` and one graph serves every batch.
+
+    PCP (pcp > 1) prefill steps are token-sharded (docs/pcp.md §4): on the host, once
+    per step, `pcp_token_table` gives this rank's token indices ([T_loc], -1 padded);
+    the prefill graph is compiled from a wrapper that takes them as its argument
+    `cp_pcp_token_index` and slices, inside the graph, every dynamic argument whose
+    dim 0 is the step's token count (input_ids, positions) to those rows before calling
+    forward. The metadata stays global. The `pcp_attention` pass rewrites the attention
+    for this rank's tokens and all-gathers the per-token outputs back to global order,
+    so the caller sees the single-device result ([T, ...]). Decode steps run the whole
+    batch on every rank.
     """
 
     def __init__(self, module: nn.Module, forward: Callable[..., Any], dynamic_args: Sequence[str],
@@ -76,6 +95,7 @@ class CompiledForward:
         self.backends: dict[BatchKind | None, CpAscendBackend] = {}
         self._compiled: dict[BatchKind | None, Callable[..., Any]] = {}
         self._validated = False
+        self._pcp_size, self._pcp_rank = 1, 0
         # Check each step's metadata against the caches before the graph runs (outside
         # it; `validate_forward_args`). Set False only for a measured hot path.
         self.validate_inputs = True
@@ -85,11 +105,41 @@ class CompiledForward:
         # ConfigError, not half-way through tracing.
         ctx = self.backend.make_context()
         kinds: tuple[BatchKind | None, ...] = ("decode", "prefill") if ctx.config.graph_per_batch_kind else (None,)
+        self._pcp_size, self._pcp_rank = ctx.pcp.size, ctx.pcp.rank
         for kind in kinds:
             b = self.backend if kind is None else self.backend.for_batch_kind(kind)
             self.backends[kind] = b
-            self._compiled[kind] = torch.compile(self.forward, backend=b, fullgraph=True)
+            fn = self._token_sharded if kind == "prefill" and self._pcp_size > 1 else self.forward
+            self._compiled[kind] = torch.compile(fn, backend=b, fullgraph=True)
         self._validated = True
+
+    def _token_sharded(self, cp_pcp_token_index: torch.Tensor, token_slots: tuple[int | str, ...], *args: Any,
+                       **kwargs: Any) -> Any:
+        """The PCP prefill graph's entry (traced): this rank's rows of the token-dim
+        arguments (positional indices or keyword names in `token_slots`), then forward.
+        The argument name is what `passes.pcp_attention` finds the token indices by."""
+        args_l = list(args)
+        for slot in token_slots:
+            if isinstance(slot, int):
+                args_l[slot] = _take_tokens(args_l[slot], cp_pcp_token_index)
+            else:
+                kwargs[slot] = _take_tokens(kwargs[slot], cp_pcp_token_index)
+        return self.forward(*args_l, **kwargs)
+
+    def _pcp_call(self, compiled: Callable[..., Any], bound: inspect.BoundArguments) -> Any:
+        """Run a PCP prefill step: this rank's token indices (host, once per step),
+        then the token-sharded graph on the global arguments."""
+        meta = next(v for v in bound.arguments.values() if isinstance(v, AttentionMetadata))
+        T = meta.num_tokens
+        table = pcp_token_table(meta.query_start_loc, T, pcp=self._pcp_size)  # [pcp, T_loc], host sync
+        token_index = table[self._pcp_rank].contiguous()  # [T_loc]
+        names = [n for n in self.dynamic_args if isinstance(bound.arguments.get(n), torch.Tensor)
+                 and bound.arguments[n].dim() >= 1 and bound.arguments[n].shape[0] == T]
+        args, kwargs = bound.args, dict(bound.kwargs)
+        params = list(self.signature.parameters)
+        slots = tuple(params.index(n) if n not in kwargs else n for n in names)
+        _mark_dynamic(token_index)
+        return compiled(token_index, slots, *args, **kwargs)
 
     def batch_kind_of(self, arguments: dict[str, Any]) -> BatchKind | None:
         """The graph a step runs in: None when one graph serves every batch."""
@@ -109,7 +159,8 @@ class CompiledForward:
         if self.validate_inputs:
             # Global metadata: every rank refuses the same step, before any collective.
             validate_forward_args(bound.arguments, backend=self.backend)
-        compiled = self._compiled[self.batch_kind_of(bound.arguments)]
+        kind = self.batch_kind_of(bound.arguments)
+        compiled = self._compiled[kind]
         for name in self.dynamic_args:
             if name in bound.arguments:
                 _mark_dynamic(bound.arguments[name])
@@ -117,6 +168,8 @@ class CompiledForward:
         # equality between them, or the next mixed batch would recompile.
         with torch.fx.experimental._config.patch(use_duck_shape=False):
             try:
+                if kind == "prefill" and self._pcp_size > 1:
+                    return self._pcp_call(compiled, bound)
                 return compiled(*args, **kwargs)
             except torch._dynamo.exc.BackendCompilerFailed as e:
                 if isinstance(e.inner_exception, ConfigError):  # torch versions that wrap it

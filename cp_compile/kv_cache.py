@@ -2,7 +2,10 @@
 
 With DCP every rank holds `block_size` tokens of each virtual block of
 `block_size * dcp`: for the same number of blocks (the same token capacity) the
-per-rank cache is exactly 1/dcp of the dcp = 1 allocation. The lightning-indexer
+per-rank cache is exactly 1/dcp of the dcp = 1 allocation. With PCP the cache is
+sharded over all pcp * dcp ranks that share a KV head (the context-parallel group,
+docs/pcp.md §2): virtual blocks of `block_size * pcp * dcp` tokens
+(`CPConfig.virtual_block_size`), 1/(pcp*dcp) per rank. The lightning-indexer
 cache is the exception: it is replicated (full virtual blocks) so top-k selection
 sees the whole sequence (docs/architecture.md §6).
 """
@@ -72,31 +75,35 @@ def _layout(cfg: CPConfig, spec: KVCacheSpec, num_blocks: int, dtype: torch.dtyp
 
 
 def check_dcp_layout(cfg: CPConfig, spec: KVCacheSpec, num_blocks: int, dtype: torch.dtype) -> None:
-    """One all-gather over this rank's DCP group: every rank must hold the same cache
-    layout (kind, KV heads or latent dims, pages, dtype). A mismatch raises
-    `ConfigError` on every rank of the group (they all see all layouts), before any
-    step could merge partials of different heads. No-op without DCP."""
+    """One all-gather over this rank's context-parallel group (the DCP group at
+    pcp = 1, the pcp * dcp ranks sharing its KV heads under PCP): every rank must hold
+    the same cache layout (kind, KV heads or latent dims, pages, dtype). A mismatch
+    raises `ConfigError` on every rank of the group (they all see all layouts), before
+    any step could merge partials of different heads. No-op when pcp * dcp == 1."""
     from cp_compile.parallel_state import parallel_state_or_none
 
     state = parallel_state_or_none()
-    if state is None or cfg.dcp == 1:
+    n = cfg.context_parallel_size
+    if state is None or n == 1:
         return
     import torch.distributed as dist
 
     mine = _layout(cfg, spec, num_blocks, dtype)
-    layouts: list[Any] = [None] * cfg.dcp
-    dist.all_gather_object(layouts, mine, group=state.dcp_group)
-    ranks = dist.get_process_group_ranks(state.dcp_group)
+    layouts: list[Any] = [None] * n
+    group = state.context_group
+    dist.all_gather_object(layouts, mine, group=group)
+    ranks = dist.get_process_group_ranks(group)
     ref = layouts[0]
     for r, other in enumerate(layouts[1:], start=1):
         diff = {k: (ref[k], other[k]) for k in ref if ref[k] != other[k]}
         if diff:
-            shown = ", ".join(f"{k}: DCP rank 0 (global {ranks[0]}) has {a!r}, DCP rank {r} (global {ranks[r]}) "
+            shown = ", ".join(f"{k}: CP rank 0 (global {ranks[0]}) has {a!r}, CP rank {r} (global {ranks[r]}) "
                               f"has {b!r}" for k, (a, b) in diff.items())
             fix = ("DCP ranks must share KV heads: choose tp, num_kv_heads and dcp so that dcp divides "
                    "tp // num_kv_heads (cfg.validate_for(model.attention_spec()))" if "kv_head_ids" in diff else
                    "allocate the cache with the same config, model spec, num_blocks and dtype on every rank")
-            raise ConfigError("the ranks of a DCP group hold the same KV-cache layout", shown, fix)
+            raise ConfigError("the ranks of a DCP group hold the same KV-cache layout "
+                              "(the pcp * dcp ranks of the context-parallel group under PCP)", shown, fix)
 
 
 def allocate_kv_cache(cfg: CPConfig, spec: KVCacheSpec, num_blocks: int,
@@ -104,11 +111,12 @@ def allocate_kv_cache(cfg: CPConfig, spec: KVCacheSpec, num_blocks: int,
                       attention: AttentionSpec | None = None, check_layout: bool = True) -> KVCache:
     """Allocate this rank's shard: `num_blocks` pages of `cfg.block_size` tokens per layer.
 
-    The token capacity of the whole DCP group is `num_blocks * block_size * dcp`.
+    The token capacity of the whole context-parallel group is
+    `num_blocks * block_size * pcp * dcp` (`cfg.virtual_block_size` per block).
     Pass `attention` to validate the config against the model first.
 
-    With DCP on an initialised parallel state (cfg.dcp > 1) this is collective over
-    the DCP group: every rank of the group must call it, and the ranks compare their
+    With DCP or PCP on an initialised parallel state (pcp * dcp > 1) this is collective
+    over the context-parallel group: every rank of the group must call it, and the ranks compare their
     cache layouts (`check_dcp_layout`, one small all-gather) so that a group holding
     different KV heads fails here with `ConfigError` on every rank instead of merging
     the wrong partials later. `check_layout=False` skips it (meta-device allocations,
@@ -121,12 +129,12 @@ def allocate_kv_cache(cfg: CPConfig, spec: KVCacheSpec, num_blocks: int,
     from cp_compile.parallel_state import parallel_state_or_none
 
     state = parallel_state_or_none()
-    if state is not None and cfg.dcp > 1:
+    if state is not None and cfg.context_parallel_size > 1:
         mismatch = {k: (getattr(cfg, k), getattr(state.cfg, k)) for k in
-                    ("tensor_parallel_size", "decode_context_parallel_size", "cp_kv_cache_interleave_size",
-                     "block_size") if getattr(cfg, k) != getattr(state.cfg, k)}
+                    ("tensor_parallel_size", "decode_context_parallel_size", "prefill_context_parallel_size",
+                     "cp_kv_cache_interleave_size", "block_size") if getattr(cfg, k) != getattr(state.cfg, k)}
         if mismatch:
-            raise ConfigError("allocate_kv_cache config == init_parallel config (DCP)",
+            raise ConfigError("allocate_kv_cache config == init_parallel config (DCP / PCP)",
                               ", ".join(f"{k}={a} here but {b} in init_parallel" for k, (a, b) in mismatch.items()),
                               "allocate the DCP cache with the CPConfig passed to cp_compile.init_parallel")
         if spec.kind == "gqa" and not spec.kv_head_ids and attention is not None:
@@ -150,8 +158,9 @@ def allocate_kv_cache(cfg: CPConfig, spec: KVCacheSpec, num_blocks: int,
                 raise ValueError("MLA cache needs latent_dim >= 1 (kv_lora_rank + rope dim)")
             layers.append((torch.zeros(num_blocks, bs, spec.latent_dim, dtype=dtype, device=device),))
             if spec.kind == "sfa":
-                # Replicated: full virtual blocks of block_size * dcp tokens on every rank.
-                replicated.append(torch.zeros(num_blocks, bs * cfg.dcp, spec.index_dim, dtype=dtype, device=device))
+                # Replicated: full virtual blocks of block_size * pcp * dcp tokens on every rank.
+                replicated.append(torch.zeros(num_blocks, cfg.virtual_block_size, spec.index_dim, dtype=dtype,
+                                              device=device))
         else:
             raise ValueError(f"unknown cache kind {spec.kind!r}; use 'gqa', 'mla' or 'sfa'")
     return KVCache(layers=layers, block_size=bs, num_blocks=num_blocks, replicated=replicated)

@@ -1,8 +1,10 @@
 """Global attention metadata, its validation, and a simple block allocator (docs/architecture.md §4).
 
 The metadata is what one device would see: identical on every rank. Block ids
-name *virtual* blocks of `block_size * dcp` tokens; each rank's page with the same
-id holds its `block_size` of them, so block tables need no localisation.
+name *virtual* blocks of `block_size * pcp * dcp` tokens (`CPConfig.virtual_block_size`:
+the cache is sharded over the pcp * dcp ranks of the context-parallel group); each
+rank's page with the same id holds its `block_size` of them, so block tables need no
+localisation. The `dcp` arguments below are that shard count (pcp * dcp under PCP).
 
 Validation (`validate_metadata`, `AttentionMetadata.validate`, `validate_step`)
 runs before any cache write. It reads only the global metadata and the cache
@@ -95,7 +97,8 @@ def validate_metadata(meta: AttentionMetadata, *, num_blocks: int, block_size: i
     """Every check a step needs before it writes a cache; `MetadataError` on the first failure.
 
     num_blocks: pages per layer cache (the block-id range); block_size: tokens per
-    page on this rank; dcp: DCP size (a block id covers block_size * dcp tokens);
+    page on this rank; dcp: ranks a block is sharded over, pcp * dcp (a block id covers
+    block_size * dcp tokens);
     num_tokens: the step's token count (input_ids / q rows) when known.
 
     Checks, in order: field types and dtypes (int32/int64), shapes, a non-empty
@@ -266,15 +269,16 @@ def validate_step(meta: AttentionMetadata, kv_caches: Sequence[Sequence[torch.Te
     """Validate one step's metadata against this rank's caches before anything is written.
 
     kv_caches: one tuple of cache tensors per layer, each [num_blocks, block_size, ...]
-    (this rank's shard). dcp defaults to the initialised parallel state's (1 without
-    one). Run on every rank: the verdict depends only on global data, so all ranks
+    (this rank's shard). dcp: ranks a virtual block is spread over; defaults to the
+    initialised parallel state's pcp * dcp (1 without one). Run on every rank: the
+    verdict depends only on global data, so all ranks
     refuse the same step before any collective.
     """
     if dcp is None:
         from cp_compile.parallel_state import parallel_state_or_none
 
         state = parallel_state_or_none()
-        dcp = state.cfg.dcp if state is not None else 1
+        dcp = state.cfg.context_parallel_size if state is not None else 1
     num_blocks, block_size, device = _cache_geometry(kv_caches)
     sm = meta.slot_mapping
     if isinstance(sm, torch.Tensor) and sm.device != device:
@@ -296,7 +300,7 @@ def _check_count(name: str, value: Any, minimum: int) -> int:
 class BlockAllocator:
     """Hands out virtual block ids for requests; frees them when requests finish.
 
-    `block_tokens` is the virtual block size (block_size * dcp). Running out of
+    `block_tokens` is the virtual block size (block_size * pcp * dcp). Running out of
     blocks raises `CapacityError` instead of reusing a live block. Every operation
     is transactional: one that raises leaves the allocator exactly as it was, and
     `transaction()` extends that to a group of operations (a whole batch).

@@ -3,6 +3,11 @@
 Ranks are laid out as world = pcp x tp: TP group g is ranks [g*tp, (g+1)*tp); DCP
 groups are consecutive runs of `dcp` ranks inside each TP group (so GQA DCP ranks
 share KV heads); PCP groups join the ranks with the same TP rank across TP groups.
+The context-parallel (CP) group joins the pcp * dcp ranks that share this rank's KV
+heads, ascending, so its group rank is the cp rank `pcp_rank * dcp + dcp_rank`
+(docs/pcp.md §2): the KV cache is sharded over it, and decode graphs at pcp > 1 run
+the DCP attention over it (N = pcp * dcp). At pcp = 1 it is the DCP group, at
+dcp = 1 the PCP group (no extra group is created for those).
 Works on a world set up by `torchrun` (env://) or by the test harness.
 
 Every group gets a bounded timeout (`init_parallel(timeout=...)`, else the
@@ -38,6 +43,11 @@ class ParallelState:
     pcp_group: dist.ProcessGroup
     pcp_rank: int
     timeout_s: float = 0.0  # collective timeout of the TP / DCP / PCP groups
+    # The pcp * dcp ranks sharing this rank's KV heads (the KV cache is sharded over
+    # them); group rank == cp_rank = pcp_rank * dcp + dcp_rank. None only for states
+    # built by hand without it (then it is the DCP group: pcp = 1).
+    cp_group: dist.ProcessGroup | None = None
+    cp_rank: int = 0
 
     @property
     def tp_size(self) -> int:
@@ -55,6 +65,20 @@ class ParallelState:
     @property
     def tp_group_name(self) -> str:
         return self.tp_group.group_name
+
+    @property
+    def cp_size(self) -> int:
+        """Ranks one request's KV cache is sharded over: pcp * dcp."""
+        return self.cfg.context_parallel_size
+
+    @property
+    def context_group(self) -> dist.ProcessGroup:
+        """The CP group (the DCP group when none was recorded, i.e. pcp = 1)."""
+        return self.cp_group if self.cp_group is not None else self.dcp_group
+
+    @property
+    def cp_group_name(self) -> str:
+        return self.context_group.group_name
 
 
 _STATE: ParallelState | None = None
@@ -148,10 +172,27 @@ def init_parallel(cfg: CPConfig, device: torch.device | str | None = None,
         if rank in pranks:
             pcp_group = pgrp
     assert tp_group is not None and dcp_group is not None and pcp_group is not None
+    # CP group: the pcp*dcp ranks holding the same KV heads, ascending (world ranks are
+    # pcp-major and DCP ranks consecutive inside a TP group, so the index in this list
+    # is pcp_rank * dcp + dcp_rank). Same ranks as the DCP group at pcp = 1 and as the
+    # PCP group at dcp = 1: reuse those instead of creating a duplicate.
+    if pcp == 1:
+        cp_group = dcp_group
+    elif dcp == 1:
+        cp_group = pcp_group
+    else:
+        cp_group = None
+        for d in range(tp // dcp):
+            cranks = [g * tp + d * dcp + j for g in range(pcp) for j in range(dcp)]
+            cgrp = dist.new_group(cranks, timeout=pg_timeout)
+            if rank in cranks:
+                cp_group = cgrp
+    assert cp_group is not None
+    pcp_rank, dcp_rank = rank // tp, (rank % tp) % dcp
     _STATE = ParallelState(cfg=cfg, rank=rank, world_size=world, device=device, backend=backend,
                            tp_group=tp_group, tp_rank=rank % tp, dcp_group=dcp_group,
-                           dcp_rank=(rank % tp) % dcp, pcp_group=pcp_group, pcp_rank=rank // tp,
-                           timeout_s=timeout_s)
+                           dcp_rank=dcp_rank, pcp_group=pcp_group, pcp_rank=pcp_rank,
+                           timeout_s=timeout_s, cp_group=cp_group, cp_rank=pcp_rank * dcp + dcp_rank)
     return _STATE
 
 
@@ -169,7 +210,7 @@ def destroy_parallel(destroy_process_group: bool = False) -> None:
     """Forget the current groups (and optionally tear down torch.distributed)."""
     global _STATE
     if _STATE is not None:
-        for grp in {_STATE.tp_group, _STATE.dcp_group, _STATE.pcp_group}:
+        for grp in {_STATE.tp_group, _STATE.dcp_group, _STATE.pcp_group, _STATE.context_group}:
             dist.destroy_process_group(grp)
     _STATE = None
     if destroy_process_group and dist.is_initialized():

@@ -96,8 +96,10 @@ def restore_order(gathered_index: torch.Tensor, num_tokens: int) -> torch.Tensor
     order (-1 padded). Tokens no rank holds (global padding) map to row 0: their slot
     is -1 and no request reads them, so the row is never used.
     """
-    n = gathered_index.shape[0]
-    dest = torch.where(gathered_index >= 0, gathered_index, torch.full_like(gathered_index, num_tokens))
+    # Written for graph passes too (num_tokens may be a traced size): sizes only, no
+    # size used as a value. Slot 0 of the buffer collects every -1 (padding) entry.
+    g = gathered_index.long()
+    rows = torch.ones_like(g).cumsum(0) - 1  # [n]: 0..n-1
     inv = torch.zeros(num_tokens + 1, dtype=torch.int64, device=gathered_index.device)
-    inv = inv.scatter(0, dest.long(), torch.arange(n, device=gathered_index.device, dtype=torch.int64))
-    return inv[:num_tokens]
+    inv = inv.scatter(0, g + 1, rows)
+    return inv[1:]

@@ -103,8 +103,12 @@ class _Step:
                                     torch.zeros_like(self.token_index)).to(torch.int32)  # [T_loc]
         # The gathered new tokens as a paged "cache" of block size 1, in global order:
         # request b's new token j is row qsl[b] + j. Width T keeps the shape static.
-        cols = torch.arange(T, device=slot_mapping.device, dtype=torch.int64)
-        self.new_table = (qsl[:-1, None] + cols[None, :]).clamp(max=T - 1).to(torch.int32)  # [B, T]
+        cols = torch.arange(T, device=slot_mapping.device, dtype=torch.int64)  # [T]
+        # Clamped by a tensor (cols[-1] = T-1), not a Python number: under a graph pass
+        # T is a traced size, which must not be baked in as a constant.
+        self.new_table = torch.minimum(qsl[:-1, None] + cols[None, :], cols[-1]).to(torch.int32)  # [B, T]
+        # Real global tokens (not batch padding): the rows an output restore keeps.
+        self.real = cols < qsl[-1]  # [T]
 
 
 def _context_part(part_out: Tensor, part_lse: Tensor, step: _Step, ctx: PCPContext, heads: int, v_dim: int,
@@ -124,7 +128,7 @@ def _context_part(part_out: Tensor, part_lse: Tensor, step: _Step, ctx: PCPConte
     scaled, total = rescaled[0], rescaled[1]  # [T, H, Dv] fp32, [T, H] fp32
     rows = step.gathered_index.clamp(min=0)
     keep = (step.gathered_index >= 0)[:, None, None]
-    send = torch.where(keep, scaled[rows], torch.zeros((), dtype=torch.float32))  # [pcp*T_loc, H, Dv]
+    send = torch.where(keep, scaled[rows], 0.0)  # [pcp*T_loc, H, Dv]
     mine = _c10d.wait_tensor.default(_c10d.reduce_scatter_tensor.default(
         send.to(dtype).contiguous(), "sum", ctx.pcp, ctx.pcp_group_name))  # [T_loc, H, Dv]
     return mine, total[step.token_index.clamp(min=0)]
@@ -133,7 +137,7 @@ def _context_part(part_out: Tensor, part_lse: Tensor, step: _Step, ctx: PCPConte
 def _finish(ctx_out: Tensor, ctx_lse: Tensor, new_out: Tensor, new_lse: Tensor, step: _Step,
             dtype: torch.dtype) -> Tensor:
     merged = _cp.lse_combine.default(torch.stack([ctx_out, new_out]), torch.stack([ctx_lse, new_lse]))[0]
-    return torch.where(step.valid[:, None, None], merged, torch.zeros((), dtype=merged.dtype)).to(dtype)
+    return torch.where(step.valid[:, None, None], merged, 0.0).to(dtype)
 
 
 def pcp_step(ctx: PCPContext, token_index: Tensor, slot_mapping: Tensor, query_start_loc: Tensor,
@@ -141,6 +145,20 @@ def pcp_step(ctx: PCPContext, token_index: Tensor, slot_mapping: Tensor, query_s
     """Once per forward: the PCP metadata every layer of this rank shares (one small
     all-gather of the token indices)."""
     return _Step(ctx, token_index, slot_mapping, query_start_loc, seq_lens)
+
+
+def pcp_restore_tokens(x: Tensor, step: _Step, ctx: PCPContext) -> Tensor:
+    """This rank's token rows of a per-token tensor -> every global token, on every
+    PCP rank: x [T_loc, ...] (rows in `step.token_index` order) -> [T, ...] in global
+    order, zeros on batch-padding tokens (no rank computes them).
+
+    One all-gather over PCP (rank-major), then the rows are put back in global order
+    with the indices `pcp_step` gathered once. The graph pass applies it to the
+    outputs of a token-sharded prefill graph (e.g. the logits).
+    """
+    glob = _gather_tokens(x, ctx)[step.inv]  # [T, ...]
+    flat = glob.unsqueeze(-1).flatten(1)  # [T, prod(...)]: no rank read off a traced value
+    return torch.where(step.real[:, None], flat, 0).view_as(glob)
 
 
 def pcp_gqa_attention(q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, slot_mapping: Tensor,

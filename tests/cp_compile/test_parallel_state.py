@@ -20,6 +20,9 @@ def _groups(rank: int, world: int, cfgs: list[cp_compile.CPConfig]) -> list[dict
         out.append(dict(tp=dist.get_process_group_ranks(st.tp_group),
                         dcp=dist.get_process_group_ranks(st.dcp_group),
                         pcp=dist.get_process_group_ranks(st.pcp_group),
+                        cp=dist.get_process_group_ranks(st.context_group), cp_rank=st.cp_rank,
+                        cp_group_rank=dist.get_rank(st.context_group),
+                        ctx_cp=cp_compile.context.CompileContext.from_state(st).cp,
                         tp_rank=st.tp_rank, dcp_rank=st.dcp_rank, pcp_rank=st.pcp_rank,
                         dcp_sum=t.item(), backend=st.backend))
         cp_compile.destroy_parallel()
@@ -46,15 +49,24 @@ def _hang(rank: int, world: int) -> None:
 def test_groups_on_four_ranks():
     cfgs = [cp_compile.CPConfig(tensor_parallel_size=4, decode_context_parallel_size=2),
             cp_compile.CPConfig(tensor_parallel_size=4, decode_context_parallel_size=4),
-            cp_compile.CPConfig(tensor_parallel_size=2, prefill_context_parallel_size=2)]
+            cp_compile.CPConfig(tensor_parallel_size=2, prefill_context_parallel_size=2),
+            cp_compile.CPConfig(tensor_parallel_size=2, decode_context_parallel_size=2,
+                                prefill_context_parallel_size=2)]
     res = run_on_ranks(_groups, 4, cfgs)
     for rank, per_cfg in enumerate(res):
-        a, b, c = per_cfg
+        a, b, c, d = per_cfg
         assert a["tp"] == [0, 1, 2, 3] and a["dcp"] == ([0, 1] if rank < 2 else [2, 3])
         assert a["dcp_rank"] == rank % 2 and a["dcp_sum"] == sum(a["dcp"]) and a["backend"] == "gloo"
         assert b["dcp"] == [0, 1, 2, 3] and b["dcp_rank"] == rank
         assert c["tp"] == ([0, 1] if rank < 2 else [2, 3]) and c["pcp"] == [rank % 2, rank % 2 + 2]
         assert c["tp_rank"] == rank % 2 and c["pcp_rank"] == rank // 2 and c["dcp"] == [rank]
+        # The context-parallel group: the pcp * dcp ranks sharing this rank's KV heads, group rank ==
+        # cp rank == pcp_rank * dcp + dcp_rank (docs/pcp.md §2); the DCP group at pcp = 1.
+        assert a["cp"] == a["dcp"] and a["cp_rank"] == a["dcp_rank"] == a["cp_group_rank"]
+        assert c["cp"] == c["pcp"] and c["cp_rank"] == c["pcp_rank"] == c["cp_group_rank"]
+        assert d["cp"] == [0, 1, 2, 3] and d["cp_rank"] == d["cp_group_rank"] == rank
+        assert d["cp_rank"] == d["pcp_rank"] * 2 + d["dcp_rank"]
+        assert (d["ctx_cp"].size, d["ctx_cp"].rank) == (4, rank) and d["ctx_cp"].name
 
 
 def test_world_size_mismatch_is_config_error():

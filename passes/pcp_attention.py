@@ -1,0 +1,192 @@
+"""PCP attention pass: token-shard a prefill graph over the PCP group (docs/pcp.md §4).
+
+Runs on prefill graphs at prefill_context_parallel_size > 1 (`ctx.batch_kind ==
+"prefill"`; decode graphs keep every token on every rank and run `dcp_attention` over
+the pcp * dcp ranks of the cache instead).
+
+What the graph looks like when it gets here. At pcp > 1 the compiled entry
+(`decorator.CompiledForward`) compiles prefill steps through a wrapper that takes this
+rank's token indices as an extra argument named `TOKEN_INDEX_ARG` ([T_loc] int64,
+ascending, -1 padded: row `pcp_rank` of `ops.pcp_layout.pcp_token_table`, computed on
+the host once per step) and slices the model's token-dim arguments (input_ids,
+positions) to those rows *inside the graph*, before calling the model. So the model
+is traced on T_loc tokens while its metadata stays global (T tokens), and the token
+indices are a graph input with a use, which is how this pass finds them.
+
+What the pass does:
+1. every `cp::gqa_paged_attention` / `cp::mla_attention` becomes `pcp_gqa_attention` /
+   `pcp_mla_attention` (cp_compile/parallel/pcp.py), with one `pcp_step` per graph
+   (per distinct metadata) shared by the layers, like `localize` in dcp_attention;
+2. every graph output whose dim 0 is the local token count (T_loc) is put back in
+   global order on every rank: one all-gather over PCP and a row permutation with the
+   token indices `pcp_step` gathered (`pcp_restore_tokens`), zeros on batch padding.
+   The caller gets [T, ...] exactly as from one device (logits of every token); a
+   sampler that reads only the last token of each request could gather less (not
+   built: the graph cannot know which outputs the caller reads).
+
+Symbolic sizes: the compositions use the global token count T (e.g. `arange(T)`).
+Under a graph pass T is a traced size, so the proxies this pass hands them answer
+`.shape` with `aten.sym_size` nodes for symbolic dims (`SizedProxy`): the rewritten
+graph computes its sizes at run time instead of baking in the traced ones.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.fx as fx
+from torch.fx.experimental.symbolic_shapes import is_concrete_int
+
+from cp_compile.config import ConfigError
+from cp_compile.context import CompileContext
+from cp_compile.parallel import pcp as pcp_compose
+from cp_compile.passes.base import CPPass
+from cp_compile.passes.dcp_attention import AttentionPattern
+from cp_compile.passes.fx_utils import ShapedProxy, fake_value
+
+# The argument name the compiled entry gives this rank's token indices (decorator.py).
+TOKEN_INDEX_ARG = "cp_pcp_token_index"
+
+
+class SizedProxy(ShapedProxy):
+    """A ShapedProxy whose symbolic dims are graph nodes (`aten.sym_size.int`), so
+    size arithmetic in a composition stays symbolic in the rewritten graph; static
+    dims are ints. `.device` comes from the fake value (a graph is per device)."""
+
+    @property
+    def shape(self) -> tuple[Any, ...]:  # type: ignore[override]
+        dims: list[Any] = []
+        for d, s in enumerate(self._fake().shape):
+            if isinstance(s, torch.SymInt) and not is_concrete_int(s):
+                dims.append(self.tracer.create_proxy("call_function", torch.ops.aten.sym_size.int, (self, d), {}))
+            else:
+                dims.append(int(s))
+        return tuple(dims)
+
+    @property
+    def device(self) -> torch.device:  # type: ignore[override]
+        return self._fake().device
+
+
+class PCPGQAPattern(AttentionPattern):
+    op = torch.ops.cp.gqa_paged_attention
+    composition = staticmethod(pcp_compose.pcp_gqa_attention)
+
+
+class PCPMLAPattern(AttentionPattern):
+    op = torch.ops.cp.mla_attention
+    composition = staticmethod(pcp_compose.pcp_mla_attention)
+
+
+def _same_size(a: Any, b: Any) -> bool:
+    """Whether two sizes are the same size *structurally* (the same symbol, or equal
+    ints); comparing SymInts with == would add a guard to the shape environment."""
+    if isinstance(a, torch.SymInt) and isinstance(b, torch.SymInt):
+        return a.node.expr == b.node.expr
+    if isinstance(a, torch.SymInt) or isinstance(b, torch.SymInt):
+        return False
+    return int(a) == int(b)
+
+
+def token_index_placeholder(gm: fx.GraphModule) -> fx.Node | None:
+    """The graph input carrying this rank's token indices (see module docstring)."""
+    for node in gm.graph.nodes:
+        # Dynamo also lifts the tensor's symbolic sizes as placeholders of the same source.
+        if node.op != "placeholder" or not isinstance(fake_value(node), torch.Tensor):
+            continue
+        source = getattr(node.meta.get("grapharg"), "source", None)
+        name = source.name if source is not None else str(node.target)
+        if TOKEN_INDEX_ARG in str(name) or TOKEN_INDEX_ARG in str(node.target):
+            return node
+    return None
+
+
+class PCPAttentionPass(CPPass):
+    """Token-shard a prefill graph over PCP (see module docstring)."""
+
+    name = "pcp_attention"
+    patterns: tuple[AttentionPattern, ...] = (PCPGQAPattern(), PCPMLAPattern())
+    handles = tuple(p.op for p in patterns)
+    enabled_when = "prefill_context_parallel_size > 1 (prefill graphs)"
+    emits_from = ("cp_compile.parallel.pcp", "cp_compile.parallel.dcp", "cp_compile.ops.pcp_layout",
+                  "cp_compile.ops.layout")
+
+    def __init__(self, ctx: CompileContext) -> None:
+        super().__init__(ctx)
+        self.pcp = ctx.pcp_view()
+
+    @classmethod
+    def is_enabled(cls, ctx: CompileContext) -> bool:
+        return ctx.pcp.size > 1 and ctx.batch_kind != "decode"
+
+    def config_values(self) -> dict[str, Any]:
+        return dict(self.pcp.__dict__, batch_kind=self.ctx.batch_kind)
+
+    def _refuse(self, problem: str) -> ConfigError:
+        return ConfigError("PCP prefill graphs come from the compiled entry (one graph per batch kind)",
+                           f"{problem} with {self.ctx.describe()}",
+                           "compile the model with cp_compile.compile_model or @cp_compile.cp_module (they shard "
+                           "the prefill tokens per step and pick the decode or prefill graph); a plain "
+                           "torch.compile(backend='cp_ascend') serves only prefill_context_parallel_size=1")
+
+    def __call__(self, gm: fx.GraphModule) -> int:
+        graph = gm.graph
+        if self.ctx.batch_kind is None:
+            raise self._refuse("a graph serving every batch kind")
+        ti = token_index_placeholder(gm)
+        if ti is None:
+            raise self._refuse(f"a prefill graph without the `{TOKEN_INDEX_ARG}` input")
+        tracer = fx.proxy.GraphAppendingTracer(graph)
+        wrap = lambda a: fx.map_arg(a, lambda n: SizedProxy(n, tracer))  # noqa: E731
+        steps: dict[tuple[fx.Node, ...], Any] = {}
+        count = 0
+        for node in list(graph.nodes):
+            pattern = next((p for p in self.patterns if p.matches(node)), None)
+            if pattern is None:
+                continue
+            args = pattern.bind(node)
+            key = (args["slot_mapping"], args["query_start_loc"], args["seq_lens"])
+            with graph.inserting_before(node):
+                if key not in steps:
+                    # Once per graph (per distinct metadata): the token-index gather and
+                    # the cache localisation every layer shares.
+                    steps[key] = pcp_compose.pcp_step(self.pcp, wrap(ti), *(wrap(k) for k in key))
+                out = pattern.composition(**{k: wrap(v) for k, v in args.items()}, token_index=wrap(ti),
+                                          ctx=self.pcp, step=steps[key])
+            node.replace_all_uses_with(out.node)
+            graph.erase_node(node)
+            count += 1
+        count += self._restore_outputs(gm, ti, next(iter(steps.values()), None), wrap)
+        if count:
+            # No dead-code elimination: the cache writes have no users by design.
+            graph.lint()
+            gm.recompile()
+        return count
+
+    def _restore_outputs(self, gm: fx.GraphModule, ti: fx.Node, step: Any, wrap: Any) -> int:
+        """Outputs with T_loc rows -> T rows in global order (module docstring, 2.)."""
+        graph = gm.graph
+        out_node = next(n for n in reversed(graph.nodes) if n.op == "output")
+        t_loc = fake_value(ti).shape[0]
+        restored: dict[fx.Node, fx.Node] = {}
+
+        def per_token(n: fx.Node) -> bool:
+            val = fake_value(n)
+            return isinstance(val, torch.Tensor) and val.dim() >= 1 and _same_size(val.shape[0], t_loc)
+
+        def restore(n: fx.Node) -> fx.Node:
+            if n is ti or not per_token(n):
+                return n
+            if n not in restored:
+                if step is None:
+                    raise ConfigError("a PCP prefill graph has attention (its token order comes from it)",
+                                      f"output {n.name} has a row per local token but the graph has no "
+                                      f"cp.gqa_paged_attention / cp.mla_attention node",
+                                      "run models without attention at prefill_context_parallel_size=1")
+                with graph.inserting_before(out_node):
+                    restored[n] = pcp_compose.pcp_restore_tokens(wrap(n), step, self.pcp).node
+            return restored[n]
+
+        out_node.args = fx.map_arg(out_node.args, restore)
+        return len(restored)

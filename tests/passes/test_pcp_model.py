@@ -1,0 +1,181 @@
+"""PCP at model level on real gloo ranks: the compiled example models == one device.
+
+HF tiny Qwen3 (GQA) and DeepSeek-V3 (MLA) weights through the example models,
+compiled with `cp_compile.compile_model` at prefill_context_parallel_size = 2. The
+schedule (`STEPS`) has prefill steps (odd lengths, a request shorter than 2 * pcp, a
+1-token request beside them, batch padding), a chunked prefill on a cached prefix,
+decode steps on the same cache, and a request that joins late (a mixed batch).
+Prefill steps run the token-sharded prefill graph (`pcp_attention` pass), decode
+steps the decode graph (`dcp_attention` over the pcp * dcp ranks of the cache).
+
+Checked on every rank: every step's last-token logits (1e-4) and greedy tokens equal
+the single-device eager model's; the decode graph reads the cache tensors the PCP
+prefill wrote (same tensors, data pointers unchanged) and this rank's cache shard
+holds exactly the tokens the single-device cache holds at the slots the layout gives
+this cp rank (so nothing was copied or re-laid out between prefill and decode); each
+kind compiled its own graph with the expected passes.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+import cp_compile
+from cp_compile.kv_cache import tp_kv_head_ids
+from cp_compile.testing.multirank import run_on_ranks
+from examples.models.tiny import VOCAB, example_from_config, hf_deepseek_v3, hf_qwen3
+
+BLOCK = 4
+NUM_BLOCKS = 12
+PAD = 2  # padding tokens per step (a graph-mode runtime pads to a captured size)
+
+# Prompts (token ids drawn per request id); each step lists (request id, new tokens):
+# None = all not-yet-run tokens of the prompt, or 1 generated token once the prompt is done.
+PROMPT_LENS = {0: 9, 1: 3, 2: 12, 3: 1, 4: 5}
+STEPS: list[list[tuple[int, int | None]]] = [
+    [(0, None), (1, None), (2, 5), (3, None)],  # prefill: 9 (odd), 3 (< 2*pcp), 5 of 12, 1
+    [(0, None), (1, None), (2, None), (3, None)],  # chunked prefill: 7 more of request 2 on its 5 cached
+    [(0, None), (1, None), (2, None), (3, None)],  # decode
+    [(0, None), (2, None), (4, None)],  # request 4 joins (5 tokens) beside decodes; 1 and 3 left
+    [(0, None), (2, None), (4, None)],  # decode
+]
+
+
+def _prompts() -> dict[int, list[int]]:
+    g = torch.Generator().manual_seed(0)
+    return {r: torch.randint(0, VOCAB, (n,), generator=g).tolist() for r, n in PROMPT_LENS.items()}
+
+
+def run_steps(forward, kv_layers, cfg: cp_compile.CPConfig) -> list[dict]:
+    """Greedy steps of `STEPS` through forward(input_ids, positions, kv_layers, meta)."""
+    alloc = cp_compile.BlockAllocator(NUM_BLOCKS, cfg.virtual_block_size)
+    tokens = _prompts()
+    done: dict[int, int] = {r: 0 for r in tokens}  # tokens of each request already in the cache
+    out = []
+    for step in STEPS:
+        rids, reqs, ids = [], [], []
+        for rid, n in step:
+            prompt_left = PROMPT_LENS[rid] - done[rid]
+            new = n if n is not None else max(prompt_left, 1)
+            assert done[rid] + new <= len(tokens[rid])
+            rids.append(rid)
+            reqs.append((done[rid], new))
+            ids += tokens[rid][done[rid]:done[rid] + new]
+        meta = cp_compile.build_attention_metadata(reqs, alloc, req_ids=rids, num_padding_tokens=PAD,
+                                                   max_blocks_per_req=8)
+        with torch.no_grad():
+            logits = forward(torch.tensor(ids + [0] * PAD), meta.positions, kv_layers, meta)  # [T, vocab]
+        assert logits.shape[0] == meta.num_tokens
+        last = logits[meta.query_start_loc[1:].long() - 1]  # [B, vocab]
+        nxt = last.argmax(-1).tolist()
+        for (rid, _), (ctx, new), t in zip(step, reqs, nxt):
+            done[rid] = ctx + new
+            if done[rid] >= PROMPT_LENS[rid] and done[rid] == len(tokens[rid]):
+                tokens[rid].append(t)  # sample only once the whole prompt is in
+        out.append(dict(rids=rids, kind=cp_compile.metadata.batch_kind(meta), last=last.clone(), next=nxt))
+    return out
+
+
+def _hf(kind: str, num_kv_heads: int = 1):
+    if kind == "qwen3":
+        return hf_qwen3(num_kv_heads=num_kv_heads, num_heads=4)
+    return hf_deepseek_v3(q_lora_rank=None, num_heads=4)
+
+
+def _world(rank: int, world: int, tp: int, dcp: int, pcp: int, interleave: int, lowering: str, hf_config,
+           state_dict):
+    cfg = cp_compile.CPConfig(tensor_parallel_size=tp, decode_context_parallel_size=dcp,
+                              prefill_context_parallel_size=pcp, cp_kv_cache_interleave_size=interleave,
+                              block_size=BLOCK)
+    state = cp_compile.init_parallel(cfg, device="cpu")
+    model = example_from_config(hf_config, state_dict, tp, state.tp_rank, state.tp_group)
+    cache = cp_compile.allocate_kv_cache(cfg, model.kv_cache_spec(), NUM_BLOCKS, attention=model.attention_spec())
+    compiled = cp_compile.compile_model(model, lowering=lowering)
+    ptrs = [t.data_ptr() for layer in cache.layers for t in layer]
+    t0 = time.perf_counter()
+    res = run_steps(compiled, cache.layers, cfg)
+    wall = time.perf_counter() - t0
+    assert [t.data_ptr() for layer in cache.layers for t in layer] == ptrs
+    hist = {kind: [[(h.name, h.rewrites, h.before, h.after) for h in pm.history] for pm in b.pass_managers]
+            for kind, b in compiled.backends.items()}
+    kinds = {kind: [c.batch_kind for c in b.contexts] for kind, b in compiled.backends.items()}
+    return dict(results=res, cache=[tuple(t.clone() for t in layer) for layer in cache.layers],
+                cp_rank=state.cp_rank, hist=hist, kinds=kinds, wall=wall, tp_rank=state.tp_rank)
+
+
+def _reference(hf_config, state_dict, n: int):
+    model = example_from_config(hf_config, state_dict)
+    cfg = cp_compile.CPConfig(block_size=BLOCK * n)  # one device: pages of a whole virtual block
+    cache = cp_compile.allocate_kv_cache(cfg, model.kv_cache_spec(), NUM_BLOCKS)
+    return run_steps(model, cache.layers, cfg), cache.layers
+
+
+def _shard_of(full: torch.Tensor, n: int, cp_rank: int, interleave: int) -> torch.Tensor:
+    """The single-device cache [NB, BLOCK*n, ...] as cp rank `cp_rank` stores it
+    ([NB, BLOCK, ...]): offset j of a virtual block is owned by (j // I) % n and lands
+    at local offset (j // (n*I)) * I + j % I (docs/architecture.md §5 at N = n)."""
+    j = torch.arange(BLOCK * n)
+    owner = (j // interleave) % n
+    local = (j // (n * interleave)) * interleave + j % interleave
+    shard = torch.zeros(full.shape[0], BLOCK, *full.shape[2:], dtype=full.dtype)
+    mine = owner == cp_rank
+    shard[:, local[mine]] = full[:, j[mine]]
+    return shard
+
+
+def _count(hist: dict[str, int], needle: str) -> int:
+    return sum(v for k, v in hist.items() if needle in k)
+
+
+def check_pcp_model(kind: str, tp: int, dcp: int, pcp: int, lowering: str, interleave: int = 1,
+                    num_kv_heads: int = 1) -> float:
+    hf = _hf(kind, num_kv_heads)
+    sd = {k: v.detach().clone() for k, v in hf.state_dict().items()}
+    per_rank = run_on_ranks(_world, tp * pcp, tp, dcp, pcp, interleave, lowering, hf.config, sd, timeout=900)
+    n = pcp * dcp
+    ref, ref_cache = _reference(hf.config, sd, n)
+    layers = hf.config.num_hidden_layers
+    attn_op = "cp.gqa_paged_attention" if kind == "qwen3" else "cp.mla_attention"
+    worst = 0.0
+    for rank, out in enumerate(per_rank):
+        assert [s["kind"] for s in out["results"]] == ["prefill", "prefill", "decode", "prefill", "decode"]
+        for step, (got, want) in enumerate(zip(out["results"], ref)):
+            assert got["rids"] == want["rids"]
+            torch.testing.assert_close(got["last"], want["last"], atol=1e-4, rtol=1e-4,
+                                       msg=f"{kind} rank {rank} step {step}")
+            assert got["next"] == want["next"], f"{kind} rank {rank} step {step}"
+            worst = max(worst, (got["last"] - want["last"]).abs().max().item())
+        # The cache the PCP prefill and the decode steps wrote is the single-device cache, sharded by the
+        # §5 rule over the pcp * dcp ranks (this rank's TP KV heads).
+        for layer, (mine, full) in enumerate(zip(out["cache"], ref_cache)):
+            for t_mine, t_full in zip(mine, full):
+                if kind == "qwen3":  # this TP rank's KV heads
+                    t_full = t_full[:, :, list(tp_kv_head_ids(num_kv_heads, tp, out["tp_rank"]))]
+                want_shard = _shard_of(t_full, n, out["cp_rank"], interleave)
+                torch.testing.assert_close(t_mine, want_shard, atol=1e-5, rtol=1e-5,
+                                           msg=f"{kind} rank {rank} layer {layer} cache shard")
+        # One graph per batch kind; prefill: pcp_attention rewrote every layer and restored the logits.
+        assert out["kinds"] == {"decode": ["decode"] * len(out["kinds"]["decode"]),
+                                "prefill": ["prefill"] * len(out["kinds"]["prefill"])}
+        for graph in out["hist"]["prefill"]:
+            names = [h[0] for h in graph]
+            assert names[0] == "pcp_attention" and "dcp_attention" not in names, names
+            _, rewrites, before, after = graph[0]
+            assert rewrites == layers + 1  # every attention layer + the logits output
+            assert _count(before, attn_op) == layers and _count(after, attn_op) == 0
+            assert _count(after, "cp.dcp_localize_metadata") == 1  # one pcp_step per graph
+        for graph in out["hist"]["decode"]:
+            names = [h[0] for h in graph]
+            assert names[0] == "dcp_attention" and "pcp_attention" not in names, names
+            assert graph[0][1] == layers
+    print(f"\nPCP {kind} tp={tp} dcp={dcp} pcp={pcp} interleave={interleave} {lowering}: "
+          f"max |logit diff| {worst:.2e}, tokens equal; rank 0 steps {per_rank[0]['wall']:.1f} s")
+    return worst
+
+
+@pytest.mark.parametrize("kind,lowering", [("qwen3", "inductor"), ("mla", "eager")])
+def test_pcp2_model_matches_single_device(kind, lowering):
+    check_pcp_model(kind, tp=1, dcp=1, pcp=2, lowering=lowering)
