@@ -18,6 +18,10 @@ the repo root:
     python examples/bench_prefill.py --tp 2 --dcp 2 --prompt 1024,4096 --prefix 512 --batch 1
     python -m examples.bench_prefill ...           (the same)
     torchrun --nproc-per-node=2 examples/bench_prefill.py --tp 2 --dcp 2
+    python examples/bench_prefill.py --shape deepseek-v32-tp8 --tp 2 --dsa-cp --prompt 1024,4096
+
+`--dsa-cp` (SFA models) replaces the DCP worlds with one dcp = 1 world timing DSA-CP
+off (plain TP) vs on side by side (`examples/bench/dsa_cp.py`).
 
 Without torchrun the script spawns its own gloo ranks (`run_on_ranks`); under
 torchrun (env RANK set) every process runs the same per-rank code directly.
@@ -35,6 +39,7 @@ if not __package__:  # run as a script: make the repo root, not examples/, the i
 
 from examples.bench.args import parse_prefill_args  # noqa: E402
 from examples.bench.decode import decode_source  # noqa: E402
+from examples.bench.dsa_cp import format_dsa_cp_breakdown, format_dsa_cp_table, plot_dsa_cp  # noqa: E402
 from examples.bench.launch import run  # noqa: E402
 from examples.bench.plot import plot_prefill  # noqa: E402
 from examples.bench.prefill import run_world  # noqa: E402
@@ -52,6 +57,8 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     json_path = write_json(rows, out, "bench_prefill.json")
+    if args.dsa_cp:
+        return _report_dsa_cp(rows, args, out, json_path, t0)
     png_path = plot_prefill(rows, args, out / "bench_prefill.png")
     shape = args.model if args.shape == "tiny" else f"{args.shape} ({args.model})"
     print(f"\n{shape} tp={args.tp} dcp={list(args.dcp)} lowering={args.lowering} dtype={args.dtype} "
@@ -60,6 +67,23 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
           f"warmup={args.warmup} profile_steps={args.profile_steps} ({time.perf_counter() - t0:.0f} s)")
     for text in (format_prefill_table(rows, args), format_prefill_breakdown(rows, args),
                  format_prefill_worlds(rows, args)):
+        print(text + "\n")
+    if any(r["recompiled_in_timed_steps"] for r in rows):
+        print("WARNING: a graph was compiled during timed steps; raise --warmup", flush=True)
+    print(f"wrote {json_path}, {png_path}", flush=True)
+    return rows
+
+
+def _report_dsa_cp(rows: list[dict[str, Any]], args: Any, out: Path, json_path: Path, t0: float
+                   ) -> list[dict[str, Any]]:
+    """--dsa-cp: the on vs off table, the profiled breakdown and the plot."""
+    png_path = plot_dsa_cp(rows, args, out / "bench_prefill.png")
+    shape = args.model if args.shape == "tiny" else f"{args.shape} ({args.model})"
+    print(f"\n{shape} tp={args.tp} DSA-CP off vs on, lowering={args.lowering} dtype={args.dtype} "
+          f"block={args.block_size} prompt={list(args.prompt)} prefix={args.prefix} batch={list(args.batch)} "
+          f"steps={args.steps} warmup={args.warmup} profile_steps={args.profile_steps} "
+          f"({time.perf_counter() - t0:.0f} s)")
+    for text in (format_dsa_cp_table(rows, args), format_dsa_cp_breakdown(rows, args)):
         print(text + "\n")
     if any(r["recompiled_in_timed_steps"] for r in rows):
         print("WARNING: a graph was compiled during timed steps; raise --warmup", flush=True)

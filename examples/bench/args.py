@@ -61,6 +61,13 @@ class PrefillArgs(BenchArgs):
 
     prompt: tuple[int, ...] = (1024,)  # prompt lengths (tokens per request)
     prefix: int = 0  # cached prefix of the chunked-prefill variant (0: whole-prompt steps only)
+    dsa_cp: bool = False  # one world: DSA-CP off vs on at dcp = 1 (examples/bench/dsa_cp.py)
+
+    @property
+    def worlds(self) -> tuple[tuple[int, str], ...]:
+        if self.dsa_cp:
+            return ((1, "dsa_cp"),)
+        return super().worlds
 
     def chunks(self, prompt: int) -> tuple[int, ...]:
         """Cached-prefix lengths measured at `prompt`: 0 (whole prompt in one step), and `prefix`
@@ -108,6 +115,9 @@ def build_parser(description: str, bench: str = "decode") -> argparse.ArgumentPa
         p.add_argument("--prefix", type=int, default=0,
                        help="chunked-prefill variant: this many prompt tokens are already cached (filled "
                             "directly) and the step runs the rest; 0: whole-prompt steps only")
+        p.add_argument("--dsa-cp", action="store_true",
+                       help="SFA only: time DSA-CP on vs off (plain TP) side by side in one world at dcp = 1 "
+                            "instead of the DCP worlds")
     p.add_argument("--batch", type=int_list, default=(1, 4) if bench == "decode" else (1,),
                    help="requests per step")
     p.add_argument("--interleave", type=int, default=1, help="cp_kv_cache_interleave_size")
@@ -175,6 +185,16 @@ def parse_prefill_args(argv: Sequence[str] | None = None, description: str = "")
     prompt = tuple(sorted(set(a.prompt)))
     if a.prefix and a.prefix >= max(prompt):
         p.error(f"--prefix {a.prefix} leaves no chunk to prefill: it must be < the longest --prompt {max(prompt)}")
+    fields = _shared_fields(p, a)
+    if a.dsa_cp:
+        if fields["model"] != "sfa":
+            p.error(f"--dsa-cp needs a model with a lightning indexer: --model sfa or an sfa --shape, "
+                    f"not {fields['model']}")
+        if a.dcp != p.get_default("dcp") and max(a.dcp) > 1:
+            p.error(f"--dsa-cp runs at dcp = 1 (DSA-CP with DCP is not built): drop --dcp {','.join(map(str, a.dcp))}")
+        if a.tp < 2:
+            p.error("--dsa-cp shards tokens over TP: --tp must be >= 2")
+        fields["dcp"] = (1,)
     # No compile probe: it times decode compiles, which bench_decode already reports.
-    return PrefillArgs(**_shared_fields(p, a), context=(), compile_probe=False,  # type: ignore[arg-type]
-                       prompt=prompt, prefix=a.prefix)
+    return PrefillArgs(**fields, context=(), compile_probe=False,  # type: ignore[arg-type]
+                       prompt=prompt, prefix=a.prefix, dsa_cp=a.dsa_cp)

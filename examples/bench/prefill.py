@@ -31,6 +31,7 @@ import cp_compile
 from examples.bench.args import PrefillArgs
 from examples.bench.cache import fill_context, reserve
 from examples.bench.decode import Side, alternate_steps, build_sides, init_world
+from examples.bench.dsa_cp import build_dsa_cp_sides, init_dsa_cp_world
 from examples.bench.launch import World, log
 from examples.bench.profile import CATEGORIES
 from examples.bench.rows import add_paired_ratios, prefill_row
@@ -42,10 +43,17 @@ Result = tuple[list[float], int, list[dict[str, float]]]  # step ms, recompiles 
 def run_world(rank: int, world_size: int, args: PrefillArgs, world: World, source: ModelSource,
               device: torch.device) -> list[dict[str, Any]]:
     """One (dcp, merge) world, with its baseline when dcp > 1: compile, sweep (prompt, batch, variant)."""
-    state = init_world(args, world, device)
+    if args.dsa_cp:  # one world: DSA-CP off vs on (examples/bench/dsa_cp.py)
+        state = init_dsa_cp_world(args, device)
+    else:
+        state = init_world(args, world, device)
     try:
-        model, sides = build_sides(rank, world_size, args, world, source, state, device,
-                                   tokens_per_req=max(args.prompt))
+        if args.dsa_cp:
+            model, sides = build_dsa_cp_sides(rank, world_size, args, source, state, device,
+                                              tokens_per_req=max(args.prompt))
+        else:
+            model, sides = build_sides(rank, world_size, args, world, source, state, device,
+                                       tokens_per_req=max(args.prompt))
         rows = []
         for prompt in args.prompt:
             for batch in args.batch:

@@ -31,7 +31,8 @@ CATEGORIES = ("attention", "dcp_local", "dcp_comm", "tp_comm", "other")
 STEP = "bench::step"
 ATTENTION_OPS = {"cp::gqa_paged_attention", "cp::mla_attention", "cp::paged_attention_lse",
                  "cp::mla_partial_attention", "cp::cache_write", "cp::sparse_mla_attention",
-                 "cp::lightning_indexer", "cp::varlen_causal_attention_lse", "cp::sparse_mla_partial_attention"}
+                 "cp::lightning_indexer", "cp::varlen_causal_attention_lse", "cp::sparse_mla_partial_attention",
+                 "cp::lightning_indexer_topk_rows", "cp::sparse_mla_rows_attention"}  # the last two: DSA-CP rows
 DCP_LOCAL_OPS = {"cp::dcp_localize_metadata", "cp::lse_rescale", "cp::lse_combine", "cp::dcp_sparse_indices"}
 _COLL = "_c10d_functional::"
 

@@ -75,3 +75,41 @@ def test_prefill_args() -> None:
         parse_prefill_args(["--model", "sfa", "--tp", "4", "--dcp", "2"])
     v32 = PRESETS["deepseek-v32-tp8"].model_config(tp=2)
     assert (v32.num_heads // 2, v32.kv_lora_rank, v32.index_n_heads, v32.index_topk) == (16, 512, 64, 2048)
+
+
+def test_bench_prefill_dsa_cp(tmp_path: Path) -> None:
+    """--dsa-cp: one dcp = 1 world, DSA-CP off (plain TP) and on side by side, each compiled once;
+    the on row carries the paired TTFT ratio and the all-to-all bytes of the formula."""
+    rows = bench_prefill.main(["--model", "sfa", "--tp", "2", "--dsa-cp", "--prompt", "40", "--prefix", "16",
+                               "--batch", "1", "--steps", "1", "--warmup", "1", "--profile-steps", "1",
+                               "--lowering", "aot_eager", "--out", str(tmp_path)])
+    written = json.loads((tmp_path / "bench_prefill.json").read_text())
+    assert written == json.loads(json.dumps(rows))
+    assert sorted((r["context_len"], r["dsa_cp"]) for r in rows) == [(0, False), (0, True), (16, False), (16, True)]
+    for r in rows:
+        assert all(k in r for k in REQUIRED), sorted(set(REQUIRED) - set(r))
+        assert r["kind"] == "sfa" and r["dcp"] == 1 and r["world"] == [1, "dsa_cp"]
+        assert r["graphs_compiled"] == 1 and r["recompiles_after_warmup"] == 0  # DSA-CP: the prefill graph only
+        assert r["merge"] == ("dsa_cp" if r["dsa_cp"] else "none") and r["attention_ms"] > 0
+        assert (r["ttft_ratio_paired"] is None) == (not r["dsa_cp"])
+        if r["dsa_cp"]:
+            # Two all-to-alls per layer (Q in, output back); other DSA-CP passes may add their own.
+            assert r["collectives_per_layer"]["dcp"] >= 2
+            assert r["comm_bytes_per_step"] > 0
+        else:
+            assert r["collectives_per_layer"] == {"dcp": 0, "tp": 2} and r["comm_bytes_per_step"] == 0
+    # The formula: tp 2, T = 40 or 24 tokens, 4 heads of latent 32 + rope 8, fp32, 2 layers.
+    on = {r["context_len"]: r for r in rows if r["dsa_cp"]}
+    for prefix, tokens in ((0, 40), (16, 24)):
+        assert on[prefix]["comm_bytes_per_step"] == 2 * (1 * tokens * 4 * (2 * 32 + 8) * 4 // 4)
+    assert (tmp_path / "bench_prefill.png").stat().st_size > 0
+
+
+def test_prefill_args_dsa_cp() -> None:
+    args = parse_prefill_args(["--model", "sfa", "--dsa-cp", "--prompt", "64"])
+    assert args.dsa_cp and args.dcp == (1,) and args.worlds == ((1, "dsa_cp"),)
+    assert parse_prefill_args(["--shape", "deepseek-v32-tp8", "--dsa-cp"]).model == "sfa"
+    for bad in (["--dsa-cp"], ["--model", "mla", "--dsa-cp"], ["--model", "sfa", "--dsa-cp", "--dcp", "2"],
+                ["--model", "sfa", "--dsa-cp", "--tp", "1", "--dcp", "1"]):
+        with pytest.raises(SystemExit):
+            parse_prefill_args(bad)

@@ -290,3 +290,88 @@ def test_dsa_cp_with_dcp_or_pcp_is_refused(dcp, pcp):
     assert "DSA-CP with DCP / PCP is not built" in e.value.rule
     assert f"decode_context_parallel_size={dcp}" in msg and f"prefill_context_parallel_size={pcp}" in msg
     assert "Fix: set enable_dsa_cp=False" in msg
+
+
+# --------------------------------------------------------------------- top-k read by more than its sparse attention
+
+H_T, L_T, R_T, DI_T, HI_T, K_T = 4, 8, 4, 8, 2, 3  # heads, latent, rope, indexer dim / heads, top-k
+
+
+class TopkSharedBy(torch.nn.Module):
+    """One layer whose indexer top-k feeds its sparse attention directly (paired: a2a path),
+    a second sparse attention through a clone (not paired: stays in the TP head layout on
+    the all-gathered top-k) and the output (not paired: all-gathered). This rank's heads
+    are a slice of replicated projections, as in a TP model."""
+
+    def __init__(self, tp: int, rank: int) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.q = torch.nn.Linear(16, H_T * (L_T + R_T))
+        self.kv = torch.nn.Linear(16, L_T + R_T)
+        self.qi = torch.nn.Linear(16, HI_T * DI_T + DI_T + HI_T)
+        self.heads = slice(rank * H_T // tp, (rank + 1) * H_T // tp)
+
+    def forward(self, x: torch.Tensor, caches: list[torch.Tensor], meta: cp_compile.AttentionMetadata):
+        T = x.shape[0]
+        args = (meta.slot_mapping, meta.block_table, meta.seq_lens, meta.query_start_loc)
+        q = self.q(x).view(T, H_T, L_T + R_T)[:, self.heads]  # [T, H/tp, L+R]
+        kv = self.kv(x)  # [T, L+R]
+        i = self.qi(x)
+        q_i = i[:, :HI_T * DI_T].reshape(T, HI_T, DI_T)
+        k_i, w = i[:, HI_T * DI_T:HI_T * DI_T + DI_T], i[:, HI_T * DI_T + DI_T:]
+        idx = torch.ops.cp.lightning_indexer(q_i.contiguous(), k_i.contiguous(), w.contiguous(), caches[2], *args,
+                                             K_T)  # [T, K]
+        q_nope, q_pe = q[..., :L_T].contiguous(), q[..., L_T:].contiguous()
+        kv_c, k_pe = kv[:, :L_T].contiguous(), kv[:, L_T:].contiguous()
+        o1 = torch.ops.cp.sparse_mla_attention(q_nope, q_pe, kv_c, k_pe, caches[0], *args, idx, 0.5)
+        o2 = torch.ops.cp.sparse_mla_attention(q_nope * 2, q_pe, kv_c, k_pe, caches[1], *args, idx.clone(), 0.5)
+        return o1, o2, idx
+
+
+def _topk_meta_steps():
+    alloc = BlockAllocator(NUM_BLOCKS, BLOCK)
+    g = torch.Generator().manual_seed(1)
+    for reqs in ([(0, 7), (0, 2), (0, 4)], [(7, 1), (2, 3), (4, 1)]):  # prefill, then mixed (T = 5 over tp 2)
+        meta = build_attention_metadata(reqs, alloc, max_blocks_per_req=MAX_BLOCKS, num_padding_tokens=1)
+        yield torch.randn(meta.num_tokens, 16, generator=g), meta
+
+
+def _caches():
+    return [torch.zeros(NUM_BLOCKS, BLOCK, L_T + R_T), torch.zeros(NUM_BLOCKS, BLOCK, L_T + R_T),
+            torch.zeros(NUM_BLOCKS, BLOCK, DI_T)]
+
+
+def _topk_world(rank: int, world: int) -> dict:
+    cfg = CPConfig(tensor_parallel_size=world, block_size=BLOCK, enable_dsa_cp=True)
+    cp_compile.init_parallel(cfg, device="cpu")
+    model = TopkSharedBy(world, rank)
+    compiled = cp_compile.compile_model(model, lowering="eager", dynamic_args=("x", "meta"),
+                                        attention=AttentionSpec("sfa", H_T, has_indexer=True))
+    caches = _caches()
+    outs = [compiled(x, caches, meta) for x, meta in _topk_meta_steps()]
+    hist = [(h.name, h.rewrites, h.before, h.after) for pm in compiled.backends["prefill"].pass_managers
+            for h in pm.history]
+    cp_compile.destroy_parallel()
+    return dict(outs=outs, history=hist)
+
+
+def test_topk_read_by_other_consumers_is_all_gathered():
+    """The paired attention takes the a2a path; the clone-fed attention and the returned top-k
+    read the all-gathered [T, K]; all three equal the single-device model's (this rank's heads)."""
+    tp = 2
+    per_rank = run_on_ranks(_topk_world, tp, timeout=600)
+    ref_model, caches = TopkSharedBy(1, 0), _caches()
+    with torch.no_grad():
+        ref = [ref_model(x, caches, meta) for x, meta in _topk_meta_steps()]
+    for rank, out in enumerate(per_rank):
+        heads = slice(rank * H_T // tp, (rank + 1) * H_T // tp)
+        for (o1, o2, idx), (r1, r2, ridx) in zip(out["outs"], ref, strict=True):
+            torch.testing.assert_close(o1, r1[:, heads], atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(o2, r2[:, heads], atol=1e-5, rtol=1e-5)
+            assert torch.equal(idx, ridx)
+        (rewrites, before, after), = [(r, b, a) for n, r, b, a in out["history"] if n == "dsa_cp"]
+        assert rewrites == 2  # the indexer and its paired attention
+        assert _op(after, "cp.lightning_indexer") == 0 and _op(after, "cp.sparse_mla_attention") == 1
+        assert _count(after, "all_gather_into_tensor") - _count(before, "all_gather_into_tensor") == 1
+        assert _count(after, "all_to_all_single") - _count(before, "all_to_all_single") == 2
+    assert any((ridx == -1).any() for _, _, ridx in ref)  # short rows: -1 padded top-k
