@@ -24,7 +24,7 @@ In the prefill graph, for every `cp::lightning_indexer` node:
   indexer (the indexer-only variant). A `cp::sparse_mla_attention` fed that way
   (through a clone, a view, ...) stays as it is: on this rank's TP heads with the
   single-device top-k it *is* the plain TP model's op, exact, so nothing is refused.
-  It is claimed (`fx_utils.CLAIMED_KEY`) so the record says who decided to keep it.
+  Every such node is claimed (`fx_utils.CLAIMED_KEY`): the record says who kept it.
 
 All of it is exact for every batch of the prefill graph: each row runs the
 single-device reference arithmetic on the global metadata (tests/passes/
@@ -183,8 +183,6 @@ class DSACPPass(CPPass):
                     full = dsa.all_gather_topk(rows, self.tp, wrap(args["q_i"]).shape[0])  # [T, K]
             for user in others:
                 user.replace_input_with(idx, full.node)
-                if user.target in (_SPARSE, _SPARSE.default):
-                    user.meta[CLAIMED_KEY] = self.name  # TP-layout sparse MLA on the full top-k: exact
             for attn in paired:
                 a = _bind(_SPARSE, attn)
                 a.pop("topk_indices")
@@ -196,6 +194,10 @@ class DSACPPass(CPPass):
                 count += 1
             graph.erase_node(idx)
             count += 1
+        for attn in op_nodes(gm, (_SPARSE,)):
+            # Not paired: the plain TP op on this rank's heads with a replicated top-k
+            # (all-gathered above, or the model's own), exactly what the TP model runs.
+            attn.meta[CLAIMED_KEY] = self.name
         tracer.drop_unused_sizes()
         # No dead-code elimination: the cache writes have no users by design.
         graph.lint()

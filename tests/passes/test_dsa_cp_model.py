@@ -375,3 +375,37 @@ def test_topk_read_by_other_consumers_is_all_gathered():
         assert _count(after, "all_gather_into_tensor") - _count(before, "all_gather_into_tensor") == 1
         assert _count(after, "all_to_all_single") - _count(before, "all_to_all_single") == 2
     assert any((ridx == -1).any() for _, _, ridx in ref)  # short rows: -1 padded top-k
+
+
+def test_pass_structure_in_one_process():
+    """The rewrite on a Dynamo graph with a symbolic token count, in one process: the shard
+    arithmetic is graph nodes (no SymInt of the trace baked into any node), prefill only."""
+    from cp_compile.passes.fx_utils import CLAIMED_KEY, op_nodes
+    from cp_compile.testing.pass_harness import run_pipeline
+
+    x, meta = next(_topk_meta_steps())
+    for kind, tp in (("prefill", 2), ("prefill", 4), ("decode", 2)):
+        ctx = CompileContext.for_test(CPConfig(tensor_parallel_size=tp, block_size=BLOCK, enable_dsa_cp=True),
+                                      attention=AttentionSpec("sfa", H_T, has_indexer=True), batch_kind=kind)
+        pm, gm = run_pipeline(TopkSharedBy(tp, 0), (x, _caches(), meta), ctx)
+        if kind == "decode":
+            assert "dsa_cp" not in pm.names
+            continue
+        rec = next(h for h in pm.history if h.name == "dsa_cp")
+        assert rec.rewrites == 2 and _op(rec.after, "cp.lightning_indexer") == 0
+        assert _count(rec.after, "all_gather_into_tensor") == 1 and _count(rec.after, "all_to_all_single") == 2
+        baked = [n.name for n in gm.graph.nodes if any(isinstance(a, torch.SymInt) for a in _flat((n.args, n.kwargs)))]
+        assert baked == [], baked
+        assert _count(rec.after, "sym_size") >= 1  # T read from the graph at run time
+        left, = op_nodes(gm, (torch.ops.cp.sparse_mla_attention,))  # the clone-fed one, kept and claimed
+        assert left.meta[CLAIMED_KEY] == "dsa_cp"
+
+
+def _flat(x):
+    if isinstance(x, (list, tuple)):
+        return [v for e in x for v in _flat(e)]
+    if isinstance(x, dict):
+        return [v for e in x.values() for v in _flat(e)]
+    if isinstance(x, slice):
+        return [x.start, x.stop, x.step]
+    return [x]
