@@ -37,7 +37,7 @@ import torch
 from torch import Tensor
 
 import cp_compile.ops.quant  # noqa: F401  (registers cp::w8a8_*_linear)
-from cp_compile.parallel.dsa_cp import DSACPContext, pad_tokens
+from cp_compile.parallel.dsa_cp import DSACPContext, pad_tokens, shard_rows
 
 _c10d = torch.ops._c10d_functional
 _cp = torch.ops.cp
@@ -68,9 +68,13 @@ def shard_tokens(x: Tensor, ctx: DSACPContext) -> Tensor:
 
     Rank j receives chunk j of the padded tokens; what comes back from rank j is
     rank j's features of my rows, so features arrive in rank order (the model's).
+    Only x's own shape is read (T may be symbolic; the pass traces this on proxies
+    whose symbolic sizes are `sym_size` nodes). The pad is `F.pad` (`pad_tokens`):
+    a concatenation of zero rows would make Dynamo guard on the pad being 0.
     """
+    T, k = x.shape[0], x.shape[1]
+    rows = shard_rows(T, ctx)  # ceil(T / tp)
     xp = pad_tokens(x, ctx).contiguous()  # [T_pad, k]
-    rows, k = xp.shape[0] // ctx.tp, xp.shape[1]
     splits = [rows] * ctx.tp
     recv = _c10d.all_to_all_single.default(xp, splits, splits, ctx.group_name)
     recv = _c10d.wait_tensor.default(recv)  # [tp * rows, k]: chunk j = rank j's features of my rows
