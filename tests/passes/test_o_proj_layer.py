@@ -66,7 +66,7 @@ def _rank(rank: int, world: int, token_counts: list[int]) -> dict:
 
 
 def test_full_weight_o_proj_equals_row_parallel_on_ranks():
-    tp, counts = 2, [8, 7, 1]
+    tp, counts = 2, [8, 7, 1, 1023]
     per_rank = run_on_ranks(_rank, tp, counts, timeout=300)
     for rank, res in enumerate(per_rank):
         for (kind, T), r in res.items():
@@ -81,3 +81,9 @@ def test_full_weight_o_proj_equals_row_parallel_on_ranks():
             assert r["sent"]["all_gather"] == f["weight_gather"] + f["output_all_gather"]
             # One all-to-all, one gather per input-sharded parameter, one output gather; no all-reduce.
             assert r["calls"] == {"all_to_all": 1, "all_gather": len(INPUT_SHARDED[kind]) + 1}, r["calls"]
+    print(f"\no_proj bytes sent per rank and layer, tp {tp}, in {IN}, out {OUT}, fp32 activations, T = 1023 "
+          f"(CollectiveMeter == formula):")
+    for kind in QUANTS:
+        r = per_rank[0][(kind, 1023)]
+        print(f"  {kind:13s} row-parallel all-reduce {r['tp_sent']['all_reduce']:>8,d} | full weight: parameter "
+              f"gathers + output gather {r['sent']['all_gather']:>8,d}, token all-to-all {r['sent']['all_to_all']:>7,d}")
