@@ -107,8 +107,9 @@ def _sfa_world(rank: int, world: int, hf_config, state_dict) -> dict:
                        on_step=lambda step, meta: intact.append(_same(before, model)))
     hist = {str(k): [(h.name, h.rewrites, h.before, h.after) for pm in b.pass_managers for h in pm.history]
             for k, b in compiled.backends.items()}
+    counts = {str(k): len(b.pass_managers) for k, b in compiled.backends.items()}
     eager = {kind: _eager_run(cfg, state, hf_config, state_dict, q) for kind, q in QUANTS.items()}
-    return dict(results=res, hist=hist, intact=intact, graphs=graphs, eager=eager)
+    return dict(results=res, hist=hist, intact=intact, graphs=graphs, eager=eager, counts=counts)
 
 
 QUANTS = {"linear": None, "w8a8_dynamic": W8A8Config("dynamic"),
@@ -196,6 +197,9 @@ def test_compiled_sfa_model_with_full_weight_o_proj_matches_single_device(sfa_wo
             assert got.next_tokens == want.next_tokens, (rank, step)
             worst = max(worst, (got.last_logits - want.last_logits).abs().max().item())
         assert out["intact"] == [True] * STEPS, out["intact"]
+        # One graph per batch kind for prefills of T = 12 and 9 and decodes: the rewrite
+        # added no guard on T (a baked SymInt or a pad-is-zero guard would recompile).
+        assert out["counts"] == {"decode": 1, "prefill": 1}, out["counts"]
         # Decode graph: the row-parallel o_proj as written (no o_proj pass ran).
         assert all(name != "o_proj_dsa_cp" for name, *_ in out["hist"]["decode"])
         (rewrites, before, after), = [(r, b, a) for n, r, b, a in out["hist"]["prefill"] if n == "o_proj_dsa_cp"]

@@ -87,3 +87,21 @@ def test_full_weight_o_proj_equals_row_parallel_on_ranks():
         r = per_rank[0][(kind, 1023)]
         print(f"  {kind:13s} row-parallel all-reduce {r['tp_sent']['all_reduce']:>8,d} | full weight: parameter "
               f"gathers + output gather {r['sent']['all_gather']:>8,d}, token all-to-all {r['sent']['all_to_all']:>7,d}")
+
+
+def test_eager_switch_refuses_a_model_without_tp_o_projs():
+    """OProjFullWeight on a single-device model: a ConfigError naming the o_proj and the fix,
+    before any parameter is touched."""
+    import pytest
+
+    from cp_compile.config import ConfigError
+    from cp_compile.o_proj_full_weight import OProjFullWeight
+    from examples.models.tiny import example_from_hf, hf_deepseek_sfa
+
+    model = example_from_hf(hf_deepseek_sfa("deepseek_v32", num_heads=4))
+    ptrs = [p.data_ptr() for p in model.parameters()]
+    with pytest.raises(ConfigError, match=r"'self_attn.o_proj': tp_size=1.*tensor_parallel_size > 1"):
+        OProjFullWeight(model)
+    with pytest.raises(ValueError, match="names no submodule"):
+        OProjFullWeight(model, o_proj="self_attn.out_proj")
+    assert ptrs == [p.data_ptr() for p in model.parameters()]
