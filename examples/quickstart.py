@@ -11,6 +11,11 @@ against the dcp = 1 baseline.
     python -m examples.quickstart            # tp=2, dcp=2 (from the repository root)
     python -m examples.quickstart --tp 4 --dcp 4 --model mla
     python -m examples.quickstart --model sfa  # DeepSeek-V3.2-style sparse MLA (needs dcp == tp)
+    python -m examples.quickstart --tp 1 --dcp 1 --pcp 2   # PCP: prefill tokens split over 2 ranks
+
+With `--pcp P` the world is tp * P ranks: prefill steps run a token-sharded graph
+(each PCP rank computes its head-tail share of the new tokens), decode steps a
+graph that attends the cache sharded over pcp * dcp ranks (docs/pcp.md).
 
 Run as a module from the repository root, so `examples.*` imports without path
 tricks (the ranks it spawns import this module by the same name).
@@ -54,29 +59,34 @@ class CompiledSFA(DeepseekSFAModel):
     pass
 
 
-def _rank_main(rank: int, world: int, kind: str, dcp: int, steps: int, hf_config, state_dict) -> dict:
-    cfg = cp_compile.CPConfig(tensor_parallel_size=world, decode_context_parallel_size=dcp, block_size=BLOCK)
+def _rank_main(rank: int, world: int, kind: str, dcp: int, steps: int, hf_config, state_dict, pcp: int = 1) -> dict:
+    tp = world // pcp
+    cfg = cp_compile.CPConfig(tensor_parallel_size=tp, decode_context_parallel_size=dcp,
+                              prefill_context_parallel_size=pcp, block_size=BLOCK)
     state = cp_compile.init_parallel(cfg, device="cpu")
     if kind == "qwen3":
-        model = CompiledQwen3(Qwen3Config.from_hf(hf_config), world, state.tp_rank, state.tp_group)
+        model = CompiledQwen3(Qwen3Config.from_hf(hf_config), tp, state.tp_rank, state.tp_group)
     elif kind == "mla":
-        model = CompiledMLA(DeepseekMLAConfig.from_hf(hf_config), world, state.tp_rank, state.tp_group)
+        model = CompiledMLA(DeepseekMLAConfig.from_hf(hf_config), tp, state.tp_rank, state.tp_group)
     else:
-        model = CompiledSFA(DeepseekSFAConfig.from_hf(hf_config), world, state.tp_rank, state.tp_group)
+        model = CompiledSFA(DeepseekSFAConfig.from_hf(hf_config), tp, state.tp_rank, state.tp_group)
     model.load_hf_state_dict(state_dict)
     cache = cp_compile.allocate_kv_cache(cfg, model.kv_cache_spec(), NUM_BLOCKS, attention=model.attention_spec())
-    # The plain-TP baseline (dcp = 1) for the same token capacity, on the meta device: shapes, no memory.
-    base_cfg = cfg.replace(decode_context_parallel_size=1, block_size=BLOCK * dcp)
+    # The plain-TP baseline (dcp = pcp = 1) for the same token capacity, on the meta device: shapes, no memory.
+    base_cfg = cfg.replace(decode_context_parallel_size=1, prefill_context_parallel_size=1,
+                           block_size=cfg.virtual_block_size)
     base = cp_compile.allocate_kv_cache(base_cfg, model.kv_cache_spec(), NUM_BLOCKS, device="meta")
     t0 = time.perf_counter()
     # SFA: each layer's tuple also holds its replicated indexer cache (cache.replicated).
     results = run_schedule(model, layer_caches(cache), cfg, NUM_BLOCKS, tiny_schedule(VOCAB, num_steps=steps))
-    history = model.cp_compiled.backend.pass_managers[0].history
+    # Every compiled graph's passes (one graph per batch kind at pcp > 1: prefill and decode).
+    pms = [pm for b in model.cp_compiled.backends.values() for pm in b.pass_managers]
+    history = [h for pm in pms for h in pm.history]
     return dict(results=results, seconds=time.perf_counter() - t0, kv_bytes=cache.sharded_bytes,
                 base_bytes=base.sharded_bytes, base_tokens=base.tokens_per_rank,
                 index_bytes=cache.replicated_bytes, base_index_bytes=base.replicated_bytes,
                 tokens_per_rank=cache.tokens_per_rank, rewrites=[(h.name, h.rewrites, h.after) for h in history],
-                graphs=len(model.cp_compiled.backend.pass_managers))
+                graphs=len(pms))
 
 
 def main() -> int:
@@ -84,8 +94,11 @@ def main() -> int:
     ap.add_argument("--model", choices=["qwen3", "mla", "sfa"], default="qwen3")
     ap.add_argument("--tp", type=int, default=2)
     ap.add_argument("--dcp", type=int, default=2)
+    ap.add_argument("--pcp", type=int, default=1, help="prefill context parallel size (world = tp * pcp)")
     ap.add_argument("--steps", type=int, default=8, help="prefill + decode steps")
     args = ap.parse_args()
+    if args.model == "sfa" and args.pcp > 1:
+        ap.error("--model sfa runs at --pcp 1 (PCP covers GQA and MLA)")
     if args.model == "sfa" and args.dcp not in (1, args.tp):
         ap.error(f"--model sfa needs --dcp == --tp (SFA DCP with a replicated indexer), got tp={args.tp} "
                  f"dcp={args.dcp}")
@@ -99,18 +112,22 @@ def main() -> int:
         hf = hf_deepseek_sfa("deepseek_v32", num_heads=heads)
     sd = {k: v.detach().clone() for k, v in hf.state_dict().items()}
     print(f"cp_ascend registered as a torch.compile backend: {'cp_ascend' in torch._dynamo.list_backends()}")
-    print(f"model={args.model} tp={args.tp} dcp={args.dcp} block_size={BLOCK} "
-          f"(virtual block {BLOCK * args.dcp} tokens); spawning {args.tp} gloo ranks, compiling with Inductor...")
-    per_rank = run_on_ranks(_rank_main, args.tp, args.model, args.dcp, args.steps, hf.config, sd, timeout=1200)
+    n = args.dcp * args.pcp  # ranks the KV cache is sharded over
+    world = args.tp * args.pcp
+    print(f"model={args.model} tp={args.tp} dcp={args.dcp} pcp={args.pcp} block_size={BLOCK} "
+          f"(virtual block {BLOCK * n} tokens); spawning {world} gloo ranks, compiling with Inductor...")
+    per_rank = run_on_ranks(_rank_main, world, args.model, args.dcp, args.steps, hf.config, sd, args.pcp,
+                            timeout=1200)
 
     # Single-device eager reference: same weights, same global metadata, pages of a whole virtual block.
     ref_model = example_from_config(hf.config, sd)
-    ref_cfg = cp_compile.CPConfig(block_size=BLOCK * args.dcp)
+    ref_cfg = cp_compile.CPConfig(block_size=BLOCK * n)
     ref_cache = cp_compile.allocate_kv_cache(ref_cfg, ref_model.kv_cache_spec(), NUM_BLOCKS)
     ref = run_schedule(ref_model, layer_caches(ref_cache), ref_cfg, NUM_BLOCKS,
                        tiny_schedule(VOCAB, num_steps=args.steps))
 
-    print("\nstep  requests   single-device tokens   DCP tokens (rank 0)   max |logit diff| over ranks")
+    print(f"\nstep  requests   single-device tokens   {'PCP' if args.pcp > 1 else 'DCP'} tokens (rank 0)   "
+          f"max |logit diff| over ranks")
     ok = True
     worst = 0.0
     for step, want in enumerate(ref):
@@ -121,20 +138,24 @@ def main() -> int:
         print(f"{step:4d}  {str(want.req_ids):9s}  {str(want.next_tokens):21s}  "
               f"{str(per_rank[0]['results'][step].next_tokens):20s}  {max(diffs):.2e} {'ok' if same else 'MISMATCH'}")
 
-    # The pass that rewrote the attention (dcp_attention; sfa_dcp for the sparse model).
-    name, rewrites, after = max(per_rank[0]["rewrites"], key=lambda h: h[1])
-    colls = {k.split(".")[1]: v for k, v in after.items() if "_c10d_functional" in k and "wait" not in k}
-    print(f"\npass {name}: {rewrites} attention nodes rewritten; graph now holds {colls}; "
-          f"graphs compiled per rank: {per_rank[0]['graphs']}")
+    # The passes that rewrote the attention (dcp_attention; sfa_dcp for the sparse model; pcp_attention
+    # in the prefill graph at pcp > 1).
+    for name, rewrites, after in per_rank[0]["rewrites"]:
+        if rewrites == 0:
+            continue
+        colls = {k.split(".")[1]: v for k, v in after.items() if "_c10d_functional" in k and "wait" not in k}
+        print(f"\npass {name}: {rewrites} nodes rewritten; graph now holds {colls}")
+    print(f"graphs compiled per rank: {per_rank[0]['graphs']}")
 
+    tag = f"dcp={args.dcp}" + (f" pcp={args.pcp}" if args.pcp > 1 else "")
     print("\nKV cache per rank (same token capacity: "
-          f"{NUM_BLOCKS} blocks x {BLOCK * args.dcp} tokens = {NUM_BLOCKS * BLOCK * args.dcp} tokens)")
+          f"{NUM_BLOCKS} blocks x {BLOCK * n} tokens = {NUM_BLOCKS * BLOCK * n} tokens)")
     for r, out in enumerate(per_rank):
         base_bytes = out["base_bytes"]
         print(f"  dcp=1 rank {r}  : {base_bytes:>9,d} bytes, {out['base_tokens']} tokens per rank (plain TP)")
     for r, out in enumerate(per_rank):
         base_bytes = out["base_bytes"]
-        print(f"  dcp={args.dcp} rank {r}  : {out['kv_bytes']:>9,d} bytes, {out['tokens_per_rank']} tokens per rank "
+        print(f"  {tag} rank {r}  : {out['kv_bytes']:>9,d} bytes, {out['tokens_per_rank']} tokens per rank "
               f"({out['kv_bytes'] / base_bytes:.3f} of baseline)")
     if args.model == "sfa":
         for r, out in enumerate(per_rank):
@@ -146,9 +167,10 @@ def main() -> int:
         qd, vd = hf.config.head_dim, hf.config.head_dim
     else:  # MLA and SFA gather [q_nope | q_pe] and merge latents
         qd, vd = hf.config.kv_lora_rank + hf.config.qk_rope_head_dim, hf.config.kv_lora_rank
-    per_layer = decode_comm_bytes_per_layer(1, heads_per_rank, qd, vd, 4, args.dcp)
-    print(f"\nDCP traffic per decode token per layer per rank: {per_layer} bytes (independent of context length)")
-    print(f"\nDCP compiled run {'MATCHES' if ok else 'DOES NOT MATCH'} the single-device run "
+    per_layer = decode_comm_bytes_per_layer(1, heads_per_rank, qd, vd, 4, n)
+    print(f"\nDCP traffic (N = {n}) per decode token per layer per rank: {per_layer} bytes "
+          f"(independent of context length)")
+    print(f"\n{'PCP' if args.pcp > 1 else 'DCP'} compiled run {'MATCHES' if ok else 'DOES NOT MATCH'} the single-device run "
           f"(max |logit diff| {worst:.2e}; rank 0 wall time {per_rank[0]['seconds']:.1f} s incl. compile)")
     return 0 if ok else 1
 
