@@ -7,9 +7,10 @@
    tokens equal the single-device eager model. No o_proj role is declared: the pass
    infers each layer's o_proj (and must not take the MLP's down projection). The
    prefill graph has each layer's linear + all-reduce replaced by the full-weight
-   path; the decode graph is not touched. Storage: after every step every o_proj
-   parameter is the same object, with the same data_ptr, shape and values, and the
-   rewritten graph holds no full-weight tensor except as an intermediate of the
+   path; the decode graph is not touched, and neither graph recompiles. Storage:
+   after every step, and after an exception raised inside the compiled prefill graph
+   at layer 1's full-weight matmul, every o_proj parameter is the same object, with
+   the same data_ptr, shape and values, and the rewritten graph holds no full-weight tensor except as an intermediate of the
    step (no get_attr, no graph output, users only the gather's wait and the matmul).
 2. Eager (`cp_compile.o_proj_full_weight.OProjFullWeight`, same world): the float
    model through the same schedule == one device; W8A8 dynamic / static models with
@@ -28,6 +29,7 @@ from __future__ import annotations
 import pytest
 import torch
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import cp_compile
 from cp_compile import o_proj_full_weight as ofw
@@ -98,6 +100,7 @@ def _sfa_world(rank: int, world: int, hf_config, state_dict) -> dict:
     state = cp_compile.init_parallel(cfg, device="cpu")
     graphs: list = []
     _record_graphs(graphs)
+    _run_compiled_graphs_under(_RUNTIME_MODE)
     model = example_from_config(hf_config, state_dict, world, state.tp_rank, state.tp_group)
     cache = cp_compile.allocate_kv_cache(cfg, model.kv_cache_spec(), NUM_BLOCKS, attention=model.attention_spec())
     compiled = cp_compile.compile_model(model, lowering="aot_eager")
@@ -108,8 +111,76 @@ def _sfa_world(rank: int, world: int, hf_config, state_dict) -> dict:
     hist = {str(k): [(h.name, h.rewrites, h.before, h.after) for pm in b.pass_managers for h in pm.history]
             for k, b in compiled.backends.items()}
     counts = {str(k): len(b.pass_managers) for k, b in compiled.backends.items()}
+    # An exception raised inside the compiled prefill graph, at layer 1's full-weight
+    # matmul (after its gathers, before its output gather; the same point on every rank).
+    # Two requests (a batch of one would specialise the batch dim and recompile).
+    meta = build_attention_metadata([(0, 4), (0, 3)], BlockAllocator(NUM_BLOCKS, cfg.virtual_block_size),
+                                    max_blocks_per_req=8)
+    o_in = hf_config.num_attention_heads * hf_config.v_head_dim
+    _register_hop_passthrough()
+    _RUNTIME_MODE.append(_FailAt(lambda f, a: f is torch.ops.aten.mm.default
+                                 and tuple(a[1].shape) == (o_in, hf_config.hidden_size), nth=2))
+    try:
+        with torch.no_grad():
+            compiled(torch.arange(7), meta.positions, layer_caches(cache), meta)
+        compiled_raised = None
+    except RuntimeError as e:
+        compiled_raised = str(e)
+    finally:
+        _RUNTIME_MODE.clear()
+    intact.append(_same(before, model))
+    counts_after = {str(k): len(b.pass_managers) for k, b in compiled.backends.items()}
     eager = {kind: _eager_run(cfg, state, hf_config, state_dict, q) for kind, q in QUANTS.items()}
-    return dict(results=res, hist=hist, intact=intact, graphs=graphs, eager=eager, counts=counts)
+    return dict(results=res, hist=hist, intact=intact, graphs=graphs, eager=eager, counts=counts,
+                counts_after=counts_after, compiled_raised=compiled_raised)
+
+
+_RUNTIME_MODE: list = []  # a dispatch mode to run the compiled graphs under (set by the test, in a rank)
+
+
+def _run_compiled_graphs_under(modes: list) -> None:
+    """Wrap the backend's lowering so its compiled graphs run under modes[0] when set: a
+    dispatch mode active at the call would instead stop Dynamo from compiling the frame."""
+    import importlib
+
+    backend = importlib.import_module("cp_compile.backend")  # the module (cp_compile.backend is also a function)
+    original = backend.lower
+
+    def lower(*args, **kwargs):
+        fn = original(*args, **kwargs)
+
+        def run(*a):
+            if not modes:
+                return fn(*a)
+            with modes[0]:
+                return fn(*a)
+        return run
+
+    backend.lower = lower
+
+
+class _FailAt(TorchDispatchMode):
+    """Raises at the nth op call matching `pred(func, args)` (counted while active)."""
+
+    def __init__(self, pred, nth: int) -> None:
+        super().__init__()
+        self.pred, self.nth, self.seen = pred, nth, 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if self.pred(func, args):
+            self.seen += 1
+            if self.seen == self.nth:
+                raise RuntimeError(f"injected at call {self.nth} of {func}")
+        return func(*args, **(kwargs or {}))
+
+
+def _register_hop_passthrough() -> None:
+    """Let the cache writes' auto_functionalized_v2 run through `_FailAt` untouched."""
+    from torch._higher_order_ops.auto_functionalize import auto_functionalized_v2
+
+    @auto_functionalized_v2.py_impl(_FailAt)
+    def _(mode, *args, **kwargs):
+        return auto_functionalized_v2(*args, **kwargs)  # the mode is already off the stack here
 
 
 QUANTS = {"linear": None, "w8a8_dynamic": W8A8Config("dynamic"),
@@ -196,10 +267,12 @@ def test_compiled_sfa_model_with_full_weight_o_proj_matches_single_device(sfa_wo
                                        msg=lambda m: f"rank {rank} step {step}: {m}")
             assert got.next_tokens == want.next_tokens, (rank, step)
             worst = max(worst, (got.last_logits - want.last_logits).abs().max().item())
-        assert out["intact"] == [True] * STEPS, out["intact"]
+        # After every step and after the exception injected inside the compiled graph.
+        assert out["compiled_raised"] is not None and "injected at call 2" in out["compiled_raised"]
+        assert out["intact"] == [True] * (STEPS + 1), out["intact"]
         # One graph per batch kind for prefills of T = 12 and 9 and decodes: the rewrite
         # added no guard on T (a baked SymInt or a pad-is-zero guard would recompile).
-        assert out["counts"] == {"decode": 1, "prefill": 1}, out["counts"]
+        assert out["counts"] == out["counts_after"] == {"decode": 1, "prefill": 1}, out["counts"]
         # Decode graph: the row-parallel o_proj as written (no o_proj pass ran).
         assert all(name != "o_proj_dsa_cp" for name, *_ in out["hist"]["decode"])
         (rewrites, before, after), = [(r, b, a) for n, r, b, a in out["hist"]["prefill"] if n == "o_proj_dsa_cp"]
