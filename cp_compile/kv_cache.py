@@ -97,8 +97,9 @@ def check_dcp_layout(cfg: CPConfig, spec: KVCacheSpec, num_blocks: int, dtype: t
     for r, other in enumerate(layouts[1:], start=1):
         diff = {k: (ref[k], other[k]) for k in ref if ref[k] != other[k]}
         if diff:
-            shown = ", ".join(f"{k}: CP rank 0 (global {ranks[0]}) has {a!r}, CP rank {r} (global {ranks[r]}) "
-                              f"has {b!r}" for k, (a, b) in diff.items())
+            who = "DCP" if cfg.pcp == 1 else "CP"  # the group's ranks: DCP ranks, or cp ranks under PCP
+            shown = ", ".join(f"{k}: {who} rank 0 (global {ranks[0]}) has {a!r}, {who} rank {r} "
+                              f"(global {ranks[r]}) has {b!r}" for k, (a, b) in diff.items())
             fix = ("DCP ranks must share KV heads: choose tp, num_kv_heads and dcp so that dcp divides "
                    "tp // num_kv_heads (cfg.validate_for(model.attention_spec()))" if "kv_head_ids" in diff else
                    "allocate the cache with the same config, model spec, num_blocks and dtype on every rank")
