@@ -76,11 +76,14 @@ def tokens_to_heads(x: Tensor, ctx: DSACPContext) -> Tensor:
     rank j's heads of my rows, so heads arrive in TP rank order, the model's layout.
     """
     xp = pad_tokens(x, ctx).contiguous()  # [T_pad, Hl, D]
-    rows, hl, d = xp.shape[0] // ctx.tp, xp.shape[1], xp.shape[2]
+    rows = xp.shape[0] // ctx.tp
     splits = [rows] * ctx.tp
     recv = _c10d.all_to_all_single.default(xp, splits, splits, ctx.group_name)
     recv = _c10d.wait_tensor.default(recv)  # [tp * rows, Hl, D]: chunk j = rank j's heads of my rows
-    return recv.view(ctx.tp, rows, hl, d).permute(1, 0, 2, 3).reshape(rows, ctx.tp * hl, d)
+    # Split the token dim into its tp chunks and lay them side by side on the head dim.
+    # No view of the symbolic token dim: a view / reshape splitting tp * rows would make
+    # the fake tracer guard rows != 1, and the graph recompile for steps with T <= tp.
+    return torch.cat(recv.tensor_split(ctx.tp, dim=0), dim=1)  # [rows, tp * Hl, D]
 
 
 def heads_to_tokens(y: Tensor, ctx: DSACPContext, num_tokens: int) -> Tensor:
@@ -89,10 +92,9 @@ def heads_to_tokens(y: Tensor, ctx: DSACPContext, num_tokens: int) -> Tensor:
     Head chunk j goes to rank j; what comes back from rank j is my heads of rank j's
     rows, which in rank order are the padded token order; the pad rows are dropped.
     """
-    rows, h, d = y.shape
-    hl = h // ctx.tp
-    send = y.view(rows, ctx.tp, hl, d).permute(1, 0, 2, 3).contiguous()  # [tp, rows, Hl, D]
-    send = send.view(ctx.tp * rows, hl, d)
+    rows, hl = y.shape[0], y.shape[1] // ctx.tp
+    # Head chunk j first: [tp * rows, Hl, D], concatenated on the token dim (no view of it).
+    send = torch.cat(y.split(hl, dim=1), dim=0).contiguous()
     splits = [rows] * ctx.tp
     recv = _c10d.all_to_all_single.default(send, splits, splits, ctx.group_name)
     recv = _c10d.wait_tensor.default(recv)  # [T_pad, Hl, D] in token order

@@ -380,14 +380,21 @@ def test_topk_read_by_other_consumers_is_all_gathered():
 def test_pass_structure_in_one_process():
     """The rewrite on a Dynamo graph with a symbolic token count, in one process: the shard
     arithmetic is graph nodes (no SymInt of the trace baked into any node), prefill only."""
-    from cp_compile.passes.fx_utils import CLAIMED_KEY, op_nodes
-    from cp_compile.testing.pass_harness import run_pipeline
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    from cp_compile.passes.fx_utils import CLAIMED_KEY, fake_value, op_nodes
+    from cp_compile.passes.pass_manager import PassManager
+    from cp_compile.testing.pass_harness import capture_graph
 
     x, meta = next(_topk_meta_steps())
     for kind, tp in (("prefill", 2), ("prefill", 4), ("decode", 2)):
         ctx = CompileContext.for_test(CPConfig(tensor_parallel_size=tp, block_size=BLOCK, enable_dsa_cp=True),
                                       attention=AttentionSpec("sfa", H_T, has_indexer=True), batch_kind=kind)
-        pm, gm = run_pipeline(TopkSharedBy(tp, 0), (x, _caches(), meta), ctx)
+        gm = capture_graph(TopkSharedBy(tp, 0), x, _caches(), meta)
+        env = next(v.fake_mode.shape_env for v in map(fake_value, gm.graph.nodes) if isinstance(v, FakeTensor))
+        guards_before = len(env.guards)
+        pm = PassManager([DSACPPass(ctx)] if DSACPPass.is_enabled(ctx) else [])
+        pm(gm)
         if kind == "decode":
             assert "dsa_cp" not in pm.names
             continue
@@ -397,6 +404,10 @@ def test_pass_structure_in_one_process():
         baked = [n.name for n in gm.graph.nodes if any(isinstance(a, torch.SymInt) for a in _flat((n.args, n.kwargs)))]
         assert baked == [], baked
         assert _count(rec.after, "sym_size") >= 1  # T read from the graph at run time
+        # Guards the rewrite adds to the compiled frame: only T <= T_pad (always true). A
+        # view splitting the token dim would add rows != 1 and recompile steps with T <= tp.
+        added = [str(g.expr) for g in env.guards[guards_before:]]
+        assert all(e.startswith("s") and "<=" in e for e in added), added
         left, = op_nodes(gm, (torch.ops.cp.sparse_mla_attention,))  # the clone-fed one, kept and claimed
         assert left.meta[CLAIMED_KEY] == "dsa_cp"
 
