@@ -99,6 +99,14 @@ def _world(rank: int, world: int, cases: list[tuple]) -> list[dict]:
                                              attention=model.attention_spec())
         compiled = cp_compile.compile_model(model, lowering=lowering)
         ptrs = [t.data_ptr() for layer in cache.layers for t in layer]
+        # A runtime that forgets PCP in its block size (blocks of BLOCK * dcp) is refused on every rank
+        # before anything is written: blocks hold BLOCK * pcp * dcp tokens.
+        bad = cp_compile.BlockAllocator(NUM_BLOCKS, BLOCK * dcp)
+        bad.ensure(99, 1)  # block 0 taken: the request's block ids then differ from its positions' blocks
+        meta = cp_compile.build_attention_metadata([(0, 9)], bad)
+        with pytest.raises(cp_compile.metadata.MetadataError, match=rf"block of {BLOCK * pcp * dcp} tokens"):
+            compiled(torch.zeros(9, dtype=torch.long), meta.positions, cache.layers, meta)
+        assert all(int(t.count_nonzero()) == 0 for layer in cache.layers for t in layer)
         t0 = time.perf_counter()
         res = run_steps(compiled, cache.layers, cfg)
         wall = time.perf_counter() - t0
