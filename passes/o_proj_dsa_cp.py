@@ -134,6 +134,14 @@ def find_row_parallel(gm: fx.GraphModule, tp_group: str) -> list[RowParallelMatc
     return out
 
 
+def _namespace(target: Any) -> str:
+    """The op namespace of an OpOverload or OpOverloadPacket ("" for Python callables);
+    Dynamo's graphs name custom ops by their packet, which has no `.namespace`."""
+    name = getattr(target, "_qualified_op_name", None) or getattr(
+        getattr(target, "_overloadpacket", None), "_qualified_op_name", "")
+    return name.split("::")[0] if "::" in name else ""
+
+
 def _reads_attention(start: fx.Node, stop: set[fx.Node]) -> bool:
     """Whether `start` depends on an attention result (a cp:: op other than the quantised
     linears, or an all-to-all) without passing through a node of `stop` (TP all-reduce waits)."""
@@ -145,8 +153,7 @@ def _reads_attention(start: fx.Node, stop: set[fx.Node]) -> bool:
             continue
         seen.add(n)
         if n.op == "call_function":
-            ns = getattr(n.target, "namespace", None)
-            if (ns == "cp" and n.target not in _QUANT) or _is(n, _c10d.all_to_all_single):
+            if (_namespace(n.target) == "cp" and n.target not in _QUANT) or _is(n, _c10d.all_to_all_single):
                 return True
         todo.extend(a for a in n.all_input_nodes)
     return False
