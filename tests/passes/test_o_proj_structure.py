@@ -11,7 +11,6 @@ front, the o_proj is inferred from the attention op itself.
 from __future__ import annotations
 
 import copy
-import os
 
 import pytest
 import torch
@@ -52,11 +51,13 @@ class Block(nn.Module):
 
 @pytest.fixture(scope="module")
 def group():
-    if not dist.is_initialized():
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", "29633")
-        dist.init_process_group("gloo", rank=0, world_size=1)
-    return dist.group.WORLD
+    """A one-rank gloo group for this module only (torn down after it)."""
+    if dist.is_initialized():
+        pytest.fail("a default process group is already initialised in the test process")
+    store = dist.HashStore()
+    dist.init_process_group("gloo", rank=0, world_size=1, store=store)
+    yield dist.group.WORLD
+    dist.destroy_process_group()
 
 
 def _run_pass(model: nn.Module, group, roles=()) -> dict:
