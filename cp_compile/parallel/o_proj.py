@@ -72,18 +72,23 @@ def shard_tokens(x: Tensor, ctx: DSACPContext) -> Tensor:
     whose symbolic sizes are `sym_size` nodes). The pad is `F.pad` (`pad_tokens`):
     a concatenation of zero rows would make Dynamo guard on the pad being 0.
     """
-    T, k = x.shape[0], x.shape[1]
-    rows = shard_rows(T, ctx)  # ceil(T / tp)
+    rows = shard_rows(x.shape[0], ctx)  # ceil(T / tp)
     xp = pad_tokens(x, ctx).contiguous()  # [T_pad, k]
     splits = [rows] * ctx.tp
     recv = _c10d.all_to_all_single.default(xp, splits, splits, ctx.group_name)
     recv = _c10d.wait_tensor.default(recv)  # [tp * rows, k]: chunk j = rank j's features of my rows
-    return recv.view(ctx.tp, rows, k).permute(1, 0, 2).reshape(rows, ctx.tp * k)
+    # The tp token chunks side by side on the feature dim. No view of the symbolic token
+    # dim: splitting tp * rows with a view makes the tracer guard rows != 1, and the
+    # graph would recompile for steps with T <= tp.
+    return torch.cat(recv.tensor_split(ctx.tp, dim=0), dim=1)  # [rows, tp * k]
 
 
 def gather_tokens(y_rows: Tensor, ctx: DSACPContext, num_tokens: int) -> Tensor:
-    """[rows, out] (my rows, complete) -> [T, out] (every token, on every rank)."""
-    return all_gather_dim0(y_rows, ctx)[:num_tokens]
+    """[rows, out] (my rows, complete; a fresh matmul output, so contiguous) -> [T, out]
+    (every token, on every rank). No `.contiguous()` here: on a symbolic rows dim it
+    makes the tracer guard rows != 1 (a recompile for steps with T <= tp)."""
+    g = _c10d.all_gather_into_tensor.default(y_rows, ctx.tp, ctx.group_name)
+    return _c10d.wait_tensor.default(g)[:num_tokens]
 
 
 def full_linear(kind: LinearKind, x_rows: Tensor, params: dict[str, Tensor], groups: int) -> Tensor:

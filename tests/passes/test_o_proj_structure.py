@@ -17,12 +17,13 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch._subclasses.fake_tensor import FakeTensor
 
 import cp_compile
 from cp_compile.config import AttentionSpec, ConfigError, CPConfig
 from cp_compile.context import CompileContext, GroupInfo, resolve_roles
 from cp_compile.metadata import BlockAllocator, build_attention_metadata
-from cp_compile.passes.fx_utils import count_ops
+from cp_compile.passes.fx_utils import count_ops, fake_value
 from cp_compile.passes.o_proj_dsa_cp import OProjDSACPPass
 from examples.models.common import ColumnParallelLinear, RowParallelLinear
 
@@ -72,7 +73,10 @@ def _run_pass(model: nn.Module, group, roles=()) -> dict:
     def backend(gm, example_inputs):
         keep = copy.deepcopy(gm)  # the unmodified graph runs; the rewritten one is only inspected
         seen["before"] = count_ops(gm)
+        env = next(v.fake_mode.shape_env for v in map(fake_value, gm.graph.nodes) if isinstance(v, FakeTensor))
+        guards_before = len(env.guards)
         seen["rewrites"] = OProjDSACPPass(ctx)(gm)
+        seen["guards"] = [str(g.expr) for g in env.guards[guards_before:]]
         seen["after"] = count_ops(gm)
         # A SymInt of the trace baked into a node would be a constant for one T only.
         seen["symints"] = [n.format_node() for n in gm.graph.nodes
@@ -105,6 +109,9 @@ def test_o_proj_is_inferred_from_the_attention_op_and_the_mlp_is_kept(group):
     assert _count(after, "all_gather_into_tensor") == 2 * LAYERS  # weight + output per layer
     assert _count(after, "mla_attention") == LAYERS  # attention is not this pass's business
     assert seen["symints"] == []
+    # Guards the rewrite adds to the frame: at most T <= T_pad (always true). A view
+    # splitting the padded token dim would add rows != 1 and recompile steps with T <= tp.
+    assert all("<=" in g for g in seen["guards"]), seen["guards"]
 
 
 def test_declared_role_is_used_and_a_wrong_one_is_refused(group):
