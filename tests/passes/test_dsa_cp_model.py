@@ -103,8 +103,8 @@ def run_steps(forward, kv_layers, virtual_block: int, seed: int = 0) -> list[Ste
     return out
 
 
-def _hf():
-    hf = hf_deepseek_sfa("deepseek_v32", num_heads=4)
+def _hf(layers: int = 2):
+    hf = hf_deepseek_sfa("deepseek_v32", num_heads=4, num_layers=layers)
     assert hf.config.index_topk < max(PROMPT_LENS.values())  # sparse: the top-k is a strict subset
     return hf, {k: v.detach().clone() for k, v in hf.state_dict().items()}
 
@@ -199,8 +199,9 @@ def _check_run(rank: int, run: dict, ref: list[Step], layers: int) -> dict[str, 
     return diffs
 
 
-def _run_matrix(runs: list[tuple[bool, str]], world: int = 2) -> dict[tuple[bool, str], dict[str, float]]:
-    hf, sd = _hf()
+def _run_matrix(runs: list[tuple[bool, str]], world: int = 2, layers: int = 2
+                ) -> dict[tuple[bool, str], dict[str, float]]:
+    hf, sd = _hf(layers)
     per_rank = run_on_ranks(_world, world, hf.config, sd, runs, timeout=1200)
     ref = _reference(hf.config, sd)
     layers = hf.config.num_hidden_layers
