@@ -18,8 +18,9 @@ rank r owns the rows [r * rows, (r + 1) * rows) (`layout.token_shard_rows`).
 
 The pair `dsa_cp_indexer` + `dsa_cp_sparse_attention` has the semantics of the pair
 `cp::lightning_indexer` + `cp::sparse_mla_attention` for this rank's TP heads, for
-prefill, mixed, chunked-prefill and decode batches alike (decode-only batches may
-also keep the TP head layout; that switch is the pass's choice, not built).
+prefill, mixed, chunked-prefill and decode batches alike. The `dsa_cp` pass
+(passes/dsa_cp.py) uses them in prefill graphs only; decode graphs keep the TP head
+layout.
 
 Traceable like `parallel/dcp.py`: `cp::*` ops and `_c10d_functional` collectives
 (each followed by `wait_tensor`), no data-dependent control flow. The only shape
