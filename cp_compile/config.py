@@ -110,6 +110,16 @@ class CPConfig:
             raise ConfigError("cp_kv_cache_interleave_size == block_size with KV transfer",
                               f"kv_transfer=True, cp_kv_cache_interleave_size={i}, block_size={self.block_size}",
                               f"set cp_kv_cache_interleave_size={self.block_size} (block-interleaved sharding)")
+        if self.enable_dsa_cp and (self.decode_context_parallel_size > 1 or self.prefill_context_parallel_size > 1):
+            # DSA-CP shards the queries over TP on full caches (dcp = 1); with DCP the latent
+            # cache is sharded and the rows would need a partial (LSE) row op, a top-k remap
+            # and a token-order merge (docs/dsa_cp.md, "What is left"). Not built.
+            raise ConfigError("enable_dsa_cp needs decode_context_parallel_size == 1 and "
+                              "prefill_context_parallel_size == 1 (DSA-CP with DCP / PCP is not built)",
+                              f"enable_dsa_cp=True, decode_context_parallel_size={self.decode_context_parallel_size}, "
+                              f"prefill_context_parallel_size={self.prefill_context_parallel_size}",
+                              "set enable_dsa_cp=False to shard the cache with DCP, or "
+                              "decode_context_parallel_size=1 and prefill_context_parallel_size=1 to use DSA-CP")
         if self.dcp_merge not in ("ag_rs", "a2a"):
             raise ConfigError("dcp_merge is ag_rs|a2a", f"dcp_merge={self.dcp_merge!r}",
                               "use 'ag_rs' or 'a2a'")

@@ -88,6 +88,10 @@ class CompileContext:
     tp: GroupInfo = field(default_factory=GroupInfo)
     dcp: GroupInfo = field(default_factory=GroupInfo)
     pcp: GroupInfo = field(default_factory=GroupInfo)
+    # The pcp * dcp ranks sharing this rank's KV heads; rank = pcp_rank * dcp + dcp_rank
+    # (docs/pcp.md §2). At pcp = 1 the DCP group; left default, it is filled from
+    # `dcp` / `pcp` when one of them is 1 (a hand-built context needs it only at both > 1).
+    cp: GroupInfo | None = None
     attention: AttentionSpec | None = None
     roles: tuple[RoleBinding, ...] = ()
     # The batches this graph serves: None = every kind (one graph); "decode" /
@@ -98,8 +102,13 @@ class CompileContext:
         if self.batch_kind not in (None, "decode", "prefill"):
             raise ConfigError("batch_kind is None, 'decode' or 'prefill'", f"batch_kind={self.batch_kind!r}",
                               "pass one of None, 'decode', 'prefill'")
+        if self.cp is None:
+            # Same ranks as the DCP group (pcp = 1) or the PCP group (dcp = 1).
+            cp = self.dcp if self.pcp.size == 1 else self.pcp if self.dcp.size == 1 else GroupInfo()
+            object.__setattr__(self, "cp", cp)
         for name, g, want in (("tp", self.tp, self.config.tp), ("dcp", self.dcp, self.config.dcp),
-                              ("pcp", self.pcp, self.config.pcp)):
+                              ("pcp", self.pcp, self.config.pcp),
+                              ("cp", self.cp, self.config.context_parallel_size)):
             if g.size != want or not 0 <= g.rank < g.size:
                 raise ConfigError(f"{name} group matches the config",
                                   f"{name} group size={g.size} rank={g.rank}, config {name}={want}",
@@ -117,6 +126,7 @@ class CompileContext:
                    tp=GroupInfo(cfg.tp, state.tp_rank, state.tp_group.group_name),
                    dcp=GroupInfo(cfg.dcp, state.dcp_rank, state.dcp_group.group_name),
                    pcp=GroupInfo(cfg.pcp, state.pcp_rank, state.pcp_group.group_name),
+                   cp=GroupInfo(cfg.context_parallel_size, state.cp_rank, state.cp_group_name),
                    attention=attention, roles=roles, batch_kind=batch_kind)
 
     @classmethod
@@ -127,8 +137,12 @@ class CompileContext:
         def grp(kind: str, size: int) -> GroupInfo:
             return GroupInfo(size, rank % size, f"test_{kind}" if size > 1 else "")
 
-        return cls(config=config, tp=grp("tp", config.tp), dcp=grp("dcp", config.dcp),
-                   pcp=grp("pcp", config.pcp), attention=attention, roles=roles, batch_kind=batch_kind)
+        dcp, pcp = grp("dcp", config.dcp), grp("pcp", config.pcp)
+        cp = None
+        if dcp.size > 1 and pcp.size > 1:
+            cp = GroupInfo(config.context_parallel_size, pcp.rank * dcp.size + dcp.rank, "test_cp")
+        return cls(config=config, tp=grp("tp", config.tp), dcp=dcp, pcp=pcp, cp=cp, attention=attention,
+                   roles=roles, batch_kind=batch_kind)
 
     def role(self, name: str) -> RoleBinding | None:
         return next((r for r in self.roles if r.role == name), None)
@@ -142,6 +156,17 @@ class CompileContext:
         cfg = self.config
         return DCPContext(dcp=self.dcp.size, rank=self.dcp.rank, interleave=cfg.interleave,
                           block_size=cfg.block_size, group_name=self.dcp.name, merge=cfg.dcp_merge)
+
+    def decode_view(self) -> DCPContext:
+        """The view DCP attention runs on: the cache's context-parallel group. At
+        pcp = 1 it is `dcp_view()`; at pcp > 1 decode graphs attend the cache the PCP
+        prefill laid out over N = pcp * dcp ranks, so N and the rank are the CP
+        group's (docs/pcp.md §5)."""
+        cfg = self.config
+        cp = self.cp
+        assert cp is not None  # filled by __post_init__
+        return DCPContext(dcp=cp.size, rank=cp.rank, interleave=cfg.interleave, block_size=cfg.block_size,
+                          group_name=cp.name, merge=cfg.dcp_merge)
 
     def pcp_view(self) -> PCPContext:
         """The narrow view the PCP compositions are specialised on: both groups (the

@@ -60,15 +60,21 @@ class DCPAttentionPass(CPPass):
     name = "dcp_attention"
     patterns: tuple[AttentionPattern, ...] = (GQAPattern(), MLAPattern())
     handles = tuple(p.op for p in patterns)
-    enabled_when = "decode_context_parallel_size > 1"
+    enabled_when = ("decode_context_parallel_size > 1 (pcp = 1), or decode graphs at "
+                    "prefill_context_parallel_size > 1 (over the pcp * dcp ranks of the cache)")
     emits_from = ("cp_compile.parallel.dcp",)
 
     def __init__(self, ctx: CompileContext) -> None:
         super().__init__(ctx)
-        self.dcp = ctx.dcp_view()
+        # The cache's context-parallel group: the DCP group at pcp = 1, the pcp * dcp
+        # ranks the PCP prefill sharded the cache over at pcp > 1 (docs/pcp.md §5).
+        self.dcp = ctx.decode_view()
 
     @classmethod
     def is_enabled(cls, ctx: CompileContext) -> bool:
+        if ctx.pcp.size > 1:
+            # Prefill graphs are token-sharded by the pcp_attention pass instead.
+            return ctx.batch_kind == "decode"
         return ctx.dcp.size > 1
 
     def config_values(self) -> dict[str, Any]:

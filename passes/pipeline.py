@@ -4,20 +4,33 @@ Each pass sees the output of the previous one; `PassManager.for_context` keeps t
 ones whose `is_enabled(ctx)` holds. A new pass goes into `PIPELINE` at the place
 its inputs exist (docs/architecture.md, "Adding a pass").
 
-  1. dcp_attention              (dcp > 1) GQA / MLA attention -> DCP building blocks
+  0. pcp_attention              (pcp > 1, prefill graphs) GQA / MLA attention -> PCP compositions on this
+                                rank's tokens; per-token outputs all-gathered back to global order
+  1. dcp_attention              (dcp > 1; at pcp > 1 decode graphs, over the pcp * dcp cache ranks)
+                                GQA / MLA attention -> DCP building blocks
   2. sfa_dcp                    (dcp > 1, pcp = 1, sfa) sparse MLA -> DCP blocks; indexer kept (replicated)
-  3. unsharded_attention_check  (dcp > 1 or pcp > 1) no single-device attention op survives
+  3. dsa_cp                     (enable_dsa_cp, prefill graph, tp > 1, dcp = pcp = 1, sfa) indexer + sparse
+                                MLA -> token-sharded rows over TP (a2a); decode graphs keep the TP layout
+  4. o_proj_dsa_cp              (enable_dsa_cp, prefill graph, tp > 1, dcp = 1) row-parallel o_proj ->
+                                full (gathered) weight on this rank's token shard + output all-gather
+  5. unsharded_attention_check  (dcp > 1 or pcp > 1) no single-device attention op survives
 """
 
 from __future__ import annotations
 
 from cp_compile.passes.base import CPPass
 from cp_compile.passes.dcp_attention import DCPAttentionPass
+from cp_compile.passes.pcp_attention import PCPAttentionPass
+from cp_compile.passes.dsa_cp import DSACPPass
+from cp_compile.passes.o_proj_dsa_cp import OProjDSACPPass
 from cp_compile.passes.sfa_dcp import SFADCPPass
 from cp_compile.passes.unsharded_attention import UnshardedAttentionCheck
 
 PIPELINE: tuple[type[CPPass], ...] = (
+    PCPAttentionPass,  # first: it token-shards the prefill graph every later pass sees
     DCPAttentionPass,
     SFADCPPass,
+    DSACPPass,
+    OProjDSACPPass,  # after the attention passes: it rewrites what reads their output
     UnshardedAttentionCheck,  # always last: it checks what every other pass left
 )

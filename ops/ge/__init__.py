@@ -3,7 +3,7 @@
 One module per op family: `cache` (metadata localisation, cache writes),
 `attention` (paged attention with LSE, single-device GQA / MLA, varlen causal),
 `merge` (LSE merges), `sparse` (lightning indexer, sparse MLA, the SFA DCP ops), `dsa_cp`
-(the DSA-CP token-shard indexer and sparse MLA). The mapping of each
+(the DSA-CP token-shard indexer and sparse MLA), `quant` (the W8A8 linears). The mapping of each
 op to CANN operators, and why, is in docs/torchair.md and each module's docstring.
 
 Importing this package imports no torchair; `register_converters()` does, lazily
@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import importlib
 
-MODULES = ("cache", "attention", "merge", "sparse", "dsa_cp")
+MODULES = ("cache", "attention", "merge", "sparse", "dsa_cp", "quant")
 
 # Every cp:: op the project defines -> the GE op types its converter emits (the
 # check compares this with the ops registered in the `cp` namespace and with what
@@ -38,6 +38,8 @@ GE_OPS = {
     "cp::dcp_sparse_indices": ("Sort", "GatherElements"),
     "cp::lightning_indexer_topk_rows": ("Cumsum", "LightningIndexer", "SelectV2"),
     "cp::sparse_mla_rows_attention": ("Cumsum", "SparseFlashAttention", "SelectV2"),
+    "cp::w8a8_dynamic_linear": ("ReduceMaxD", "Round", "QuantBatchMatmulV3", "ReduceSumD"),
+    "cp::w8a8_static_linear": ("Round", "QuantBatchMatmulV3", "ReduceSumD"),
 }
 
 _registered = False

@@ -270,6 +270,17 @@ def op_cases() -> dict[str, tuple[Callable[..., Any], tuple]]:
             lambda qn, qp, c, t, sl, qs, i: cp.sparse_mla_rows_attention(qn, qp, c, t, sl, qs, i, 2, 1, 0.1),
             (torch.randn(3, H, L, dtype=bf), torch.randn(3, H, R, dtype=bf), torch.randn(NB, BS, L + R, dtype=bf),
              table, seq, qsl, torch.zeros(3, 4, dtype=torch.int32))),
+        # W8A8 o_proj (ops/quant.py): int8 K-major weight [in, out], two activation groups
+        # (the DSA-CP full-weight o_proj at tp 2).
+        "cp::w8a8_dynamic_linear": (
+            lambda x, w, s, o: cp.w8a8_dynamic_linear(x, w, s, o, 2),
+            (torch.randn(T, 64, dtype=bf), torch.randint(-127, 128, (64, 32), dtype=torch.int8), torch.rand(32),
+             torch.zeros(32, dtype=torch.int32))),
+        "cp::w8a8_static_linear": (
+            lambda x, w, s, o, qb, dq: cp.w8a8_static_linear(x, w, s, o, qb, dq),
+            (torch.randn(T, 64, dtype=bf), torch.randint(-127, 128, (64, 32), dtype=torch.int8),
+             torch.tensor([0.02, 0.03]), torch.tensor([1, -2], dtype=torch.int32),
+             torch.zeros(2, 32, dtype=torch.int32), torch.rand(2, 32))),
     }
 
 

@@ -195,8 +195,16 @@ def test_sfa_dcp_equals_tp_violated(tp, dcp):
 # --------------------------------------------------------------------- enable_dsa_cp needs an indexer
 
 
+@pytest.mark.parametrize("dcp, pcp", [(2, 1), (1, 2), (2, 2)])
+def test_dsa_cp_with_dcp_or_pcp_refused(dcp, pcp):
+    with pytest.raises(ConfigError, match="enable_dsa_cp needs decode_context_parallel_size == 1") as e:
+        CPConfig(tensor_parallel_size=2, decode_context_parallel_size=dcp, prefill_context_parallel_size=pcp,
+                 enable_dsa_cp=True)
+    assert f"decode_context_parallel_size={dcp}" in str(e.value) and "set enable_dsa_cp=False" in str(e.value)
+
+
 def test_dsa_cp_with_indexer_ok():
-    CPConfig(tensor_parallel_size=8, decode_context_parallel_size=8, enable_dsa_cp=True).validate_for(SFA)
+    CPConfig(tensor_parallel_size=8, enable_dsa_cp=True).validate_for(SFA)
     CPConfig(tensor_parallel_size=4, enable_dsa_cp=True).validate_for(SFA)
     CPConfig(enable_dsa_cp=False).validate_for(MLA)
     CPConfig(enable_dsa_cp=False).validate_for(gqa(1))

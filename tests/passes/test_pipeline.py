@@ -130,8 +130,18 @@ def test_pipeline_is_configured_by_the_context():
     assert names(dcp=2) == ["dcp_attention", "unsharded_attention_check"]
     assert pass_manager.PassManager.for_context(_ctx("sfa", dcp=2, tp=2)).names == \
         ["dcp_attention", "sfa_dcp", "unsharded_attention_check"]
-    # PCP has no pass yet: only the check runs, so single-device attention is refused.
-    assert names(dcp=1, tp=2, pcp=2) == ["unsharded_attention_check"]
+    # PCP: prefill graphs are token-sharded by pcp_attention, decode graphs run dcp_attention over the
+    # pcp * dcp ranks of the cache; a graph for every kind gets pcp_attention, which refuses it.
+    spec = AttentionSpec(kind="gqa", num_heads=4 * H, num_kv_heads=1)
+    for dcp in (1, 2):
+        cfg = CPConfig(tensor_parallel_size=2, decode_context_parallel_size=dcp, prefill_context_parallel_size=2,
+                       block_size=BLOCK)
+        by_kind = {k: pass_manager.PassManager.for_context(CompileContext.for_test(cfg, attention=spec,
+                                                                                   batch_kind=k)).names
+                   for k in (None, "decode", "prefill")}
+        assert by_kind == {None: ["pcp_attention", "unsharded_attention_check"],
+                           "decode": ["dcp_attention", "unsharded_attention_check"],
+                           "prefill": ["pcp_attention", "unsharded_attention_check"]}
 
 
 def test_sparse_attention_under_dcp_is_refused_in_process():
@@ -152,10 +162,10 @@ def test_sfa_dcp_refuses_a_sharded_indexer_cache():
         run_pipeline(Attn("sfa"), _inputs("sfa", BLOCK), _ctx("sfa", dcp=2, tp=2))
 
 
-def test_gqa_under_pcp_names_the_pass_that_supports_it():
-    with pytest.raises(ConfigError, match=r"cp::gqa_paged_attention left in the graph.*"
-                                          r"prefill_context_parallel_size=2.*supported by the dcp_attention pass "
-                                          r"\(enabled when decode_context_parallel_size > 1\)"):
+def test_gqa_under_pcp_needs_the_compiled_entry():
+    # One graph for every batch kind cannot be token-sharded (the compiled entry shards prefill steps).
+    with pytest.raises(ConfigError, match=r"PCP prefill graphs come from the compiled entry.*"
+                                          r"prefill_context_parallel_size=2.*compile_model"):
         run_pipeline(Attn("gqa"), _inputs("gqa"), _ctx("gqa", dcp=1, tp=2, pcp=2))
 
 
