@@ -23,6 +23,12 @@ the repo root:
 `--dsa-cp` (SFA models) replaces the DCP worlds with one dcp = 1 world timing DSA-CP
 off (plain TP) vs on side by side (`examples/bench/dsa_cp.py`).
 
+`--pcp P` (GQA / MLA) replaces them with one world of tp * P ranks timing PCP (the
+prefill's tokens split over P groups) vs the pcp = 1 baseline at the same tp side by
+side (`examples/bench/pcp.py`):
+
+    python examples/bench_prefill.py --shape qwen3-235b-a22b-tp8 --tp 1 --pcp 2 --prompt 8192 --batch 1
+
 Without torchrun the script spawns its own gloo ranks (`run_on_ranks`); under
 torchrun (env RANK set) every process runs the same per-rank code directly.
 """
@@ -41,6 +47,7 @@ from examples.bench.args import parse_prefill_args  # noqa: E402
 from examples.bench.decode import decode_source  # noqa: E402
 from examples.bench.dsa_cp import format_dsa_cp_breakdown, format_dsa_cp_table, plot_dsa_cp  # noqa: E402
 from examples.bench.launch import run  # noqa: E402
+from examples.bench.pcp import format_pcp_breakdown, format_pcp_table, plot_pcp  # noqa: E402
 from examples.bench.plot import plot_prefill  # noqa: E402
 from examples.bench.prefill import run_world  # noqa: E402
 from examples.bench.rows import write_json  # noqa: E402
@@ -59,6 +66,8 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
     json_path = write_json(rows, out, "bench_prefill.json")
     if args.dsa_cp:
         return _report_dsa_cp(rows, args, out, json_path, t0)
+    if args.pcp > 1:
+        return _report_pcp(rows, args, out, json_path, t0)
     png_path = plot_prefill(rows, args, out / "bench_prefill.png")
     shape = args.model if args.shape == "tiny" else f"{args.shape} ({args.model})"
     print(f"\n{shape} tp={args.tp} dcp={list(args.dcp)} lowering={args.lowering} dtype={args.dtype} "
@@ -84,6 +93,23 @@ def _report_dsa_cp(rows: list[dict[str, Any]], args: Any, out: Path, json_path: 
           f"steps={args.steps} warmup={args.warmup} profile_steps={args.profile_steps} "
           f"({time.perf_counter() - t0:.0f} s)")
     for text in (format_dsa_cp_table(rows, args), format_dsa_cp_breakdown(rows, args)):
+        print(text + "\n")
+    if any(r["recompiled_in_timed_steps"] for r in rows):
+        print("WARNING: a graph was compiled during timed steps; raise --warmup", flush=True)
+    print(f"wrote {json_path}, {png_path}", flush=True)
+    return rows
+
+
+def _report_pcp(rows: list[dict[str, Any]], args: Any, out: Path, json_path: Path, t0: float
+                ) -> list[dict[str, Any]]:
+    """--pcp: the PCP vs pcp = 1 table, the profiled breakdown and the plot."""
+    png_path = plot_pcp(rows, args, out / "bench_prefill.png")
+    shape = args.model if args.shape == "tiny" else f"{args.shape} ({args.model})"
+    print(f"\n{shape} tp={args.tp} pcp={args.pcp} (world {args.ranks}) vs pcp=1, lowering={args.lowering} "
+          f"dtype={args.dtype} block={args.block_size} interleave={args.interleave} prompt={list(args.prompt)} "
+          f"prefix={args.prefix} batch={list(args.batch)} steps={args.steps} warmup={args.warmup} "
+          f"profile_steps={args.profile_steps} ({time.perf_counter() - t0:.0f} s)")
+    for text in (format_pcp_table(rows, args), format_pcp_breakdown(rows, args)):
         print(text + "\n")
     if any(r["recompiled_in_timed_steps"] for r in rows):
         print("WARNING: a graph was compiled during timed steps; raise --warmup", flush=True)

@@ -35,6 +35,11 @@ class BenchArgs:
     repeat: int = 1  # passes over the worlds, every other one in reverse order (ABBA)
 
     @property
+    def ranks(self) -> int:
+        """Ranks per world (the world size)."""
+        return self.tp
+
+    @property
     def worlds(self) -> tuple[tuple[int, str], ...]:
         """(dcp, merge) per world; each world with dcp > 1 also times the dcp = 1 baseline."""
         worlds = tuple((d, m) for d in self.dcp if d > 1 for m in self.merge)
@@ -62,11 +67,18 @@ class PrefillArgs(BenchArgs):
     prompt: tuple[int, ...] = (1024,)  # prompt lengths (tokens per request)
     prefix: int = 0  # cached prefix of the chunked-prefill variant (0: whole-prompt steps only)
     dsa_cp: bool = False  # one world: DSA-CP off vs on at dcp = 1 (examples/bench/dsa_cp.py)
+    pcp: int = 1  # > 1: one world of tp * pcp ranks, PCP vs its pcp = 1 baseline (examples/bench/pcp.py)
+
+    @property
+    def ranks(self) -> int:
+        return self.tp * self.pcp
 
     @property
     def worlds(self) -> tuple[tuple[int, str], ...]:
         if self.dsa_cp:
             return ((1, "dsa_cp"),)
+        if self.pcp > 1:
+            return ((1, "pcp"),)
         return super().worlds
 
     def chunks(self, prompt: int) -> tuple[int, ...]:
@@ -118,6 +130,9 @@ def build_parser(description: str, bench: str = "decode") -> argparse.ArgumentPa
         p.add_argument("--dsa-cp", action="store_true",
                        help="SFA only: time DSA-CP on vs off (plain TP) side by side in one world at dcp = 1 "
                             "instead of the DCP worlds")
+        p.add_argument("--pcp", type=int, default=1,
+                       help="> 1: one world of tp * pcp ranks timing PCP (prefill tokens split over pcp groups) "
+                            "vs its pcp = 1 baseline at the same tp, side by side, instead of the DCP worlds")
     p.add_argument("--batch", type=int_list, default=(1, 4) if bench == "decode" else (1,),
                    help="requests per step")
     p.add_argument("--interleave", type=int, default=1, help="cp_kv_cache_interleave_size")
@@ -185,6 +200,11 @@ def parse_prefill_args(argv: Sequence[str] | None = None, description: str = "")
     prompt = tuple(sorted(set(a.prompt)))
     if a.prefix and a.prefix >= max(prompt):
         p.error(f"--prefix {a.prefix} leaves no chunk to prefill: it must be < the longest --prompt {max(prompt)}")
+    if a.pcp > 1:  # before the shared checks: the default --dcp 1,2 does not apply (nor need divide tp)
+        if a.dcp != p.get_default("dcp") and max(a.dcp) > 1:
+            p.error(f"--pcp is benchmarked at dcp = 1 (the CP collectives are then exactly the PCP ones): "
+                    f"drop --dcp {','.join(map(str, a.dcp))}")
+        a.dcp = (1,)
     fields = _shared_fields(p, a)
     if a.dsa_cp:
         if fields["model"] != "sfa":
@@ -195,6 +215,15 @@ def parse_prefill_args(argv: Sequence[str] | None = None, description: str = "")
         if a.tp < 2:
             p.error("--dsa-cp shards tokens over TP: --tp must be >= 2")
         fields["dcp"] = (1,)
+    if a.pcp < 1:
+        p.error(f"--pcp must be >= 1, got {a.pcp}")
+    if a.pcp > 1:
+        if a.dsa_cp:
+            p.error("--pcp and --dsa-cp are separate benchmarks (DSA-CP with PCP is not built): drop one")
+        if fields["model"] == "sfa":
+            p.error("--pcp covers GQA and MLA (qwen3, mla shapes); SFA runs at pcp = 1: drop --pcp or pick "
+                    "another --model / --shape")
+        fields["dcp"] = (1,)
     # No compile probe: it times decode compiles, which bench_decode already reports.
     return PrefillArgs(**fields, context=(), compile_probe=False,  # type: ignore[arg-type]
-                       prompt=prompt, prefix=a.prefix, dsa_cp=a.dsa_cp)
+                       prompt=prompt, prefix=a.prefix, dsa_cp=a.dsa_cp, pcp=a.pcp)

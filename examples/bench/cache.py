@@ -40,11 +40,12 @@ def fill_context(cache: cp_compile.KVCache, cfg: cp_compile.CPConfig, dcp_rank: 
 
     The global slot mapping of a (0, context) prefill is localised exactly as the
     DCP pass does it, so each rank stores only the tokens it owns, at the slots the
-    decode steps will read. A replicated cache (SFA's indexer keys) gets every token, at the
+    decode steps will read. Under PCP the cache is sharded over N = pcp * dcp ranks
+    by the same rule (docs/pcp.md §2): pass the cp rank as `dcp_rank`. A replicated cache (SFA's indexer keys) gets every token, at the
     global slots (its pages are whole virtual blocks).
     """
     meta = cp_compile.build_attention_metadata([(0, context)] * batch, alloc)
-    slots = layout.local_slot_mapping(meta.slot_mapping, dcp=cfg.dcp, rank=dcp_rank, interleave=cfg.interleave,
+    slots = layout.local_slot_mapping(meta.slot_mapping, dcp=cfg.context_parallel_size, rank=dcp_rank, interleave=cfg.interleave,
                                       block_size=cfg.block_size).to(device)
     g = torch.Generator(device=device).manual_seed(seed)
     for layer in cache.layers:

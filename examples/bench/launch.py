@@ -44,13 +44,14 @@ def _spawned_rank(rank: int, world_size: int, world_fn: WorldFn, args: BenchArgs
 
 
 def run_spawned(args: BenchArgs, world_fn: WorldFn, source: Any) -> list[dict[str, Any]]:
-    """One spawned world of `tp` ranks per (dcp, merge); rank 0's rows (already max over ranks)."""
+    """One spawned world of `args.ranks` ranks (tp, or tp * pcp) per (dcp, merge); rank 0's rows (already max
+    over ranks)."""
     rows: list[dict[str, Any]] = []
     for i, (dcp, merge) in enumerate(args.schedule, 1):
-        log(0, f"== world {i}/{len(args.schedule)} tp={args.tp} dcp={dcp} merge={merge}: spawning {args.tp} ranks")
+        log(0, f"== world {i}/{len(args.schedule)} tp={args.tp} dcp={dcp} merge={merge}: spawning {args.ranks} ranks")
         with tempfile.TemporaryDirectory(prefix="bench_nccl_") as tmp:
             store = os.path.join(tmp, "store") if torch.cuda.is_available() else None
-            per_rank = run_on_ranks(_spawned_rank, args.tp, world_fn, args, (dcp, merge), source, store,
+            per_rank = run_on_ranks(_spawned_rank, args.ranks, world_fn, args, (dcp, merge), source, store,
                                     timeout=3600)
         rows.extend(per_rank[0])
     return rows
@@ -66,9 +67,9 @@ def run_torchrun(args: BenchArgs, world_fn: WorldFn, make_source: Callable[[Benc
     if not dist.is_initialized():
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
     rank, world_size = dist.get_rank(), dist.get_world_size()
-    if world_size != args.tp:
-        raise SystemExit(f"torchrun launched {world_size} processes but --tp {args.tp}: "
-                         f"use --nproc-per-node={args.tp}")
+    if world_size != args.ranks:
+        raise SystemExit(f"torchrun launched {world_size} processes but the world is {args.ranks} ranks "
+                         f"(--tp {args.tp}, times --pcp where given): use --nproc-per-node={args.ranks}")
     source = make_source(args)  # seeded: identical weights on every rank
     rows: list[dict[str, Any]] = []
     for i, world in enumerate(args.schedule, 1):

@@ -33,6 +33,7 @@ from examples.bench.cache import fill_context, reserve
 from examples.bench.decode import Side, alternate_steps, build_sides, init_world
 from examples.bench.dsa_cp import build_dsa_cp_sides, init_dsa_cp_world
 from examples.bench.launch import World, log
+from examples.bench.pcp import build_pcp_sides, init_pcp_world
 from examples.bench.profile import CATEGORIES
 from examples.bench.rows import add_paired_ratios, prefill_row
 from examples.bench.shapes import ModelSource
@@ -45,12 +46,16 @@ def run_world(rank: int, world_size: int, args: PrefillArgs, world: World, sourc
     """One (dcp, merge) world, with its baseline when dcp > 1: compile, sweep (prompt, batch, variant)."""
     if args.dsa_cp:  # one world: DSA-CP off vs on (examples/bench/dsa_cp.py)
         state = init_dsa_cp_world(args, device)
+    elif args.pcp > 1:  # one world of tp * pcp ranks: pcp = 1 vs PCP (examples/bench/pcp.py)
+        state = init_pcp_world(args, device)
     else:
         state = init_world(args, world, device)
     try:
         if args.dsa_cp:
             model, sides = build_dsa_cp_sides(rank, world_size, args, source, state, device,
                                               tokens_per_req=max(args.prompt))
+        elif args.pcp > 1:
+            model, sides = build_pcp_sides(rank, args, source, state, device, tokens_per_req=max(args.prompt))
         else:
             model, sides = build_sides(rank, world_size, args, world, source, state, device,
                                        tokens_per_req=max(args.prompt))
@@ -101,7 +106,7 @@ def measure(rank: int, args: PrefillArgs, model: torch.nn.Module, sides: list[Si
                           world)
         bd = row["breakdown_ms"]
         parts = ", ".join(f"{k} {bd[k]:.1f}" for k in CATEGORIES) if bd else "no profile"
-        log(rank, f"[dcp={side.cfg.dcp} {side.merge}] prompt={prompt:>6} prefix={prefix:>6} batch={batch:>3}: TTFT "
+        log(rank, f"[dcp={side.cfg.dcp} pcp={side.cfg.pcp} {side.merge}] prompt={prompt:>6} prefix={prefix:>6} batch={batch:>3}: TTFT "
                   f"{row['ttft_ms']:9.1f} ms (steps {', '.join(f'{t:.1f}' for t in step_ms)}), graphs "
                   f"{row['graphs_compiled']}{f' RECOMPILED {recompiles} AFTER WARM-UP' if recompiles else ''}; "
                   f"profiled ms: {parts}")

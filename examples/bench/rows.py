@@ -95,9 +95,11 @@ def prefill_row(args: BenchArgs, model: torch.nn.Module, cfg: cp_compile.CPConfi
         from examples.bench.dsa_cp import dsa_cp_comm_bytes_per_step
 
         dcp_bytes = dsa_cp_comm_bytes_per_step(model, batch * new, args.tp, dtype)
+    if cfg.pcp > 1:  # PCP traffic is not modelled here: the profiler's dcp_comm (= PCP collectives) measures it
+        dcp_bytes = None
     ttft = summarize(step_ms, "ttft")
     return dict(
-        kind=args.model, shape=args.shape, tp=args.tp, dcp=cfg.dcp, merge=merge, world=list(world),
+        kind=args.model, shape=args.shape, tp=args.tp, dcp=cfg.dcp, pcp=cfg.pcp, merge=merge, world=list(world),
         dsa_cp=cfg.enable_dsa_cp,
         interleave=args.interleave, block_size=args.block_size, batch=batch, variant="chunked" if prefix else "full",
         prompt_len=prompt, context_len=prefix, new_tokens=new, metric="ttft", **ttft, step_ms=step_ms,

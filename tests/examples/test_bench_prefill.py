@@ -113,3 +113,47 @@ def test_prefill_args_dsa_cp() -> None:
                 ["--model", "sfa", "--dsa-cp", "--tp", "1", "--dcp", "1"]):
         with pytest.raises(SystemExit):
             parse_prefill_args(bad)
+
+
+def test_bench_prefill_pcp(tmp_path: Path) -> None:
+    """--pcp 2 at tp 1: one world of 2 ranks, the pcp = 1 baseline (plain lowering, every rank the whole
+    prompt) and PCP (token-sharded prefill graph) side by side, one request of a small prompt, with and
+    without a cached prefix (written at N = pcp)."""
+    rows = bench_prefill.main(["--tp", "1", "--pcp", "2", "--prompt", "40", "--prefix", "16", "--batch", "1",
+                               "--steps", "1", "--warmup", "1", "--profile-steps", "1", "--lowering", "aot_eager",
+                               "--out", str(tmp_path)])
+    written = json.loads((tmp_path / "bench_prefill.json").read_text())
+    assert written == json.loads(json.dumps(rows))
+    assert sorted((r["context_len"], r["pcp"]) for r in written) == [(0, 1), (0, 2), (16, 1), (16, 2)]
+    for r in written:
+        assert all(k in r for k in REQUIRED), sorted(set(REQUIRED) - set(r))
+        assert r["kind"] == "qwen3" and r["tp"] == 1 and r["dcp"] == 1 and r["world"] == [1, "pcp"]
+        assert r["merge"] == ("pcp" if r["pcp"] == 2 else "none") and r["ttft_ms"] > 0
+        # One prefill graph per side (PCP: the prefill kind only), nothing compiled after the warm-up step.
+        assert r["graphs_compiled"] == 1 and r["recompiles_after_warmup"] == 0
+        assert set(CATEGORIES) <= set(r["breakdown_ms"]) and r["attention_ms"] > 0
+        assert len(r["breakdown_ms_per_rank"]) == 2
+        if r["pcp"] == 2:
+            assert r["ttft_ratio_paired"] > 0 and r["comm_bytes_per_step"] is None
+            # Per layer: K/V gather, Q gather, LSE merge AG + RS over PCP (all-gathers / reduce-scatters),
+            # plus per forward the token-index and logits gathers; no TP all-reduce at tp 1.
+            assert r["collectives_per_layer"]["dcp"] >= 4 and r["collectives_per_layer"]["tp"] == 0
+            assert r["breakdown_ms"]["dcp_comm"] > 0
+        else:
+            assert r["ttft_ratio_paired"] is None
+            assert r["collectives_per_layer"] == {"dcp": 0, "tp": 0} and r["breakdown_ms"]["dcp_comm"] == 0
+    by = {(r["context_len"], r["pcp"]): r for r in written}
+    for prefix in (0, 16):
+        # The cache is sharded over the 2 PCP ranks: half the pages' bytes per rank for the same tokens.
+        assert by[(prefix, 2)]["kv_cache_bytes_per_rank"] < by[(prefix, 1)]["kv_cache_bytes_per_rank"]
+    assert (tmp_path / "bench_prefill.png").stat().st_size > 0
+
+
+def test_prefill_args_pcp() -> None:
+    args = parse_prefill_args(["--tp", "1", "--pcp", "2", "--prompt", "8192"])
+    assert args.pcp == 2 and args.ranks == 2 and args.dcp == (1,) and args.worlds == ((1, "pcp"),)
+    assert parse_prefill_args(["--tp", "2"]).ranks == 2  # no --pcp: the world is tp
+    for bad in (["--pcp", "0"], ["--tp", "2", "--pcp", "2", "--dcp", "2"], ["--model", "sfa", "--pcp", "2"],
+                ["--model", "sfa", "--tp", "2", "--dsa-cp", "--pcp", "2"]):
+        with pytest.raises(SystemExit):
+            parse_prefill_args(bad)
