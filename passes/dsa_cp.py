@@ -32,9 +32,9 @@ test_dsa_cp_model.py checks the whole model against one device).
 
 The compositions read the token count of intermediate tensors (the shard size
 ceil(T / tp) and the pad), so unlike the DCP compositions they cannot be traced on
-plain proxies: `_FakeTracingProxy` gives every node it creates its fake value at
-once and answers `.shape` with `aten.sym_size` nodes for symbolic dims, so the
-shape arithmetic becomes graph nodes and stays valid for every T.
+plain proxies: `fx_utils.FakeTracer` gives every node it creates its fake value at
+once and its `SizedProxy` answers `.shape` with `aten.sym_size` nodes for symbolic
+dims, so the shape arithmetic becomes graph nodes and stays valid for every T.
 """
 
 from __future__ import annotations
@@ -43,13 +43,11 @@ from typing import Any
 
 import torch
 import torch.fx as fx
-from torch._dispatch.python import enable_python_dispatcher
-from torch._subclasses.fake_tensor import FakeTensor
 
 from cp_compile.context import CompileContext
 from cp_compile.parallel import dsa_cp as dsa
 from cp_compile.passes.base import CPPass
-from cp_compile.passes.fx_utils import CLAIMED_KEY, VALUE_KEY, fake_value, op_nodes
+from cp_compile.passes.fx_utils import CLAIMED_KEY, FakeTracer, op_nodes
 
 _INDEXER = torch.ops.cp.lightning_indexer
 _SPARSE = torch.ops.cp.sparse_mla_attention
@@ -63,75 +61,6 @@ def _bind(op: torch._ops.OpOverloadPacket, node: fx.Node) -> dict[str, Any]:
     if missing:
         raise RuntimeError(f"{node.format_node()}: arguments {missing} not found; cannot rewrite for DSA-CP")
     return bound
-
-
-class _FakeTracer(fx.proxy.GraphAppendingTracer):
-    """Appends to an existing graph; every node it creates gets its fake value at once
-    (run on the fake values of its inputs in the graph's fake mode), so compositions
-    may read the shapes of their own intermediates while being traced."""
-
-    def __init__(self, graph: fx.Graph, mode: Any) -> None:
-        super().__init__(graph)
-        self.mode = mode
-        # One sym_size node per (tensor node, dim), shared by every read of that size.
-        self.sizes: dict[tuple[fx.Node, int], fx.Proxy] = {}
-
-    def sym_size(self, proxy: fx.Proxy, dim: int) -> fx.Proxy:
-        key = (proxy.node, dim)
-        if key not in self.sizes:
-            self.sizes[key] = self.create_proxy("call_function", torch.ops.aten.sym_size.int, (proxy, dim), {})
-        return self.sizes[key]
-
-    def drop_unused_sizes(self) -> None:
-        # `a, b, c = x.shape` reads every dim; sizes nothing used are pure and dead.
-        for p in self.sizes.values():
-            if not p.node.users:
-                self.graph.erase_node(p.node)
-        self.sizes.clear()
-
-    def proxy(self, node: fx.Node) -> fx.Proxy:
-        if VALUE_KEY not in node.meta and node.op in ("call_function", "call_method"):
-            args, kwargs = fx.map_arg((node.args, node.kwargs), fake_value)
-            # The python dispatcher, as Dynamo uses: composite ops (F.pad) take SymInt
-            # arguments only through their Python decompositions.
-            with self.mode, enable_python_dispatcher():
-                if node.op == "call_function":
-                    node.meta[VALUE_KEY] = node.target(*args, **kwargs)
-                else:
-                    node.meta[VALUE_KEY] = getattr(args[0], node.target)(*args[1:], **kwargs)
-        return _FakeTracingProxy(node, self)
-
-
-class _FakeTracingProxy(fx.Proxy):
-    """A proxy that answers `.shape`, `.dim()` and `.dtype` from its fake value. Static
-    dims are ints; a symbolic dim (the token count) is an `aten.sym_size.int` node, so
-    arithmetic on it is recorded, never baked into the graph as a SymInt constant."""
-
-    def _fake(self) -> torch.Tensor:
-        val = fake_value(self.node)
-        if not isinstance(val, torch.Tensor):
-            raise RuntimeError(f"node {self.node.name} has no fake tensor value; DSA-CP traces on fake values")
-        return val
-
-    @property
-    def shape(self) -> tuple[Any, ...]:  # type: ignore[override]
-        dims: list[Any] = []
-        for d, size in enumerate(self._fake().shape):
-            if isinstance(size, torch.SymInt) and size.node.maybe_as_int() is None:
-                dims.append(self.tracer.sym_size(self, d))  # type: ignore[attr-defined]
-            else:
-                dims.append(int(size))
-        return tuple(dims)
-
-    def size(self, dim: int | None = None) -> Any:  # type: ignore[override]
-        return self.shape if dim is None else self.shape[dim]
-
-    def dim(self) -> int:  # type: ignore[override]
-        return self._fake().dim()
-
-    @property
-    def dtype(self) -> torch.dtype:  # type: ignore[override]
-        return self._fake().dtype
 
 
 class DSACPPass(CPPass):
@@ -162,12 +91,8 @@ class DSACPPass(CPPass):
         indexers = op_nodes(gm, (_INDEXER,))
         if not indexers:
             return 0
-        mode = next((v.fake_mode for v in map(fake_value, graph.nodes) if isinstance(v, FakeTensor)), None)
-        if mode is None:
-            raise RuntimeError("the DSA-CP pass reads shapes from fake values; this graph has none "
-                               "(trace it with Dynamo, as the cp_ascend backend receives it)")
-        tracer = _FakeTracer(graph, mode)
-        wrap = lambda a: fx.map_arg(a, lambda n: _FakeTracingProxy(n, tracer))  # noqa: E731
+        tracer = FakeTracer.for_graph(gm, "the DSA-CP pass")
+        wrap = tracer.wrap
         count = 0
         for idx in indexers:
             args = _bind(_INDEXER, idx)

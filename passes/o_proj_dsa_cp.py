@@ -30,14 +30,12 @@ from typing import Any
 
 import torch
 import torch.fx as fx
-from torch._dispatch.python import enable_python_dispatcher
-from torch._subclasses.fake_tensor import FakeTensor
 
 from cp_compile.config import ConfigError
 from cp_compile.context import CompileContext
 from cp_compile.parallel import o_proj as o_proj_compose
 from cp_compile.passes.base import CPPass
-from cp_compile.passes.fx_utils import VALUE_KEY, fake_value, parameter_fqn
+from cp_compile.passes.fx_utils import FakeTracer, parameter_fqn
 
 _c10d = torch.ops._c10d_functional
 _LINEARS = (torch._C._nn.linear, torch.nn.functional.linear)
@@ -46,39 +44,6 @@ _QUANT = {op: kind for packet, kind in ((torch.ops.cp.w8a8_dynamic_linear, "w8a8
           for op in (packet, packet.default)}
 _QUANT_ARGS = {"w8a8_dynamic": ("x", "weight", "weight_scale", "weight_offset", "groups"),
                "w8a8_static": ("x", "weight", "input_scale", "input_offset", "quant_bias", "deq_scale")}
-
-
-class _SizedProxy(fx.Proxy):
-    """A proxy whose `.shape` reads the node's fake value: static dims as ints, a
-    symbolic dim (the token count) as an `aten.sym_size.int` node, so shape arithmetic
-    in the composition becomes graph nodes valid for every T (a raw SymInt would be
-    baked into the graph as a constant expression)."""
-
-    @property
-    def shape(self) -> tuple[Any, ...]:  # type: ignore[override]
-        val = fake_value(self.node)
-        if not isinstance(val, torch.Tensor):
-            raise RuntimeError(f"node {self.node.name} has no fake value; the o_proj pass reads input shapes")
-        return tuple(int(s) if not isinstance(s, torch.SymInt) or s.node.maybe_as_int() is not None
-                     else self.tracer.create_proxy("call_function", torch.ops.aten.sym_size.int, (self, d), {})
-                     for d, s in enumerate(val.shape))
-
-
-def _fill_fake_values(gm: fx.GraphModule) -> None:
-    """Fake values for the nodes the rewrite created, under the Python dispatcher as
-    Dynamo runs them: composite ops (`F.pad` of the token shard) take a symbolic
-    amount only through their Python decompositions. (The pass manager's
-    `propagate_fake_values` then finds nothing left to fill.)"""
-    mode = next((v.fake_mode for v in map(fake_value, gm.graph.nodes) if isinstance(v, FakeTensor)), None)
-    if mode is None:
-        return
-    with mode, enable_python_dispatcher():
-        for n in gm.graph.nodes:
-            if n.op not in ("call_function", "call_method") or VALUE_KEY in n.meta or "val" in n.meta:
-                continue
-            args, kwargs = fx.map_arg((n.args, n.kwargs), fake_value)
-            fn = n.target if n.op == "call_function" else getattr(args[0], n.target)
-            n.meta[VALUE_KEY] = fn(*args, **kwargs) if n.op == "call_function" else fn(*args[1:], **kwargs)
 
 
 def _is(node: Any, op: torch._ops.OpOverloadPacket) -> bool:
@@ -202,8 +167,8 @@ class OProjDSACPPass(CPPass):
 
     def __call__(self, gm: fx.GraphModule) -> int:
         graph = gm.graph
-        tracer = fx.proxy.GraphAppendingTracer(graph)
-        wrap = lambda a: fx.map_arg(a, lambda n: _SizedProxy(n, tracer))  # noqa: E731
+        tracer = FakeTracer.for_graph(gm, "the o_proj pass")
+        wrap = tracer.wrap
         count = 0
         for m in self.select(gm):
             params = {k: wrap(v) for k, v in m.args.items() if k not in ("x", "groups")}
@@ -214,11 +179,8 @@ class OProjDSACPPass(CPPass):
             for n in (m.wait, m.all_reduce, m.linear):
                 graph.erase_node(n)
             count += 1
-        for n in list(graph.nodes):  # sizes read but not used (pure)
-            if n.op == "call_function" and n.target is torch.ops.aten.sym_size.int and not n.users:
-                graph.erase_node(n)
+        tracer.drop_unused_sizes()
         if count:
-            _fill_fake_values(gm)
             graph.lint()
             gm.recompile()
         return count

@@ -26,7 +26,7 @@ What the pass does:
 
 Symbolic sizes: the compositions use the global token count T (e.g. `arange(T)`).
 Under a graph pass T is a traced size, so the proxies this pass hands them answer
-`.shape` with `aten.sym_size` nodes for symbolic dims (`SizedProxy`): the rewritten
+`.shape` with `aten.sym_size` nodes for symbolic dims (`fx_utils.SizedProxy`): the rewritten
 graph computes its sizes at run time instead of baking in the traced ones.
 """
 
@@ -36,37 +36,16 @@ from typing import Any
 
 import torch
 import torch.fx as fx
-from torch.fx.experimental.symbolic_shapes import is_concrete_int
 
 from cp_compile.config import ConfigError
 from cp_compile.context import CompileContext
 from cp_compile.parallel import pcp as pcp_compose
 from cp_compile.passes.base import CPPass
 from cp_compile.passes.dcp_attention import AttentionPattern
-from cp_compile.passes.fx_utils import ShapedProxy, fake_value
+from cp_compile.passes.fx_utils import FakeTracer, fake_value
 
 # The argument name the compiled entry gives this rank's token indices (decorator.py).
 TOKEN_INDEX_ARG = "cp_pcp_token_index"
-
-
-class SizedProxy(ShapedProxy):
-    """A ShapedProxy whose symbolic dims are graph nodes (`aten.sym_size.int`), so
-    size arithmetic in a composition stays symbolic in the rewritten graph; static
-    dims are ints. `.device` comes from the fake value (a graph is per device)."""
-
-    @property
-    def shape(self) -> tuple[Any, ...]:  # type: ignore[override]
-        dims: list[Any] = []
-        for d, s in enumerate(self._fake().shape):
-            if isinstance(s, torch.SymInt) and not is_concrete_int(s):
-                dims.append(self.tracer.create_proxy("call_function", torch.ops.aten.sym_size.int, (self, d), {}))
-            else:
-                dims.append(int(s))
-        return tuple(dims)
-
-    @property
-    def device(self) -> torch.device:  # type: ignore[override]
-        return self._fake().device
 
 
 class PCPGQAPattern(AttentionPattern):
@@ -137,8 +116,8 @@ class PCPAttentionPass(CPPass):
         ti = token_index_placeholder(gm)
         if ti is None:
             raise self._refuse(f"a prefill graph without the `{TOKEN_INDEX_ARG}` input")
-        tracer = fx.proxy.GraphAppendingTracer(graph)
-        wrap = lambda a: fx.map_arg(a, lambda n: SizedProxy(n, tracer))  # noqa: E731
+        tracer = FakeTracer.for_graph(gm, "the PCP attention pass")
+        wrap = tracer.wrap
         steps: dict[tuple[fx.Node, ...], Any] = {}
         count = 0
         for node in list(graph.nodes):
@@ -158,6 +137,7 @@ class PCPAttentionPass(CPPass):
             graph.erase_node(node)
             count += 1
         count += self._restore_outputs(gm, ti, next(iter(steps.values()), None), wrap)
+        tracer.drop_unused_sizes()
         if count:
             # No dead-code elimination: the cache writes have no users by design.
             graph.lint()
