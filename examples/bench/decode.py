@@ -23,7 +23,6 @@ so a slow spell of a shared machine hits both alike and their ratio is fair.
 from __future__ import annotations
 
 import dataclasses
-import statistics
 import time
 from dataclasses import dataclass
 from typing import Any, Callable

@@ -32,6 +32,7 @@ from examples.bench.args import PrefillArgs
 from examples.bench.cache import world_geometry
 from examples.bench.decode import PlainCompiled, Side, _CountingBackend
 from examples.bench.launch import log
+from examples.bench.rows import pair_sides
 from examples.bench.profile import CATEGORIES
 from examples.bench.shapes import ModelSource
 
@@ -87,25 +88,13 @@ def build_dsa_cp_sides(rank: int, world_size: int, args: PrefillArgs, source: Mo
     return model, sides
 
 
-def _pairs(rows: list[dict[str, Any]], args: PrefillArgs) -> list[tuple[dict[str, Any], dict[str, Any]]]:
-    by = {(r["dsa_cp"], r["prompt_len"], r["context_len"], r["batch"]): r for r in rows}
-    out = []
-    for prompt in args.prompt:
-        for batch in args.batch:
-            for prefix in args.chunks(prompt):
-                off, on = by.get((False, prompt, prefix, batch)), by.get((True, prompt, prefix, batch))
-                if off is not None and on is not None:
-                    out.append((off, on))
-    return out
-
-
 def format_dsa_cp_table(rows: list[dict[str, Any]], args: PrefillArgs) -> str:
     """One line per (prompt, prefix, batch): TTFT off / on, their ratio, the paired ratio,
     attention-op time (profiled) on / off, the all-to-all bytes, graphs per side."""
     head = (f"{'prompt':>7} {'prefix':>7} {'batch':>5} {'TTFT off':>10} {'TTFT on':>10} {'on/off':>6} "
             f"{'paired':>6} {'attn off':>9} {'attn on':>9} {'a2a B/step':>13} {'graphs off/on':>13}")
     lines = [head, "-" * len(head)]
-    for off, on in _pairs(rows, args):
+    for off, on in pair_sides(rows, args, "dsa_cp", False, True):
         attn = (f"{off['attention_ms']:>7.1f}ms {on['attention_ms']:>7.1f}ms" if off["attention_ms"] is not None
                 else f"{'-':>9} {'-':>9}")
         paired = on.get("ttft_ratio_paired")
@@ -124,7 +113,7 @@ def format_dsa_cp_breakdown(rows: list[dict[str, Any]], args: PrefillArgs) -> st
             + " ".join(f"{c:>9}" for c in CATEGORIES) + f" {'CP coll/layer':>13} {'TP coll/layer':>13}")
     lines = [f"profiled prefill step (ms, median of {args.profile_steps} steps per rank, mean over ranks; "
              f"dcp_comm = the DSA-CP all-to-alls)", head, "-" * len(head)]
-    for pair in _pairs(rows, args):
+    for pair in pair_sides(rows, args, "dsa_cp", False, True):
         for r in pair:
             bd, cpl = r["breakdown_ms"], r["collectives_per_layer"]
             if bd:
@@ -138,46 +127,15 @@ def format_dsa_cp_breakdown(rows: list[dict[str, Any]], args: PrefillArgs) -> st
 def plot_dsa_cp(rows: list[dict[str, Any]], args: PrefillArgs, path: Path) -> Path:
     """TTFT vs prompt length (off solid, on dashed, per variant and batch) and the profiled
     step's breakdown per (prompt, variant, off / on) for the largest batch."""
-    from examples.bench.plot import _pyplot, _shape
+    from examples.bench.plot import _shape, prefill_figure, side_lines
 
-    _, plt = _pyplot()
-    fig, (ax_t, ax_b) = plt.subplots(1, 2, figsize=(14, 5))
-    series = list(dict.fromkeys((r["variant"], r["batch"]) for r in rows))
-    for i, (variant, batch) in enumerate(series):
-        for on in (False, True):
-            pts = sorted((r for r in rows if (r["variant"], r["batch"], r["dsa_cp"]) == (variant, batch, on)),
-                         key=lambda r: r["prompt_len"])
-            label = f"DSA-CP {'on' if on else 'off'} {variant}" \
-                + (f" (prefix {args.prefix})" if variant == "chunked" else "") + f", batch={batch}"
-            ax_t.plot([r["prompt_len"] for r in pts], [r["ttft_ms"] for r in pts], "--" if on else "-",
-                      marker="o", color=f"C{i}", label=label)
-    ax_t.set_xscale("log", base=2)
-    ax_t.set_xticks(list(args.prompt), [str(p) for p in args.prompt])
-    ax_t.minorticks_off()
-    ax_t.set_xlabel("prompt length (tokens per request)")
-    ax_t.set_ylabel("TTFT (ms, median prefill step, max over ranks)")
-    ax_t.set_title("Time to first token, DSA-CP on vs off")
-    ax_t.grid(True, which="both", alpha=0.3)
-    ax_t.legend(fontsize=8)
-    colors = {"attention": "C0", "dcp_local": "C1", "dcp_comm": "C3", "tp_comm": "C2", "other": "C7"}
     batch = max(args.batch)
     bars = sorted((r for r in rows if r["batch"] == batch and r["breakdown_ms"]),
                   key=lambda r: (r["prompt_len"], r["context_len"], r["dsa_cp"]))
-    for x, r in enumerate(bars):
-        bottom = 0.0
-        for c in CATEGORIES:
-            ax_b.bar(x, r["breakdown_ms"][c], bottom=bottom, color=colors[c], width=0.8, label=c if x == 0 else None)
-            bottom += r["breakdown_ms"][c]
-    ax_b.set_xticks(range(len(bars)), [f"{r['prompt_len']}\n{r['variant']}\n{'on' if r['dsa_cp'] else 'off'}"
-                                       for r in bars], fontsize=7)
-    ax_b.set_ylabel("ms per prefill step (median, mean over ranks)")
-    ax_b.set_title(f"Where the prefill step goes (torch profiler), batch {batch}")
-    ax_b.grid(True, axis="y", alpha=0.3)
-    if bars:
-        ax_b.legend(fontsize=7)
-    fig.suptitle(f"Prefill, DSA-CP vs TP: {_shape(args)}, tp={args.tp}, {args.lowering}, {args.dtype}, "
+    return prefill_figure(
+        args, path, lines=side_lines(rows, args, "dsa_cp", (False, True), lambda on: f"DSA-CP {'on' if on else 'off'}"),
+        bars=bars, bar_label=lambda r: f"{r['prompt_len']}\n{r['variant']}\n{'on' if r['dsa_cp'] else 'off'}",
+        ttft_title="Time to first token, DSA-CP on vs off",
+        bars_title=f"Where the prefill step goes (torch profiler), batch {batch}",
+        suptitle=f"Prefill, DSA-CP vs TP: {_shape(args)}, tp={args.tp}, {args.lowering}, {args.dtype}, "
                  f"block={args.block_size}")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path

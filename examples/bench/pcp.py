@@ -41,6 +41,7 @@ from examples.bench.args import PrefillArgs
 from examples.bench.cache import world_geometry
 from examples.bench.decode import PlainCompiled, Side, _CountingBackend
 from examples.bench.launch import log
+from examples.bench.rows import pair_sides
 from examples.bench.profile import CATEGORIES
 from examples.bench.shapes import ModelSource
 
@@ -93,18 +94,6 @@ def build_pcp_sides(rank: int, args: PrefillArgs, source: ModelSource, state: An
     return model, sides
 
 
-def _pairs(rows: list[dict[str, Any]], args: PrefillArgs) -> list[tuple[dict[str, Any], dict[str, Any]]]:
-    by = {(r["pcp"], r["prompt_len"], r["context_len"], r["batch"]): r for r in rows}
-    out = []
-    for prompt in args.prompt:
-        for batch in args.batch:
-            for prefix in args.chunks(prompt):
-                base, pcp = by.get((1, prompt, prefix, batch)), by.get((args.pcp, prompt, prefix, batch))
-                if base is not None and pcp is not None:
-                    out.append((base, pcp))
-    return out
-
-
 def format_pcp_table(rows: list[dict[str, Any]], args: PrefillArgs) -> str:
     """One line per (prompt, prefix, batch): TTFT pcp = 1 / pcp = P, their ratio, the paired ratio,
     attention-op and PCP-collective time (profiled), KV bytes per rank, graphs per side."""
@@ -113,7 +102,7 @@ def format_pcp_table(rows: list[dict[str, Any]], args: PrefillArgs) -> str:
             f"{'paired':>6} {'attn pcp=1':>10} {f'attn pcp={p}':>10} {f'pcp_comm':>9} {'KV/rank 1':>10} "
             f"{f'KV/rank {p}':>10} {'graphs':>7}")
     lines = [head, "-" * len(head)]
-    for base, r in _pairs(rows, args):
+    for base, r in pair_sides(rows, args, "pcp", 1, args.pcp):
         prof = r["breakdown_ms"] and base["breakdown_ms"]
         attn = (f"{base['attention_ms']:>8.1f}ms {r['attention_ms']:>8.1f}ms {r['breakdown_ms']['dcp_comm']:>7.1f}ms"
                 if prof else f"{'-':>10} {'-':>10} {'-':>9}")
@@ -137,7 +126,7 @@ def format_pcp_breakdown(rows: list[dict[str, Any]], args: PrefillArgs) -> str:
     lines = [f"profiled prefill step (ms, median of {args.profile_steps} steps per rank, mean over ranks; "
              f"pcp_comm = the PCP group's collectives incl. the [T, vocab] logits all-gather)", head,
              "-" * len(head)]
-    for pair in _pairs(rows, args):
+    for pair in pair_sides(rows, args, "pcp", 1, args.pcp):
         for r in pair:
             bd, cpl = r["breakdown_ms"], r["collectives_per_layer"]
             if bd:
@@ -151,46 +140,14 @@ def format_pcp_breakdown(rows: list[dict[str, Any]], args: PrefillArgs) -> str:
 def plot_pcp(rows: list[dict[str, Any]], args: PrefillArgs, path: Path) -> Path:
     """TTFT vs prompt length (pcp = 1 solid, pcp = P dashed, per variant and batch) and stacked bars of
     the profiled step per (prompt, variant, batch, pcp)."""
-    from examples.bench.plot import _pyplot, _shape
+    from examples.bench.plot import _shape, prefill_figure, side_lines
 
-    _, plt = _pyplot()
-    fig, (ax_t, ax_b) = plt.subplots(1, 2, figsize=(14, 5))
-    series = list(dict.fromkeys((r["variant"], r["batch"]) for r in rows))
-    for i, (variant, batch) in enumerate(series):
-        for pcp in (1, args.pcp):
-            pts = sorted((r for r in rows if (r["variant"], r["batch"], r["pcp"]) == (variant, batch, pcp)),
-                         key=lambda r: r["prompt_len"])
-            label = f"pcp={pcp} {variant}" + (f" (prefix {args.prefix})" if variant == "chunked" else "") \
-                + f", batch={batch}"
-            ax_t.plot([r["prompt_len"] for r in pts], [r["ttft_ms"] for r in pts], "--" if pcp > 1 else "-",
-                      marker="o", color=f"C{i}", label=label)
-    ax_t.set_xscale("log", base=2)
-    ax_t.set_xticks(list(args.prompt), [str(p) for p in args.prompt])
-    ax_t.minorticks_off()
-    ax_t.set_xlabel("prompt length (tokens per request)")
-    ax_t.set_ylabel("TTFT (ms, median prefill step, max over ranks)")
-    ax_t.set_title(f"Time to first token, pcp={args.pcp} vs pcp=1")
-    ax_t.grid(True, which="both", alpha=0.3)
-    ax_t.legend(fontsize=8)
-    colors = {"attention": "C0", "dcp_local": "C1", "dcp_comm": "C3", "tp_comm": "C2", "other": "C7"}
     bars = sorted((r for r in rows if r["breakdown_ms"]),
                   key=lambda r: (r["prompt_len"], r["context_len"], r["batch"], r["pcp"]))
-    for x, r in enumerate(bars):
-        bottom = 0.0
-        for c in CATEGORIES:
-            ax_b.bar(x, r["breakdown_ms"][c], bottom=bottom, color=colors[c], width=0.8,
-                     label=LABELS[c] if x == 0 else None)
-            bottom += r["breakdown_ms"][c]
-    ax_b.set_xticks(range(len(bars)), [f"{r['prompt_len']}\n{r['variant']} b{r['batch']}\npcp={r['pcp']}"
-                                       for r in bars], fontsize=7)
-    ax_b.set_ylabel("ms per prefill step (median, mean over ranks)")
-    ax_b.set_title("Where the prefill step goes (torch profiler)")
-    ax_b.grid(True, axis="y", alpha=0.3)
-    if bars:
-        ax_b.legend(fontsize=7)
-    fig.suptitle(f"Prefill, PCP vs pcp=1: {_shape(args)}, tp={args.tp}, pcp={args.pcp} (world {args.ranks}), "
+    return prefill_figure(
+        args, path, lines=side_lines(rows, args, "pcp", (1, args.pcp), lambda pcp: f"pcp={pcp}"),
+        bars=bars, bar_label=lambda r: f"{r['prompt_len']}\n{r['variant']} b{r['batch']}\npcp={r['pcp']}",
+        ttft_title=f"Time to first token, pcp={args.pcp} vs pcp=1",
+        bars_title="Where the prefill step goes (torch profiler)", labels=LABELS,
+        suptitle=f"Prefill, PCP vs pcp=1: {_shape(args)}, tp={args.tp}, pcp={args.pcp} (world {args.ranks}), "
                  f"{args.lowering}, {args.dtype}, block={args.block_size}")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path

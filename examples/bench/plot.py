@@ -112,48 +112,85 @@ def plot_breakdown(rows: list[dict[str, Any]], args: BenchArgs, path: Path) -> P
     return path
 
 
-def plot_prefill(rows: list[dict[str, Any]], args: Any, path: Path) -> Path:
-    """TTFT vs prompt length, one line per (dcp, variant, batch), and the profiled step's breakdown
-    per (prompt, variant, dcp) for the largest batch."""
+Line = tuple[str, list[dict[str, Any]], str, str]  # (label, rows sorted by prompt, line style, colour)
+
+
+def prefill_figure(args: Any, path: Path, *, lines: list[Line], bars: list[dict[str, Any]], bar_label: Any,
+                   ttft_title: str, bars_title: str, suptitle: str, labels: dict[str, str] | None = None) -> Path:
+    """The prefill PNG every prefill comparison draws (DCP, DSA-CP, PCP): TTFT vs prompt
+    length, one line per entry of `lines`, and the profiled step's breakdown as stacked
+    bars, one per row of `bars` (labelled by `bar_label(row)`; `labels` renames buckets)."""
     from examples.bench.profile import CATEGORIES
 
     _, plt = _pyplot()
     fig, (ax_t, ax_b) = plt.subplots(1, 2, figsize=(14, 5))
-    series = list(dict.fromkeys((tuple(r["world"]), r["dcp"], r["variant"], r["batch"]) for r in rows))
-    for i, (world, dcp, variant, batch) in enumerate(series):
-        pts = sorted((r for r in rows if (tuple(r["world"]), r["dcp"], r["variant"], r["batch"])
-                      == (world, dcp, variant, batch)), key=lambda r: r["prompt_len"])
-        label = f"dcp={dcp} {variant}" + (f" (prefix {args.prefix})" if variant == "chunked" else "") \
-            + f", batch={batch}" + (f", {world[1]}" if len(args.merge) > 1 else "")
-        ax_t.plot([r["prompt_len"] for r in pts], [r["ttft_ms"] for r in pts], "-" if dcp == 1 else "--",
-                  marker="o", color=f"C{i}", label=label)
+    for label, pts, style, color in lines:
+        ax_t.plot([r["prompt_len"] for r in pts], [r["ttft_ms"] for r in pts], style, marker="o", color=color,
+                  label=label)
     ax_t.set_xscale("log", base=2)
     ax_t.set_xticks(list(args.prompt), [str(p) for p in args.prompt])
     ax_t.minorticks_off()
     ax_t.set_xlabel("prompt length (tokens per request)")
     ax_t.set_ylabel("TTFT (ms, median prefill step, max over ranks)")
-    ax_t.set_title("Time to first token")
+    ax_t.set_title(ttft_title)
     ax_t.grid(True, which="both", alpha=0.3)
     ax_t.legend(fontsize=8)
     colors = {"attention": "C0", "dcp_local": "C1", "dcp_comm": "C3", "tp_comm": "C2", "other": "C7"}
-    batch = max(args.batch)
-    bars = sorted((r for r in rows if r["batch"] == batch and r["breakdown_ms"]),
-                  key=lambda r: (r["prompt_len"], r["context_len"], tuple(r["world"]), r["dcp"]))
+    labels = labels or {}
     for x, r in enumerate(bars):
         bottom = 0.0
         for c in CATEGORIES:
-            ax_b.bar(x, r["breakdown_ms"][c], bottom=bottom, color=colors[c], width=0.8, label=c if x == 0 else None)
+            ax_b.bar(x, r["breakdown_ms"][c], bottom=bottom, color=colors[c], width=0.8,
+                     label=labels.get(c, c) if x == 0 else None)
             bottom += r["breakdown_ms"][c]
-    ax_b.set_xticks(range(len(bars)), [f"{r['prompt_len']}\n{r['variant']}\ndcp={r['dcp']}" for r in bars],
-                    fontsize=7)
+    ax_b.set_xticks(range(len(bars)), [bar_label(r) for r in bars], fontsize=7)
     ax_b.set_ylabel("ms per prefill step (median, mean over ranks)")
-    ax_b.set_title(f"Where the prefill step goes (torch profiler), batch {batch}")
+    ax_b.set_title(bars_title)
     ax_b.grid(True, axis="y", alpha=0.3)
     if bars:
         ax_b.legend(fontsize=7)
-    fig.suptitle(f"Prefill, DCP vs TP baseline: {_shape(args)}, tp={args.tp}, {args.lowering}, {args.dtype}, "
-                 f"merge={','.join(args.merge)}, block={args.block_size}")
+    fig.suptitle(suptitle)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
+
+
+def variant_label(variant: str, batch: int, args: Any) -> str:
+    return variant + (f" (prefix {args.prefix})" if variant == "chunked" else "") + f", batch={batch}"
+
+
+def side_lines(rows: list[dict[str, Any]], args: Any, field: str, sides: tuple[Any, Any],
+               name: Any) -> list[Line]:
+    """Lines of a two-sided prefill comparison in one world (DSA-CP off / on, pcp 1 / N):
+    one colour per (variant, batch), the baseline side `sides[0]` solid, the other dashed;
+    `name(side)` labels a side."""
+    lines: list[Line] = []
+    for i, (variant, batch) in enumerate(dict.fromkeys((r["variant"], r["batch"]) for r in rows)):
+        for side in sides:
+            pts = sorted((r for r in rows if (r["variant"], r["batch"], r[field]) == (variant, batch, side)),
+                         key=lambda r: r["prompt_len"])
+            lines.append((f"{name(side)} {variant_label(variant, batch, args)}", pts,
+                          "-" if side == sides[0] else "--", f"C{i}"))
+    return lines
+
+
+def plot_prefill(rows: list[dict[str, Any]], args: Any, path: Path) -> Path:
+    """TTFT vs prompt length, one line per (dcp, variant, batch), and the profiled step's breakdown
+    per (prompt, variant, dcp) for the largest batch."""
+    series = list(dict.fromkeys((tuple(r["world"]), r["dcp"], r["variant"], r["batch"]) for r in rows))
+    lines: list[Line] = []
+    for i, (world, dcp, variant, batch) in enumerate(series):
+        pts = sorted((r for r in rows if (tuple(r["world"]), r["dcp"], r["variant"], r["batch"])
+                      == (world, dcp, variant, batch)), key=lambda r: r["prompt_len"])
+        label = f"dcp={dcp} {variant_label(variant, batch, args)}" + (f", {world[1]}" if len(args.merge) > 1 else "")
+        lines.append((label, pts, "-" if dcp == 1 else "--", f"C{i}"))
+    batch = max(args.batch)
+    bars = sorted((r for r in rows if r["batch"] == batch and r["breakdown_ms"]),
+                  key=lambda r: (r["prompt_len"], r["context_len"], tuple(r["world"]), r["dcp"]))
+    return prefill_figure(
+        args, path, lines=lines, bars=bars,
+        bar_label=lambda r: f"{r['prompt_len']}\n{r['variant']}\ndcp={r['dcp']}",
+        ttft_title="Time to first token", bars_title=f"Where the prefill step goes (torch profiler), batch {batch}",
+        suptitle=f"Prefill, DCP vs TP baseline: {_shape(args)}, tp={args.tp}, {args.lowering}, {args.dtype}, "
+                 f"merge={','.join(args.merge)}, block={args.block_size}")

@@ -170,3 +170,18 @@ def write_json(rows: list[dict[str, Any]], out: Path, name: str) -> Path:
     path = out / name
     path.write_text(json.dumps(rows, indent=1))
     return path
+
+
+def pair_sides(rows: list[dict[str, Any]], args: Any, field: str, base: Any,
+               other: Any) -> list[tuple[dict[str, Any], dict[str, Any]]]:
+    """(baseline row, other row) per (prompt, prefix, batch) of a two-sided prefill
+    comparison in one world (`field` is "dsa_cp" or "pcp"), in sweep order."""
+    by = {(r[field], r["prompt_len"], r["context_len"], r["batch"]): r for r in rows}
+    out = []
+    for prompt in args.prompt:
+        for batch in args.batch:
+            for prefix in args.chunks(prompt):
+                a, b = by.get((base, prompt, prefix, batch)), by.get((other, prompt, prefix, batch))
+                if a is not None and b is not None:
+                    out.append((a, b))
+    return out
