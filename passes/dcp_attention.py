@@ -22,7 +22,7 @@ import torch.fx as fx
 from cp_compile.context import CompileContext
 from cp_compile.parallel import dcp as dcp_compose
 from cp_compile.passes.base import CPPass
-from cp_compile.passes.fx_utils import ShapedProxy
+from cp_compile.passes.fx_utils import ShapedProxy, bind_op_args
 
 
 class AttentionPattern:
@@ -35,13 +35,7 @@ class AttentionPattern:
         return node.op == "call_function" and node.target in (self.op, self.op.default)
 
     def bind(self, node: fx.Node) -> dict[str, Any]:
-        names = [a.name for a in self.op.default._schema.arguments]
-        bound = dict(zip(names, node.args))
-        bound.update(node.kwargs)
-        missing = [n for n in names if n not in bound]
-        if missing:
-            raise RuntimeError(f"{node.format_node()}: arguments {missing} not found; cannot rewrite for DCP")
-        return bound
+        return bind_op_args(self.op, node)
 
 
 class GQAPattern(AttentionPattern):

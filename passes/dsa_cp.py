@@ -47,20 +47,10 @@ import torch.fx as fx
 from cp_compile.context import CompileContext
 from cp_compile.parallel import dsa_cp as dsa
 from cp_compile.passes.base import CPPass
-from cp_compile.passes.fx_utils import CLAIMED_KEY, FakeTracer, op_nodes
+from cp_compile.passes.fx_utils import CLAIMED_KEY, FakeTracer, bind_op_args, op_nodes
 
 _INDEXER = torch.ops.cp.lightning_indexer
 _SPARSE = torch.ops.cp.sparse_mla_attention
-
-
-def _bind(op: torch._ops.OpOverloadPacket, node: fx.Node) -> dict[str, Any]:
-    """The node's arguments by schema name (Dynamo may pass some as kwargs)."""
-    names = [a.name for a in op.default._schema.arguments]
-    bound = dict(zip(names, node.args), **node.kwargs)
-    missing = [n for n in names if n not in bound]
-    if missing:
-        raise RuntimeError(f"{node.format_node()}: arguments {missing} not found; cannot rewrite for DSA-CP")
-    return bound
 
 
 class DSACPPass(CPPass):
@@ -95,10 +85,10 @@ class DSACPPass(CPPass):
         wrap = tracer.wrap
         count = 0
         for idx in indexers:
-            args = _bind(_INDEXER, idx)
+            args = bind_op_args(_INDEXER, idx)
             paired = [u for u in idx.users if u.target in (_SPARSE, _SPARSE.default)
-                      and _bind(_SPARSE, u)["topk_indices"] is idx
-                      and sum(a is idx for a in _bind(_SPARSE, u).values()) == 1]
+                      and bind_op_args(_SPARSE, u)["topk_indices"] is idx
+                      and sum(a is idx for a in bind_op_args(_SPARSE, u).values()) == 1]
             others = [u for u in idx.users if u not in paired]
             with graph.inserting_before(idx):
                 rows = dsa.dsa_cp_indexer(**{k: wrap(v) for k, v in args.items()}, ctx=self.tp)  # [rows, K]
@@ -109,7 +99,7 @@ class DSACPPass(CPPass):
             for user in others:
                 user.replace_input_with(idx, full.node)
             for attn in paired:
-                a = _bind(_SPARSE, attn)
+                a = bind_op_args(_SPARSE, attn)
                 a.pop("topk_indices")
                 with graph.inserting_before(attn):
                     out = dsa.dsa_cp_sparse_attention(**{k: wrap(v) for k, v in a.items()}, topk_rows=rows,

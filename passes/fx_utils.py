@@ -34,6 +34,17 @@ def fake_value(node: fx.Node) -> Any:
     return node.meta.get(VALUE_KEY, node.meta.get("val"))
 
 
+def bind_op_args(op: torch._ops.OpOverloadPacket, node: fx.Node) -> dict[str, Any]:
+    """A node of `op`'s arguments by schema name (Dynamo passes some as kwargs).
+    A missing one is a RuntimeError: a pass cannot rewrite a call it cannot read."""
+    names = [a.name for a in op.default._schema.arguments]
+    bound = dict(zip(names, node.args), **node.kwargs)
+    missing = [n for n in names if n not in bound]
+    if missing:
+        raise RuntimeError(f"{node.format_node()}: arguments {missing} of {op} not found; cannot rewrite it")
+    return bound
+
+
 def count_ops(gm: fx.GraphModule) -> dict[str, int]:
     """Histogram of call_function targets (for snapshots and tests)."""
     hist: dict[str, int] = {}

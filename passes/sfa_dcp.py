@@ -26,7 +26,7 @@ from cp_compile.config import ConfigError
 from cp_compile.context import CompileContext
 from cp_compile.parallel import dcp as dcp_compose
 from cp_compile.passes.dcp_attention import AttentionPattern, DCPAttentionPass
-from cp_compile.passes.fx_utils import CLAIMED_KEY, fake_value, op_nodes
+from cp_compile.passes.fx_utils import CLAIMED_KEY, bind_op_args, fake_value, op_nodes
 
 
 class SparseMLAPattern(AttentionPattern):
@@ -50,9 +50,8 @@ class SFADCPPass(DCPAttentionPass):
 
     def prepare(self, gm: fx.GraphModule) -> None:
         vbs = self.dcp.block_size * self.dcp.dcp  # tokens per replicated page
-        names = [a.name for a in torch.ops.cp.lightning_indexer.default._schema.arguments]
         for node in op_nodes(gm, (torch.ops.cp.lightning_indexer,)):
-            args = dict(zip(names, node.args), **node.kwargs)
+            args = bind_op_args(torch.ops.cp.lightning_indexer, node)
             cache = fake_value(args["index_cache"])
             if cache is None or cache.shape[1] != vbs:
                 page = None if cache is None else int(cache.shape[1])
