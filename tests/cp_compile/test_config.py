@@ -200,7 +200,10 @@ def test_dsa_cp_with_dcp_or_pcp_refused(dcp, pcp):
     with pytest.raises(ConfigError, match="enable_dsa_cp needs decode_context_parallel_size == 1") as e:
         CPConfig(tensor_parallel_size=2, decode_context_parallel_size=dcp, prefill_context_parallel_size=pcp,
                  enable_dsa_cp=True)
-    assert f"decode_context_parallel_size={dcp}" in str(e.value) and "set enable_dsa_cp=False" in str(e.value)
+    msg = str(e.value)
+    assert "DSA-CP with DCP / PCP is not built" in e.value.rule
+    assert f"decode_context_parallel_size={dcp}" in msg and f"prefill_context_parallel_size={pcp}" in msg
+    assert "Fix: set enable_dsa_cp=False" in msg
 
 
 def test_dsa_cp_with_indexer_ok():

@@ -36,7 +36,7 @@ import pytest
 import torch
 
 import cp_compile
-from cp_compile.config import AttentionSpec, ConfigError, CPConfig
+from cp_compile.config import AttentionSpec, CPConfig
 from cp_compile.context import CompileContext
 from cp_compile.metadata import BlockAllocator, batch_kind, build_attention_metadata
 from cp_compile.passes.dsa_cp import DSACPPass
@@ -280,17 +280,6 @@ def test_pass_enabled_only_in_prefill_graphs_with_dsa_cp():
                                             CompileContext.for_test(_ctx("prefill", enable_dsa_cp=True).config,
                                                                     rank=1, batch_kind="prefill"))}
     assert len(uuids) == 2
-
-
-@pytest.mark.parametrize("dcp,pcp", [(2, 1), (1, 2)])
-def test_dsa_cp_with_dcp_or_pcp_is_refused(dcp, pcp):
-    with pytest.raises(ConfigError) as e:
-        CPConfig(tensor_parallel_size=2, decode_context_parallel_size=dcp, prefill_context_parallel_size=pcp,
-                 enable_dsa_cp=True)
-    msg = str(e.value)
-    assert "DSA-CP with DCP / PCP is not built" in e.value.rule
-    assert f"decode_context_parallel_size={dcp}" in msg and f"prefill_context_parallel_size={pcp}" in msg
-    assert "Fix: set enable_dsa_cp=False" in msg
 
 
 # --------------------------------------------------------------------- top-k read by more than its sparse attention
