@@ -93,6 +93,13 @@ class Engine:
         self.kind = check_supported(model.config)
         self.spec = attention_spec(model.config)
         config.validate_for(self.spec)
+        if config.pcp > 1:
+            # The example models run PCP (compile_model shards prefill tokens); the Engine's
+            # scheduler, allocator and cache view are built for virtual blocks of block * dcp.
+            raise ConfigError("the HF Engine runs prefill_context_parallel_size == 1",
+                              f"prefill_context_parallel_size={config.pcp}",
+                              "use prefill_context_parallel_size=1 with the Engine, or run PCP through "
+                              "cp_compile.compile_model on an example model (examples/quickstart.py --pcp)")
         state = parallel_state_or_none()
         if (config.tp > 1 or config.dcp > 1) and state is None:
             raise ConfigError("init_parallel before Engine at tp > 1 or dcp > 1",

@@ -121,6 +121,14 @@ def test_engine_refuses_at_load():
         cp_compile.hf.Engine(hf, cp_compile.CPConfig(block_size=BLOCK), num_blocks=4)
 
 
+def test_engine_refuses_pcp_before_any_cache_or_compile():
+    hf = tiny_hf("qwen3")
+    cfg = cp_compile.CPConfig(tensor_parallel_size=1, prefill_context_parallel_size=2, block_size=BLOCK)
+    with pytest.raises(cp_compile.ConfigError, match="prefill_context_parallel_size=2") as e:
+        cp_compile.hf.Engine(hf, cfg, num_blocks=4)
+    assert "quickstart.py --pcp" in str(e.value)
+
+
 def test_plain_import_does_not_import_transformers():
     code = "import sys, cp_compile; assert 'transformers' not in sys.modules, 'transformers imported'"
     subprocess.run([sys.executable, "-c", code], check=True)
