@@ -64,52 +64,28 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     json_path = write_json(rows, out, "bench_prefill.json")
+    png = out / "bench_prefill.png"
+    shape = args.model if args.shape == "tiny" else f"{args.shape} ({args.model})"
+    steps = (f"prompt={list(args.prompt)} prefix={args.prefix} batch={list(args.batch)} steps={args.steps} "
+             f"warmup={args.warmup} profile_steps={args.profile_steps}")
     if args.dsa_cp:
-        return _report_dsa_cp(rows, args, out, json_path, t0)
-    if args.pcp > 1:
-        return _report_pcp(rows, args, out, json_path, t0)
-    png_path = plot_prefill(rows, args, out / "bench_prefill.png")
-    shape = args.model if args.shape == "tiny" else f"{args.shape} ({args.model})"
-    print(f"\n{shape} tp={args.tp} dcp={list(args.dcp)} lowering={args.lowering} dtype={args.dtype} "
-          f"merge={','.join(args.merge)} block={args.block_size} interleave={args.interleave} "
-          f"prompt={list(args.prompt)} prefix={args.prefix} batch={list(args.batch)} steps={args.steps} "
-          f"warmup={args.warmup} profile_steps={args.profile_steps} ({time.perf_counter() - t0:.0f} s)")
-    for text in (format_prefill_table(rows, args), format_prefill_breakdown(rows, args),
-                 format_prefill_worlds(rows, args)):
-        print(text + "\n")
-    if any(r["recompiled_in_timed_steps"] for r in rows):
-        print("WARNING: a graph was compiled during timed steps; raise --warmup", flush=True)
-    print(f"wrote {json_path}, {png_path}", flush=True)
-    return rows
-
-
-def _report_dsa_cp(rows: list[dict[str, Any]], args: Any, out: Path, json_path: Path, t0: float
-                   ) -> list[dict[str, Any]]:
-    """--dsa-cp: the on vs off table, the profiled breakdown and the plot."""
-    png_path = plot_dsa_cp(rows, args, out / "bench_prefill.png")
-    shape = args.model if args.shape == "tiny" else f"{args.shape} ({args.model})"
-    print(f"\n{shape} tp={args.tp} DSA-CP off vs on, lowering={args.lowering} dtype={args.dtype} "
-          f"block={args.block_size} prompt={list(args.prompt)} prefix={args.prefix} batch={list(args.batch)} "
-          f"steps={args.steps} warmup={args.warmup} profile_steps={args.profile_steps} "
-          f"({time.perf_counter() - t0:.0f} s)")
-    for text in (format_dsa_cp_table(rows, args), format_dsa_cp_breakdown(rows, args)):
-        print(text + "\n")
-    if any(r["recompiled_in_timed_steps"] for r in rows):
-        print("WARNING: a graph was compiled during timed steps; raise --warmup", flush=True)
-    print(f"wrote {json_path}, {png_path}", flush=True)
-    return rows
-
-
-def _report_pcp(rows: list[dict[str, Any]], args: Any, out: Path, json_path: Path, t0: float
-                ) -> list[dict[str, Any]]:
-    """--pcp: the PCP vs pcp = 1 table, the profiled breakdown and the plot."""
-    png_path = plot_pcp(rows, args, out / "bench_prefill.png")
-    shape = args.model if args.shape == "tiny" else f"{args.shape} ({args.model})"
-    print(f"\n{shape} tp={args.tp} pcp={args.pcp} (world {args.ranks}) vs pcp=1, lowering={args.lowering} "
-          f"dtype={args.dtype} block={args.block_size} interleave={args.interleave} prompt={list(args.prompt)} "
-          f"prefix={args.prefix} batch={list(args.batch)} steps={args.steps} warmup={args.warmup} "
-          f"profile_steps={args.profile_steps} ({time.perf_counter() - t0:.0f} s)")
-    for text in (format_pcp_table(rows, args), format_pcp_breakdown(rows, args)):
+        png_path = plot_dsa_cp(rows, args, png)
+        header = (f"{shape} tp={args.tp} DSA-CP off vs on, lowering={args.lowering} dtype={args.dtype} "
+                  f"block={args.block_size} {steps}")
+        tables = [format_dsa_cp_table(rows, args), format_dsa_cp_breakdown(rows, args)]
+    elif args.pcp > 1:
+        png_path = plot_pcp(rows, args, png)
+        header = (f"{shape} tp={args.tp} pcp={args.pcp} (world {args.ranks}) vs pcp=1, lowering={args.lowering} "
+                  f"dtype={args.dtype} block={args.block_size} interleave={args.interleave} {steps}")
+        tables = [format_pcp_table(rows, args), format_pcp_breakdown(rows, args)]
+    else:
+        png_path = plot_prefill(rows, args, png)
+        header = (f"{shape} tp={args.tp} dcp={list(args.dcp)} lowering={args.lowering} dtype={args.dtype} "
+                  f"merge={','.join(args.merge)} block={args.block_size} interleave={args.interleave} {steps}")
+        tables = [format_prefill_table(rows, args), format_prefill_breakdown(rows, args),
+                  format_prefill_worlds(rows, args)]
+    print(f"\n{header} ({time.perf_counter() - t0:.0f} s)")
+    for text in tables:
         print(text + "\n")
     if any(r["recompiled_in_timed_steps"] for r in rows):
         print("WARNING: a graph was compiled during timed steps; raise --warmup", flush=True)
