@@ -38,6 +38,34 @@ class AttentionPattern:
         return bind_op_args(self.op, node)
 
 
+def rewrite_attention_nodes(graph: fx.Graph, patterns: tuple[AttentionPattern, ...], wrap: Callable[[Any], Any],
+                            shared: Callable[..., Any], rewrite: Callable[..., Any]
+                            ) -> tuple[int, dict[tuple[fx.Node, ...], Any]]:
+    """Replace every node of `patterns` by `rewrite(pattern, wrapped_args, shared_value)`.
+
+    `shared(slot_mapping, query_start_loc, seq_lens)` (wrapped) is built once per graph
+    per distinct metadata, before the first attention node that reads it, and every
+    layer reuses it (DCP's localised metadata, PCP's step). Returns the number of nodes
+    replaced and the shared values by metadata key.
+    """
+    shared_by_meta: dict[tuple[fx.Node, ...], Any] = {}
+    count = 0
+    for node in list(graph.nodes):
+        pattern = next((p for p in patterns if p.matches(node)), None)
+        if pattern is None:
+            continue
+        args = pattern.bind(node)
+        key = (args["slot_mapping"], args["query_start_loc"], args["seq_lens"])
+        with graph.inserting_before(node):
+            if key not in shared_by_meta:
+                shared_by_meta[key] = shared(*(wrap(k) for k in key))
+            out = rewrite(pattern, {k: wrap(v) for k, v in args.items()}, shared_by_meta[key])
+        node.replace_all_uses_with(out.node)
+        graph.erase_node(node)
+        count += 1
+    return count, shared_by_meta
+
+
 class GQAPattern(AttentionPattern):
     op = torch.ops.cp.gqa_paged_attention
     composition = staticmethod(dcp_compose.dcp_gqa_attention)
@@ -82,23 +110,10 @@ class DCPAttentionPass(CPPass):
         graph = gm.graph
         tracer = fx.proxy.GraphAppendingTracer(graph)
         wrap = lambda a: fx.map_arg(a, lambda n: ShapedProxy(n, tracer))  # noqa: E731
-        local_by_meta: dict[tuple[fx.Node, ...], dcp_compose.LocalMetadata] = {}
-        count = 0
-        for node in list(graph.nodes):
-            pattern = next((p for p in self.patterns if p.matches(node)), None)
-            if pattern is None:
-                continue
-            args = pattern.bind(node)
-            key = (args["slot_mapping"], args["query_start_loc"], args["seq_lens"])
-            with graph.inserting_before(node):
-                if key not in local_by_meta:
-                    # Once per graph (per distinct metadata): every layer reuses it.
-                    local_by_meta[key] = dcp_compose.localize(self.dcp, *(wrap(k) for k in key))
-                out = pattern.composition(**{k: wrap(v) for k, v in args.items()}, ctx=self.dcp,
-                                          local=local_by_meta[key])
-            node.replace_all_uses_with(out.node)
-            graph.erase_node(node)
-            count += 1
+        # Metadata localisation once per graph (per distinct metadata): every layer reuses it.
+        count, _ = rewrite_attention_nodes(
+            graph, self.patterns, wrap, lambda *meta: dcp_compose.localize(self.dcp, *meta),
+            lambda pattern, args, local: pattern.composition(**args, ctx=self.dcp, local=local))
         if count:
             # No dead-code elimination: the cache writes have no users by design.
             graph.lint()

@@ -41,7 +41,7 @@ from cp_compile.config import ConfigError
 from cp_compile.context import CompileContext
 from cp_compile.parallel import pcp as pcp_compose
 from cp_compile.passes.base import CPPass
-from cp_compile.passes.dcp_attention import AttentionPattern
+from cp_compile.passes.dcp_attention import AttentionPattern, rewrite_attention_nodes
 from cp_compile.passes.fx_utils import FakeTracer, fake_value
 
 # The argument name the compiled entry gives this rank's token indices (decorator.py).
@@ -88,8 +88,9 @@ class PCPAttentionPass(CPPass):
     patterns: tuple[AttentionPattern, ...] = (PCPGQAPattern(), PCPMLAPattern())
     handles = tuple(p.op for p in patterns)
     enabled_when = "prefill_context_parallel_size > 1 (prefill graphs)"
-    emits_from = ("cp_compile.parallel.pcp", "cp_compile.parallel.dcp", "cp_compile.ops.pcp_layout",
-                  "cp_compile.ops.layout")
+    # dcp_attention: its rewrite loop (rewrite_attention_nodes) shapes this pass's graphs too.
+    emits_from = ("cp_compile.passes.dcp_attention", "cp_compile.parallel.pcp", "cp_compile.parallel.dcp",
+                  "cp_compile.ops.pcp_layout", "cp_compile.ops.layout")
 
     def __init__(self, ctx: CompileContext) -> None:
         super().__init__(ctx)
@@ -118,24 +119,11 @@ class PCPAttentionPass(CPPass):
             raise self._refuse(f"a prefill graph without the `{TOKEN_INDEX_ARG}` input")
         tracer = FakeTracer.for_graph(gm, "the PCP attention pass")
         wrap = tracer.wrap
-        steps: dict[tuple[fx.Node, ...], Any] = {}
-        count = 0
-        for node in list(graph.nodes):
-            pattern = next((p for p in self.patterns if p.matches(node)), None)
-            if pattern is None:
-                continue
-            args = pattern.bind(node)
-            key = (args["slot_mapping"], args["query_start_loc"], args["seq_lens"])
-            with graph.inserting_before(node):
-                if key not in steps:
-                    # Once per graph (per distinct metadata): the token-index gather and
-                    # the cache localisation every layer shares.
-                    steps[key] = pcp_compose.pcp_step(self.pcp, wrap(ti), *(wrap(k) for k in key))
-                out = pattern.composition(**{k: wrap(v) for k, v in args.items()}, token_index=wrap(ti),
-                                          ctx=self.pcp, step=steps[key])
-            node.replace_all_uses_with(out.node)
-            graph.erase_node(node)
-            count += 1
+        # One pcp_step per graph (per distinct metadata): the token-index gather and the
+        # cache localisation every layer shares.
+        count, steps = rewrite_attention_nodes(
+            graph, self.patterns, wrap, lambda *meta: pcp_compose.pcp_step(self.pcp, wrap(ti), *meta),
+            lambda pattern, args, step: pattern.composition(**args, token_index=wrap(ti), ctx=self.pcp, step=step))
         count += self._restore_outputs(gm, ti, next(iter(steps.values()), None), wrap)
         tracer.drop_unused_sizes()
         if count:
