@@ -128,7 +128,10 @@ def test_deepseek_sfa_sparsity_matters() -> None:
     for layer in dense_model.layers:
         layer.self_attn.indexer.topk = 64
     dense, _ = run_steps(dense_model, 4)
-    torch.testing.assert_close(dense[0][0][:5], sparse[0][0][:5], atol=0, rtol=0)  # <= 5 keys: same
+    # <= 5 causal keys: both paths select every key, so the math is the same but the
+    # reductions are not (sparse gather vs dense softmax): equal to fp32 tolerance, not
+    # bitwise (9.9e-7 apart on an AMD EPYC, issue 19).
+    torch.testing.assert_close(dense[0][0][:5], sparse[0][0][:5], atol=1e-5, rtol=1e-5)
     assert (dense[-1][0] - sparse[-1][0]).abs().max() > 1e-2
 
 
