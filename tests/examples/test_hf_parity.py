@@ -183,8 +183,8 @@ def test_compiled_fullgraph_matches_eager(which: str) -> None:
     for (le, *_), (lc, *_) in zip(eager_steps, comp_steps):
         torch.testing.assert_close(lc, le, atol=1e-5, rtol=1e-5)
     for layer_e, layer_c in zip(eager_cache.layers, comp_cache.layers):
-        for te, tc in zip(layer_e, layer_c):
-            torch.testing.assert_close(tc, te, atol=0, rtol=0)
+        for te, tc in zip(layer_e, layer_c):  # projections lowered twice: fp32 tolerance (issue 19)
+            torch.testing.assert_close(tc, te, atol=1e-5, rtol=1e-5)
     torch._dynamo.reset()
 
 

@@ -24,9 +24,11 @@ from cp_compile.comm_stats import CollectiveMeter
 from cp_compile.config import AttentionSpec
 from cp_compile.context import CompileContext
 from cp_compile.metadata import AttentionMetadata, BlockAllocator, build_attention_metadata
+from cp_compile.ops import layout
 from cp_compile.parallel import dsa_cp as S
 from cp_compile.testing.batches import STEP_B, meta_args
 from cp_compile.testing.multirank import run_on_ranks
+from cp_compile.testing.topk import assert_same_topk, scores_for_step
 
 H = 8  # query heads in all
 L, R = 16, 8
@@ -128,14 +130,21 @@ def _check(world: int, names: list[str]) -> dict[str, float]:
     for name in names:
         ref_steps, ref_latent, ref_index = _reference(name)
         worst[name] = 0.0
-        for s, ref in enumerate(ref_steps):
+        for s, (ref, meta) in enumerate(zip(ref_steps, _metas(name), strict=True)):
             T = ref.out.shape[0]
             rows = -(-T // world)
+            # Token shards score with other matmul shapes than one device: the same top-k up
+            # to keys tied within rounding (issue 19). Later steps never overwrite a slot, so
+            # the final index cache holds every key this step scored.
+            x = _inputs(meta.num_tokens, seed=s)
+            scores = scores_for_step(x["q_i"], ref_index, x["w"], meta.block_table, meta.query_start_loc,
+                                     layout.causal_lens(meta.query_start_loc, meta.seq_lens, T))
             for r in range(world):
-                assert torch.equal(per_rank[r][name][0][2 * s + 1].topk, ref.topk), (name, s, r, "all_gather_topk")
+                assert_same_topk(per_rank[r][name][0][2 * s + 1].topk, ref.topk, scores,
+                                 what=f"{name} step {s} rank {r} all_gather_topk")
             topk = torch.cat([per_rank[r][name][0][2 * s].topk for r in range(world)])  # [T_pad, K] in token order
             assert topk.shape == (rows * world, TOPK), (name, s, topk.shape)
-            assert torch.equal(topk[:T], ref.topk), (name, s)
+            assert_same_topk(topk[:T], ref.topk, scores, what=f"{name} step {s}")
             assert (topk[T:] == -1).all(), (name, s, "shard padding rows must be all -1")
             got = torch.cat([per_rank[r][name][0][2 * s].out for r in range(world)], dim=1)  # TP heads in rank order
             assert got.shape == ref.out.shape and torch.isfinite(got).all(), (name, s)
@@ -158,7 +167,7 @@ def _check(world: int, names: list[str]) -> dict[str, float]:
 def test_dsa_cp_exact_on_two_ranks(summary_note):
     worst = _check(2, list(CASES))
     summary_note("DSA-CP exactness (tp = 2, " + ", ".join(f"{k} {v:.1e}" for k, v in worst.items())
-                 + "): top-k identical to single device in every case")
+                 + "): top-k the single device's (up to rounding ties) in every case")
 
 
 @pytest.mark.slow
@@ -204,8 +213,8 @@ def test_dsa_cp_composition_compiles_fullgraph_with_dynamic_tokens():
     per_rank = run_on_ranks(_compiled_vs_eager, 2, ["mixed", "mixed_odd", "short"], timeout=300)
     for outs, graphs in per_rank:
         assert len(outs[0]) == len(outs[1]) > 0
-        for a, b in zip(*outs):
-            assert torch.equal(a, b)
+        for a, b in zip(*outs):  # compiled vs eager: two lowerings, fp32 tolerance (issue 19)
+            torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
         # Fewer graphs than steps: token counts are dynamic (the 0/1 size specialisations of
         # the batch dims, e.g. a one-request step, may still add a graph).
         assert graphs < len(outs[0]), (graphs, len(outs[0]))

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from cp_compile.ops import layout
+from cp_compile.testing.topk import assert_same_topk, scores_for_step
 
 L, R, HI, DI, TOPK = 16, 8, 2, 8, 5
 
@@ -102,8 +103,13 @@ def test_row_ops_equal_single_device_rows(tp: int) -> None:
                                                            tp, r, 0.3))
         topks.append(tk)
     topk, out = torch.cat(topks), torch.cat(outs)
-    assert torch.equal(topk[:T], ref_topk) and (topk[T:] == -1).all()
-    assert torch.equal(out[:T], ref_out) and (out[T:] == 0).all()
+    # Row shards score with other matmul shapes than all rows at once: the same top-k up to
+    # keys tied within rounding, and the same output to fp32 tolerance (not bitwise: issue 19).
+    scores = scores_for_step(q_i, index_cache, w, bt, qsl, kv_lens)
+    assert_same_topk(topk[:T], ref_topk, scores, what=f"tp {tp} shards")
+    assert (topk[T:] == -1).all()
+    torch.testing.assert_close(out[:T], ref_out, atol=1e-5, rtol=1e-5)
+    assert (out[T:] == 0).all()
     assert (ref_topk == -1).any() and (ref_topk >= 0).any()
 
 
