@@ -98,6 +98,22 @@ def default_device() -> torch.device:
     return torch.device("cpu")
 
 
+def bind_device(device: torch.device) -> torch.device:
+    """Make `device` this process's current CUDA / NPU device; returns it with its index.
+
+    A device without an index gets the local rank ($LOCAL_RANK, torchrun's), so
+    every rank of a node drives its own accelerator: NCCL / HCCL collectives (the
+    layout check's all_gather_object included) and tensors made with a bare
+    device="cuda" then land on that device, not all on device 0. CPU is returned as is.
+    """
+    if device.type not in ("cuda", "npu"):
+        return device
+    index = device.index if device.index is not None else int(os.environ.get("LOCAL_RANK", 0))
+    module = torch.cuda if device.type == "cuda" else getattr(torch, "npu")  # torch.npu: torch_npu imported
+    module.set_device(index)
+    return torch.device(device.type, index)
+
+
 def backend_for(device: torch.device) -> str:
     return {"cpu": "gloo", "cuda": "nccl", "npu": "hccl"}[device.type]
 
@@ -141,7 +157,8 @@ def init_parallel(cfg: CPConfig, device: torch.device | str | None = None,
         raise RuntimeError("parallel state already initialised; call cp_compile.destroy_parallel() first")
     timeout_s = resolve_timeout(timeout)
     pg_timeout = timedelta(seconds=timeout_s)
-    device = torch.device(device) if device is not None else default_device()
+    # Bound before the process group exists: NCCL / HCCL pick the current device.
+    device = bind_device(torch.device(device) if device is not None else default_device())
     backend = backend_for(device)
     if not dist.is_initialized():
         if "RANK" not in os.environ:

@@ -135,7 +135,7 @@ def lse_rescale(out: Tensor, lse: Tensor, lse_all: Tensor) -> tuple[Tensor, Tens
     mine = reference.clean_lse(lse)
     keep = torch.isfinite(total) & torch.isfinite(mine)
     w = torch.where(keep, torch.exp(mine - total), torch.zeros_like(mine))
-    scaled = torch.where(keep[..., None], out.float() * w[..., None], torch.zeros((), dtype=torch.float32))
+    scaled = torch.where(keep[..., None], out.float() * w[..., None], torch.zeros((), dtype=torch.float32, device=out.device))
     return scaled, total
 
 
@@ -169,8 +169,9 @@ def varlen_causal_attention_lse(q: Tensor, k: Tensor, v: Tensor, query_start_loc
     req = layout.request_index(query_start_loc, T)
     q_lens = query_start_loc[1:] - query_start_loc[:-1]
     width = max(int(q_lens.max()) if q_lens.numel() else 0, 1)
-    table = (query_start_loc[:-1, None] + torch.arange(width, dtype=query_start_loc.dtype)).clamp(max=max(T - 1, 0))
-    t = torch.arange(T, dtype=torch.int64)
+    table = (query_start_loc[:-1, None] + torch.arange(width, dtype=query_start_loc.dtype,
+                                                                      device=query_start_loc.device)).clamp(max=max(T - 1, 0))
+    t = torch.arange(T, dtype=torch.int64, device=query_start_loc.device)
     kv_lens = torch.where(req >= 0, t - query_start_loc[req.clamp(min=0)].long() + 1, torch.zeros_like(t))
     return reference.paged_attention_with_lse(q, k.unsqueeze(1), v.unsqueeze(1), table, query_start_loc,
                                               kv_lens, scale)

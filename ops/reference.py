@@ -155,7 +155,8 @@ def merge_partials(outs: torch.Tensor, lses: torch.Tensor) -> torch.Tensor:
     w = torch.exp(lses - m_safe)  # exp(-inf) = 0 for empty shards
     denom = w.sum(dim=0)
     # where, not multiply: an empty shard's out may be garbage (NaN) and must weigh 0.
-    num = torch.where(w[..., None] > 0, outs.float() * w[..., None], torch.zeros((), dtype=torch.float32)).sum(0)
+    num = torch.where(w[..., None] > 0, outs.float() * w[..., None], torch.zeros((), dtype=torch.float32,
+                                                                                          device=outs.device)).sum(0)
     return torch.where(denom[..., None] > 0, num / denom.clamp(min=1e-30)[..., None], torch.zeros_like(num))
 
 

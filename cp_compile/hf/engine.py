@@ -116,9 +116,13 @@ class Engine:
         register()
         model.config._attn_implementation = MLA_NAME if self.kind == "mla" else GQA_NAME
         self.model = model.eval()
-        dtype = next(model.parameters()).dtype
+        first = next(model.parameters())
+        dtype = first.dtype
+        # Caches, metadata and inputs live where the model does (a CUDA / NPU model
+        # gets device caches and one host-to-device copy of each step's metadata).
+        self.device = first.device
         self.cache = allocate_kv_cache(config, kv_cache_spec(model.config, config.tp, tp_rank), num_blocks,
-                                       dtype=dtype, attention=self.spec)
+                                       dtype=dtype, device=self.device, attention=self.spec)
         if num_blocks < 2:
             raise ValueError(f"num_blocks={num_blocks}: the engine needs >= 2 (one is the scratch request's, "
                              "see the module doc). Fix: allocate more blocks")
@@ -159,6 +163,16 @@ class Engine:
 
     # ---- serving ------------------------------------------------------------------
     def _step(self, batch: list[_Request], alloc: BlockAllocator) -> list[torch.Tensor]:
+        input_ids, meta = self._inputs(batch, alloc)
+        strict = self.forbid_recompiles and self.steps >= self.warmup_steps
+        with torch.no_grad(), torch.compiler.set_stance("fail_on_recompile" if strict else "default"):
+            logits = self.compiled(input_ids, meta.positions, self.cache.layers, meta)  # [T, vocab]
+        self.steps += 1
+        last = meta.query_start_loc[1:len(batch) + 1].long() - 1
+        return list(logits[last].float())
+
+    def _inputs(self, batch: list[_Request], alloc: BlockAllocator) -> tuple[torch.Tensor, Any]:
+        """(input_ids [T], metadata) of one step, on the model's device."""
         reqs = [(r.cached, len(r.tokens) - r.cached) for r in batch]
         rids = [r.rid for r in batch]
         ids = [t for r in batch for t in r.tokens[r.cached:]]
@@ -166,14 +180,9 @@ class Engine:
             reqs.append((0, 1))
             rids.append(_SCRATCH)
             ids.append(0)
-        meta = build_attention_metadata(reqs, alloc, req_ids=rids, max_blocks_per_req=self.block_table_width)
-        input_ids = torch.tensor(ids, dtype=torch.long)
-        strict = self.forbid_recompiles and self.steps >= self.warmup_steps
-        with torch.no_grad(), torch.compiler.set_stance("fail_on_recompile" if strict else "default"):
-            logits = self.compiled(input_ids, meta.positions, self.cache.layers, meta)  # [T, vocab]
-        self.steps += 1
-        last = meta.query_start_loc[1:len(batch) + 1].long() - 1
-        return list(logits[last].float())
+        meta = build_attention_metadata(reqs, alloc, req_ids=rids, max_blocks_per_req=self.block_table_width,
+                                        device=self.device)
+        return torch.tensor(ids, dtype=torch.long, device=self.device), meta
 
     def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int | Sequence[int] = 32,
                  arrivals: Sequence[int] | None = None) -> list[list[int]]:

@@ -47,6 +47,7 @@ class RowParallelLinear(nn.Module):
 
 def _rows(linear: nn.Linear, index: torch.Tensor) -> None:
     """Keep output rows `index` of `linear` (column-parallel shard)."""
+    index = index.to(linear.weight.device)  # built on the host at load time; index on the weight's device
     with torch.no_grad():
         linear.weight = nn.Parameter(linear.weight[index].clone(), requires_grad=False)
         if linear.bias is not None:
@@ -59,7 +60,7 @@ def _head_rows(heads: tuple[int, ...] | range, dim: int) -> torch.Tensor:
 
 
 def _row_parallel(linear: nn.Linear, index: torch.Tensor, group: dist.ProcessGroup) -> RowParallelLinear:
-    w = linear.weight.detach()[:, index].clone()
+    w = linear.weight.detach()[:, index.to(linear.weight.device)].clone()
     b = None if linear.bias is None else linear.bias.detach().clone()
     return RowParallelLinear(w, b, group)
 

@@ -48,7 +48,7 @@ def dcp_mla_chunked_prefill(q_nope: Tensor, q_pe: Tensor, kv_c: Tensor, k_pe: Te
     # Restore order: position p of request b sits on rank owner(p) at local index local_len(owner, p).
     full = []
     for b in range(ctx_lens.shape[0]):
-        p = torch.arange(int(ctx_lens[b]))
+        p = torch.arange(int(ctx_lens[b]), device=kv_cache.device)
         owner = layout.token_owner(p, dcp=ctx.dcp, interleave=ctx.interleave, block_size=ctx.block_size)
         j = layout.local_len(p, dcp=ctx.dcp, rank=owner, interleave=ctx.interleave)  # packed local index on the owner
         full.append(gathered[owner, starts[b] + j])
@@ -56,7 +56,7 @@ def dcp_mla_chunked_prefill(q_nope: Tensor, q_pe: Tensor, kv_c: Tensor, k_pe: Te
     # The restored context as a paged cache of block size 1: table row b = its token indices.
     width = max(int(ctx_lens.max()) if ctx_lens.numel() else 0, 1)
     ctx_starts = torch.cumsum(ctx_lens, 0) - ctx_lens
-    table = (ctx_starts[:, None] + torch.arange(width)).clamp(max=max(context.shape[0] - 1, 0))
+    table = (ctx_starts[:, None] + torch.arange(width, device=kv_cache.device)).clamp(max=max(context.shape[0] - 1, 0))
     req = layout.request_index(query_start_loc, T)
     kv_lens = torch.where(req >= 0, ctx_lens[req.clamp(min=0)], torch.zeros_like(req, dtype=torch.int64))
     if context.shape[0] == 0:

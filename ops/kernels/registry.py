@@ -2,8 +2,11 @@
 
 CPU keeps the torch references, so a CPU `torch.compile` never traces into
 Triton. Registration itself imports no triton: each kernel body fetches its
-launcher on first call. Without triton installed nothing is registered and the
-references serve every device.
+launcher on first call. Every `cp::` op gets an accelerator kernel: its device
+kernel, or, when it has none (or triton is not installed), a kernel that raises
+`MissingDeviceKernel` naming the op and the fix. A reference never serves an
+accelerator silently: its Python loops and host reads cannot be captured in a
+CUDA graph / aclgraph and would only look like they work.
 """
 
 from __future__ import annotations
@@ -72,6 +75,42 @@ DEVICE_KERNELS = {
 }
 
 
+class MissingDeviceKernel(NotImplementedError):
+    """A cp:: op was called on an accelerator that has no kernel for it."""
+
+
+def refusing_kernel(op: str, device: str, reason: str, fix: str):
+    """A kernel for `op` on `device` that raises `MissingDeviceKernel` (the op's name, why, the fix)."""
+
+    def refuse(*args, **kwargs):
+        raise MissingDeviceKernel(
+            f"{op} has no {device} kernel: {reason}. The CPU torch reference is not used on an accelerator "
+            f"(host reads, Python loops over requests). Fix: {fix}")
+
+    refuse.__name__ = f"refuse_{op.replace('::', '_')}"
+    return refuse
+
+
+def cp_ops() -> list[str]:
+    """Every op of the `cp` namespace defined so far ('cp::name')."""
+    return sorted(n for n in torch._C._dispatch_get_all_op_names() if n.startswith("cp::"))
+
+
+def kernel_table(device: str, triton_ok: bool) -> dict[str, object]:
+    """op -> the kernel registered for `device`: DEVICE_KERNELS' entry, or a refusal."""
+    table = {}
+    for op in cp_ops():
+        if not triton_ok:
+            table[op] = refusing_kernel(op, device, "triton is not installed",
+                                        "install triton (pip install triton; triton-ascend on NPU), or run on CPU")
+        elif op in DEVICE_KERNELS:
+            table[op] = DEVICE_KERNELS[op]
+        else:
+            table[op] = refusing_kernel(op, device, "no device kernel is written for it",
+                                        "add one to DEVICE_KERNELS (ops/kernels/registry.py), or run on CPU")
+    return table
+
+
 def device_types() -> list[str]:
     """Devices whose kernels are Triton: CUDA always, the NPU when torch_npu imports."""
     types = ["cuda"]
@@ -85,11 +124,12 @@ def device_types() -> list[str]:
 
 
 def register_device_kernels() -> list[str]:
-    """Idempotent; returns the '<op>@<device>' registrations made."""
-    if _REGISTERED or not kernels.triton_available():
+    """Idempotent; returns the '<op>@<device>' registrations made (refusals included)."""
+    if _REGISTERED:
         return _REGISTERED
+    triton_ok = kernels.triton_available()
     for device in device_types():
-        for op, fn in DEVICE_KERNELS.items():
+        for op, fn in kernel_table(device, triton_ok).items():
             torch.library.register_kernel(op, device, fn)
             _REGISTERED.append(f"{op}@{device}")
     return _REGISTERED

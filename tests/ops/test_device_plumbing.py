@@ -1,0 +1,148 @@
+"""Device plumbing without an accelerator (issue 22).
+
+- every tensor factory on a step's path names its device (a static scan of the
+  source, and the scan shown failing on an injected `torch.arange(n)`);
+- `init_parallel` binds the current CUDA / NPU device from the local rank;
+- the HF Engine allocates caches, metadata and inputs on the model's device (a
+  model on the `meta` device: a CPU tensor anywhere would show);
+- every cp:: op has an accelerator kernel, and one without a device kernel (or
+  without triton) raises an error naming the op instead of running the reference.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+import torch
+
+import cp_compile.ops  # noqa: F401  (defines and registers the ops)
+from cp_compile.ops.kernels import registry
+from cp_compile.parallel_state import bind_device
+from cp_compile.testing.device_modes import FACTORIES, FactoryDeviceMode
+
+REPO = Path(__file__).resolve().parents[2]
+
+# What a step runs: the ops, their kernels' launchers, the parallel compositions, the
+# graph passes (they build nodes, and any tensor they make lands in the graph) and the
+# HF serving path. Not here: cp_compile/metadata.py (builds a step's metadata from
+# Python lists on the host, then `.to(device)` once, by design), hf/tp.py (load-time
+# weight indices, moved to the weight's device where used), ops/ge/check.py (CPU-only
+# GE conversion cases), and `_lowering_examples` (CPU tensors for launch capture).
+STEP_PATH = [*sorted((REPO / "ops").glob("*.py")), *sorted((REPO / "ops" / "kernels").glob("*.py")),
+             *sorted((REPO / "cp_compile" / "parallel").glob("*.py")), *sorted((REPO / "passes").glob("*.py")),
+             REPO / "cp_compile" / "hf" / "engine.py", REPO / "cp_compile" / "hf" / "attention.py",
+             REPO / "cp_compile" / "hf" / "cache.py", REPO / "cp_compile" / "kv_cache.py"]
+EXEMPT_FUNCTIONS = {"_lowering_examples"}
+FACTORY_NAMES = {f.__name__ for f in FACTORIES}
+
+
+def factories_without_device(source: str, filename: str = "<src>") -> list[str]:
+    """`torch.<factory>(...)` calls with no `device=` keyword, outside exempt functions."""
+    found: list[str] = []
+
+    def visit(node: ast.AST, exempt: bool) -> None:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            exempt = exempt or node.name in EXEMPT_FUNCTIONS
+        if (not exempt and isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+                and isinstance(node.func.value, ast.Name) and node.func.value.id == "torch"
+                and node.func.attr in FACTORY_NAMES
+                and not any(k.arg == "device" or k.arg is None for k in node.keywords)):
+            found.append(f"{filename}:{node.lineno}: {ast.unparse(node)}")
+        for child in ast.iter_child_nodes(node):
+            visit(child, exempt)
+
+    visit(ast.parse(source), False)
+    return found
+
+
+def test_every_step_path_factory_names_its_device() -> None:
+    assert len(STEP_PATH) > 20 and all(p.exists() for p in STEP_PATH)
+    bad = [hit for p in STEP_PATH for hit in factories_without_device(p.read_text(), str(p.relative_to(REPO)))]
+    assert not bad, ("tensor factories without device= on the step path (a CPU tensor on an accelerator "
+                     "step); pass device=<an input>.device:\n" + "\n".join(bad))
+
+
+def test_factory_scan_fails_on_an_injected_arange() -> None:
+    src = (REPO / "ops" / "dcp.py").read_text()
+    assert factories_without_device(src) == []
+    injected = src.replace("    T = q.shape[0]\n", "    T = q.shape[0]\n    pad = torch.arange(T)\n", 1)
+    assert injected != src
+    hits = factories_without_device(injected, "ops/dcp.py")
+    assert len(hits) == 1 and "torch.arange(T)" in hits[0], hits
+    # device=... (or **kwargs carrying it) passes; the lowering examples are exempt.
+    assert factories_without_device("torch.arange(3, device=x.device)\ntorch.zeros(2, **kw)") == []
+    assert factories_without_device("def _lowering_examples():\n    torch.empty(3)") == []
+
+
+def test_factory_mode_records_a_factory_without_device() -> None:
+    x = torch.ones(3)
+    with FactoryDeviceMode() as mode:
+        torch.arange(4, device=x.device)
+        torch.zeros_like(x)
+    assert mode.missing == []
+    with FactoryDeviceMode() as mode:
+        torch.arange(4)
+    assert mode.missing == ["torch.arange(4,)"]
+
+
+# ----------------------------------------------------------------------------- current device
+
+
+def test_bind_device_uses_the_local_rank(monkeypatch: pytest.MonkeyPatch) -> None:
+    calls: list[int] = []
+    monkeypatch.setattr(torch.cuda, "set_device", lambda i: calls.append(i))
+    monkeypatch.setenv("LOCAL_RANK", "3")
+    assert bind_device(torch.device("cuda")) == torch.device("cuda", 3)
+    assert bind_device(torch.device("cuda", 1)) == torch.device("cuda", 1)  # an explicit index wins
+    assert calls == [3, 1]
+    assert bind_device(torch.device("cpu")) == torch.device("cpu") and calls == [3, 1]
+
+
+# ----------------------------------------------------------------------------- HF engine
+
+
+def test_hf_engine_allocates_on_the_model_device() -> None:
+    import cp_compile
+    import cp_compile.hf
+    from cp_compile.hf.engine import _Request
+    from cp_compile.metadata import BlockAllocator
+    from examples.hf_generate import tiny_hf
+
+    model = tiny_hf("qwen3").to("meta")  # any CPU tensor the engine makes would show as device cpu
+    engine = cp_compile.hf.Engine(model, cp_compile.CPConfig(block_size=4), num_blocks=4, progress=False)
+    assert engine.device == torch.device("meta")
+    assert {t.device.type for layer in engine.cache.layers for t in layer} == {"meta"}
+    alloc = BlockAllocator(4, 4)
+    ids, meta = engine._inputs([_Request(0, [1, 2, 3], 2, 3)], alloc)
+    assert ids.device.type == "meta"
+    assert {getattr(meta, f).device.type for f in ("query_start_loc", "seq_lens", "block_table", "slot_mapping",
+                                                  "positions")} == {"meta"}
+
+
+# ----------------------------------------------------------------------------- accelerator kernels
+
+
+def test_every_op_has_an_accelerator_kernel() -> None:
+    ops = registry.cp_ops()
+    assert len(ops) >= 17
+    regs = registry.register_device_kernels()
+    for op in ops:
+        assert f"{op}@cuda" in regs
+        assert torch._C._dispatch_has_kernel_for_dispatch_key(op, "CUDA"), op
+
+
+def test_an_op_without_a_device_kernel_is_an_error_naming_it() -> None:
+    # Without triton every op refuses, by name, with the fix.
+    for op, fn in registry.kernel_table("cuda", triton_ok=False).items():
+        with pytest.raises(registry.MissingDeviceKernel, match=f"{op} has no cuda kernel: triton is not installed"):
+            fn()
+    # With triton, only ops outside DEVICE_KERNELS refuse.
+    table = registry.kernel_table("npu", triton_ok=True)
+    for op, fn in table.items():
+        if op in registry.DEVICE_KERNELS:
+            assert fn is registry.DEVICE_KERNELS[op]
+        else:
+            with pytest.raises(registry.MissingDeviceKernel, match=f"{op} has no npu kernel: no device kernel"):
+                fn()
