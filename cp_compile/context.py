@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 from torch import nn
 
 from cp_compile.config import AttentionSpec, ConfigError, CPConfig
-from cp_compile.metadata import BatchKind
+from cp_compile.metadata import DECODE_KINDS, BatchKind
 from cp_compile.parallel.dcp import DCPContext
 from cp_compile.parallel.dsa_cp import DSACPContext
 from cp_compile.parallel.pcp import PCPContext
@@ -95,13 +95,14 @@ class CompileContext:
     attention: AttentionSpec | None = None
     roles: tuple[RoleBinding, ...] = ()
     # The batches this graph serves: None = every kind (one graph); "decode" /
-    # "prefill" when `config.graph_per_batch_kind` splits them (decorator.CompiledForward).
+    # "prefill" when `config.graph_per_batch_kind` splits them, "verify" for speculative
+    # verification steps (decorator.CompiledForward).
     batch_kind: BatchKind | None = None
 
     def __post_init__(self) -> None:
-        if self.batch_kind not in (None, "decode", "prefill"):
-            raise ConfigError("batch_kind is None, 'decode' or 'prefill'", f"batch_kind={self.batch_kind!r}",
-                              "pass one of None, 'decode', 'prefill'")
+        if self.batch_kind not in (None, "decode", "prefill", "verify"):
+            raise ConfigError("batch_kind is None, 'decode', 'prefill' or 'verify'",
+                              f"batch_kind={self.batch_kind!r}", "pass one of None, 'decode', 'prefill', 'verify'")
         if self.cp is None:
             # Same ranks as the DCP group (pcp = 1) or the PCP group (dcp = 1).
             cp = self.dcp if self.pcp.size == 1 else self.pcp if self.dcp.size == 1 else GroupInfo()
@@ -143,6 +144,12 @@ class CompileContext:
             cp = GroupInfo(config.context_parallel_size, pcp.rank * dcp.size + dcp.rank, "test_cp")
         return cls(config=config, tp=grp("tp", config.tp), dcp=dcp, pcp=pcp, cp=cp, attention=attention,
                    roles=roles, batch_kind=batch_kind)
+
+    @property
+    def decode_like(self) -> bool:
+        """A decode or verify graph: every rank runs the whole batch over the sharded
+        cache (no token sharding; at pcp > 1 attention over the pcp * dcp cache ranks)."""
+        return self.batch_kind in DECODE_KINDS
 
     def role(self, name: str) -> RoleBinding | None:
         return next((r for r in self.roles if r.role == name), None)

@@ -69,7 +69,10 @@ class CompiledForward:
     `backends["prefill"]`), and picks one per step from the metadata on the host
     (`metadata.batch_kind`). Dynamo guards each cache entry on its backend, so the
     two graphs never evict or recompile each other. Otherwise `backends` is
-    `{None: backend}` and one graph serves every batch.
+    `{None: backend}` and one graph serves every batch. With speculation
+    (`num_speculative_tokens` = k > 0) verification steps (at most k + 1 new tokens
+    per request) get a graph of their own, `backends["verify"]`, compiled like a
+    decode graph: the whole batch on every rank, never token-sharded.
 
     PCP (pcp > 1) prefill steps are token-sharded (docs/pcp.md §4): on the host, once
     per step, `pcp_token_table` gives this rank's token indices ([T_loc], -1 padded);
@@ -83,7 +86,12 @@ class CompiledForward:
     """
 
     def __init__(self, module: nn.Module, forward: Callable[..., Any], dynamic_args: Sequence[str],
-                 backend: CpAscendBackend) -> None:
+                 backend: CpAscendBackend, num_speculative_tokens: int = 0) -> None:
+        if isinstance(num_speculative_tokens, bool) or not isinstance(num_speculative_tokens, int) \
+                or num_speculative_tokens < 0:
+            raise ConfigError("num_speculative_tokens >= 0", f"num_speculative_tokens={num_speculative_tokens!r}",
+                              "pass the number of draft tokens per request and step (0: no speculation)")
+        self.num_speculative_tokens = num_speculative_tokens
         self.signature = inspect.signature(forward)
         unknown = [a for a in dynamic_args if a not in self.signature.parameters]
         if unknown:
@@ -105,6 +113,8 @@ class CompiledForward:
         # ConfigError, not half-way through tracing.
         ctx = self.backend.make_context()
         kinds: tuple[BatchKind | None, ...] = ("decode", "prefill") if ctx.config.graph_per_batch_kind else (None,)
+        if self.num_speculative_tokens > 0:
+            kinds += ("verify",)
         self._pcp_size, self._pcp_rank = ctx.pcp.size, ctx.pcp.rank
         for kind in kinds:
             b = self.backend if kind is None else self.backend.for_batch_kind(kind)
@@ -142,15 +152,16 @@ class CompiledForward:
         return compiled(token_index, slots, *args, **kwargs)
 
     def batch_kind_of(self, arguments: dict[str, Any]) -> BatchKind | None:
-        """The graph a step runs in: None when one graph serves every batch."""
-        if None in self._compiled:
+        """The graph a step runs in: None when one graph serves every batch but verify."""
+        if list(self._compiled) == [None]:
             return None
         meta = next((v for v in arguments.values() if isinstance(v, AttentionMetadata)), None)
         if meta is None:
             raise TypeError("this config compiles one graph per batch kind (PCP or DSA-CP) and picks it from the "
                             "step's AttentionMetadata, but forward got none. Fix: pass the AttentionMetadata as an "
                             "argument of forward")
-        return batch_kind(meta)
+        kind = batch_kind(meta, self.num_speculative_tokens)
+        return kind if kind in self._compiled else None
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if not self._validated:
@@ -186,30 +197,35 @@ def _attention_of(module: nn.Module, attention: AttentionSpec | None) -> Attenti
 
 def _compiled_forward(module: nn.Module, forward: Callable[..., Any], dynamic_args: Sequence[str],
                       config: CPConfig | None, lowering: Lowering, torchair_mode: TorchairMode,
-                      attention: AttentionSpec | None, roles: tuple[RoleBinding, ...]) -> CompiledForward:
+                      attention: AttentionSpec | None, roles: tuple[RoleBinding, ...],
+                      num_speculative_tokens: int = 0) -> CompiledForward:
     backend = CpAscendBackend(config=config, lowering=lowering, torchair_mode=torchair_mode,
                               attention=_attention_of(module, attention), roles=roles)
-    return CompiledForward(module, forward, dynamic_args, backend)
+    return CompiledForward(module, forward, dynamic_args, backend, num_speculative_tokens)
 
 
 def compile_model(module: nn.Module, *, dynamic_args: Sequence[str] = ("input_ids", "positions", "meta"),
                   config: CPConfig | None = None, lowering: Lowering = "auto",
                   torchair_mode: TorchairMode = "reduce-overhead", attention: AttentionSpec | None = None,
-                  o_proj: str | None = None, indexer: str | None = None) -> CompiledForward:
+                  o_proj: str | None = None, indexer: str | None = None,
+                  num_speculative_tokens: int = 0) -> CompiledForward:
     """Compile `module.forward` with cp_ascend (fullgraph) and dynamic token dims.
 
     For modules you cannot decorate (built elsewhere); `cp_module` uses the same path
     and takes the same role and attention arguments. The returned callable's
-    `.backend.pass_managers` record what the passes rewrote.
+    `.backend.pass_managers` record what the passes rewrote. `num_speculative_tokens`
+    = k > 0 adds the verify graph (steps of at most k + 1 new tokens per request).
     """
     roles = resolve_roles(module, {"o_proj": o_proj, "indexer": indexer})
-    return _compiled_forward(module, module.forward, dynamic_args, config, lowering, torchair_mode, attention, roles)
+    return _compiled_forward(module, module.forward, dynamic_args, config, lowering, torchair_mode, attention, roles,
+                             num_speculative_tokens)
 
 
 def cp_module(cls: M | None = None, *, o_proj: str | None = None, indexer: str | None = None,
               dynamic_args: Sequence[str] = ("input_ids", "positions", "meta"), config: CPConfig | None = None,
               lowering: Lowering = "auto", torchair_mode: TorchairMode = "reduce-overhead",
-              attention: AttentionSpec | None = None, compile: bool = True) -> Callable[[M], M] | M:
+              attention: AttentionSpec | None = None, compile: bool = True,
+              num_speculative_tokens: int = 0) -> Callable[[M], M] | M:
     """Class decorator; see the module docstring. `compile=False` only records roles."""
 
     def wrap(klass: M) -> M:
@@ -223,7 +239,8 @@ def cp_module(cls: M | None = None, *, o_proj: str | None = None, indexer: str |
             self.cp_compiled = None
             if compile:
                 self.cp_compiled = _compiled_forward(self, functools.partial(orig_forward, self), dynamic_args,
-                                                     config, lowering, torchair_mode, attention, self.cp_roles)
+                                                     config, lowering, torchair_mode, attention, self.cp_roles,
+                                                     num_speculative_tokens)
 
         @functools.wraps(orig_forward)
         def forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:

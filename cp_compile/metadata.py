@@ -69,23 +69,33 @@ class AttentionMetadata:
         validate_metadata(self, num_blocks=num_blocks, block_size=block_size, dcp=dcp, num_tokens=num_tokens)
 
 
-BatchKind = Literal["decode", "prefill"]
+BatchKind = Literal["decode", "prefill", "verify"]
+# Kinds whose graph runs the whole batch on every rank over the sharded cache (no
+# token sharding): decode, and speculative verification (k + 1 queries per request).
+DECODE_KINDS: tuple[BatchKind, ...] = ("decode", "verify")
 
 
-def batch_kind(meta: AttentionMetadata) -> BatchKind:
-    """"decode" when every request brings at most one new token, else "prefill"
-    (prefill, chunked prefill, mixed and speculative batches).
+def batch_kind(meta: AttentionMetadata, num_speculative_tokens: int = 0) -> BatchKind:
+    """"decode" when every request brings at most one new token; "verify" when
+    speculation is on (`num_speculative_tokens` = k > 0) and every request brings at
+    most k + 1 (the last accepted token and k drafts to score; fewer near a request's
+    end or in a draft model's catch-up step); else "prefill" (prefill, chunked, mixed).
 
     PCP shards only prefill tokens and DSA-CP keeps decode in the TP head layout, so
-    those configs compile one graph per kind (`CPConfig.graph_per_batch_kind`) and
-    the compiled entry picks the graph with this, outside the graph. It reads the
-    metadata on the host (one sync, like `validate_step`); a graph cannot branch on
-    tensor values without a data-dependent control flow.
+    those configs compile one graph per kind (`CPConfig.graph_per_batch_kind`), and
+    speculation adds a verify graph; the compiled entry picks the graph with this,
+    outside the graph. It reads the metadata on the host (one sync, like
+    `validate_step`); a graph cannot branch on tensor values without a
+    data-dependent control flow. Every graph is exact for every batch; the kind only
+    picks the layout that serves it best.
     """
     qsl = meta.query_start_loc
     if qsl.numel() < 2:
         return "decode"
-    return "decode" if int((qsl[1:] - qsl[:-1]).max()) <= 1 else "prefill"
+    longest = int((qsl[1:] - qsl[:-1]).max())
+    if longest <= 1:
+        return "decode"
+    return "verify" if longest <= num_speculative_tokens + 1 and num_speculative_tokens > 0 else "prefill"
 
 
 def _first(mask: torch.Tensor) -> int:

@@ -96,7 +96,7 @@ class DCPAttentionPass(CPPass):
     def is_enabled(cls, ctx: CompileContext) -> bool:
         if ctx.pcp.size > 1:
             # Prefill graphs are token-sharded by the pcp_attention pass instead.
-            return ctx.batch_kind == "decode"
+            return ctx.decode_like
         return ctx.dcp.size > 1
 
     def config_values(self) -> dict[str, Any]:

@@ -98,7 +98,8 @@ class PCPAttentionPass(CPPass):
 
     @classmethod
     def is_enabled(cls, ctx: CompileContext) -> bool:
-        return ctx.pcp.size > 1 and ctx.batch_kind != "decode"
+        # Decode and verify graphs run the whole batch on every rank (dcp_attention).
+        return ctx.pcp.size > 1 and not ctx.decode_like
 
     def config_values(self) -> dict[str, Any]:
         return dict(self.pcp.__dict__, batch_kind=self.ctx.batch_kind)

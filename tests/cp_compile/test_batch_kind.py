@@ -1,5 +1,6 @@
 """One graph per batch kind (PCP, DSA-CP): the step's kind picks the graph, on the host."""
 
+import pytest
 import torch
 
 import cp_compile
@@ -18,6 +19,15 @@ def test_batch_kind_reads_query_lengths():
     for kind in ("mixed", "spec_decode"):
         assert batch_kind(_meta(STEP_B[kind])) == "prefill"
     assert batch_kind(_meta([(0, 7)])) == "prefill"
+
+
+def test_verify_kind_needs_speculation_and_at_most_k_plus_1_tokens():
+    # Speculative verification: the last accepted token + k drafts per request (fewer near the end).
+    verify = _meta([(9, 3), (4, 2), (7, 1)])
+    assert batch_kind(verify) == "prefill"  # no speculation declared: a multi-token batch is prefill
+    assert batch_kind(verify, num_speculative_tokens=2) == "verify"
+    assert batch_kind(verify, num_speculative_tokens=1) == "prefill"  # 3 > k + 1 tokens
+    assert batch_kind(_meta(STEP_B["decode"]), num_speculative_tokens=3) == "decode"
 
 
 class Sparse(torch.nn.Module):
@@ -46,6 +56,30 @@ def test_graph_per_batch_kind_compiles_two_graphs_and_never_recompiles():
             torch.compiler.set_stance("default")
     kinds = {k: [c.batch_kind for c in b.contexts] for k, b in compiled.backends.items()}
     assert kinds == {"decode": ["decode"], "prefill": ["prefill"]}
+
+
+def test_speculation_adds_one_verify_graph_and_never_recompiles():
+    # One graph for decode / prefill (dcp only) plus the verify graph; with DSA-CP three graphs.
+    verify_metas = [build_attention_metadata(r, BlockAllocator(32, 4), num_padding_tokens=1)
+                    for r in ([(5, 3), (9, 3)], [(6, 2), (12, 3)], [(8, 1), (15, 2), (3, 3)])]
+    for cfg, want in ((cp_compile.CPConfig(block_size=4), [None, "verify"]),
+                      (cp_compile.CPConfig(enable_dsa_cp=True, block_size=4), ["decode", "prefill", "verify"])):
+        compiled = cp_compile.compile_model(Sparse(), config=cfg, lowering="eager", num_speculative_tokens=2)
+        model = Sparse()
+        steps = [m for batch in ("decode", "mixed") for m in two_step_metas(batch, dcp=1, block_size=4,
+                                                                            num_blocks=32)] + verify_metas
+        for i, meta in enumerate(steps + steps):
+            if i == len(steps):  # varying acceptance: lengths differ, the graph does not
+                torch.compiler.set_stance("fail_on_recompile")
+            try:
+                ids = torch.arange(meta.num_tokens)
+                torch.testing.assert_close(compiled(ids, meta.positions, meta), model(ids, meta.positions, meta))
+            finally:
+                torch.compiler.set_stance("default")
+        assert list(compiled.backends) == want
+        assert [c.batch_kind for c in compiled.backends["verify"].contexts] == ["verify"]
+    with pytest.raises(cp_compile.ConfigError, match="num_speculative_tokens"):
+        cp_compile.compile_model(Sparse(), lowering="eager", num_speculative_tokens=-1)
 
 
 def test_one_graph_when_kinds_do_not_differ():

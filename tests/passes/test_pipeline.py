@@ -138,9 +138,10 @@ def test_pipeline_is_configured_by_the_context():
                        block_size=BLOCK)
         by_kind = {k: pass_manager.PassManager.for_context(CompileContext.for_test(cfg, attention=spec,
                                                                                    batch_kind=k)).names
-                   for k in (None, "decode", "prefill")}
+                   for k in (None, "decode", "prefill", "verify")}
         assert by_kind == {None: ["pcp_attention", "unsharded_attention_check"],
                            "decode": ["dcp_attention", "unsharded_attention_check"],
+                           "verify": ["dcp_attention", "unsharded_attention_check"],  # decode-like (speculation)
                            "prefill": ["pcp_attention", "unsharded_attention_check"]}
 
 
