@@ -77,6 +77,39 @@ def all_gather_heads_fused(q_nope: Tensor, q_pe: Tensor, ctx: DCPContext) -> Ten
     return all_gather_heads(torch.cat([q_nope, q_pe], dim=-1), ctx)
 
 
+def kv_major_heads(x: Tensor, ranks: int, kv_heads: int) -> Tensor:
+    """Gathered heads from rank-major to KV-head-major order, for the single-device op.
+
+    x [T, N*Hq, ...] = [rank 0's Hq | rank 1's Hq | ...], each rank's query head j reading
+    its KV head j // (Hq / Hkv). The op maps head h to KV head h // (N*Hq / Hkv), so it
+    needs [KV head 0's N*G | KV head 1's N*G | ...] (G = Hq / Hkv): then head h's KV head
+    is right for any Hkv. The PCP decode gathers over ranks that hold the same heads
+    with several KV heads each (issue 19); at Hkv = 1 (DCP inside TP) it is the identity.
+    """
+    if kv_heads == 1:
+        return x
+    # [T, N, Hkv, G, ...] -> [T, Hkv, N, G, ...]
+    return x.unflatten(1, (ranks, kv_heads, -1)).transpose(1, 2).flatten(1, 3).contiguous()
+
+
+def rank_major_heads(x: Tensor, ranks: int, kv_heads: int) -> Tensor:
+    """Inverse of `kv_major_heads` on the op's outputs (out [T, N*Hq, Dv] or lse [T, N*Hq]):
+    back to the rank-major chunks the merge hands each rank."""
+    if kv_heads == 1:
+        return x
+    return x.unflatten(1, (kv_heads, ranks, -1)).transpose(1, 2).flatten(1, 3).contiguous()
+
+
+def gathered_gqa_partial(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_table: Tensor,
+                         query_start_loc: Tensor, kv_lens: Tensor, scale: float, kv_heads: int,
+                         ctx: DCPContext) -> tuple[Tensor, Tensor]:
+    """Every rank's query heads against this rank's shard: q [T, Hq, D] ->
+    (out [T, N*Hq, Dv], lse [T, N*Hq]), heads rank-major, each with its own KV head."""
+    q_all = kv_major_heads(all_gather_heads(q, ctx), ctx.dcp, kv_heads)  # [T, N*Hq, D]
+    part = _cp.paged_attention_lse.default(q_all, k_cache, v_cache, block_table, query_start_loc, kv_lens, scale)
+    return rank_major_heads(part[0], ctx.dcp, kv_heads), rank_major_heads(part[1], ctx.dcp, kv_heads)
+
+
 def merge_heads(out: Tensor, lse: Tensor, ctx: DCPContext, heads: int, v_dim: int,
                 dtype: torch.dtype) -> tuple[Tensor, Tensor]:
     """Partials over all gathered heads -> this rank's `heads` heads, exactly merged.
@@ -121,10 +154,9 @@ def dcp_gqa_attention(q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_cache:
         local = localize(ctx, slot_mapping, query_start_loc, seq_lens)
     _cp.cache_write.default(k, k_cache, local.slot_mapping)
     _cp.cache_write.default(v, v_cache, local.slot_mapping)
-    q_all = all_gather_heads(q, ctx)  # [T, N*Hq, D]
-    part = _cp.paged_attention_lse.default(q_all, k_cache, v_cache, block_table, query_start_loc,
-                                           local.causal_lens, scale)
-    return merge_heads(part[0], part[1], ctx, q.shape[1], v.shape[-1], q.dtype)[0]
+    out, lse = gathered_gqa_partial(q, k_cache, v_cache, block_table, query_start_loc, local.causal_lens, scale,
+                                    k.shape[1], ctx)  # [T, N*Hq, Dv], [T, N*Hq]
+    return merge_heads(out, lse, ctx, q.shape[1], v.shape[-1], q.dtype)[0]
 
 
 def dcp_mla_attention(q_nope: Tensor, q_pe: Tensor, kv_c: Tensor, k_pe: Tensor, kv_cache: Tensor,
@@ -177,9 +209,9 @@ def dcp_gqa_chunked_prefill(q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_
         local = localize(ctx, slot_mapping, query_start_loc, seq_lens)
     _cp.cache_write.default(k, k_cache, local.slot_mapping)
     _cp.cache_write.default(v, v_cache, local.slot_mapping)
-    part = _cp.paged_attention_lse.default(all_gather_heads(q, ctx), k_cache, v_cache, block_table,
-                                           query_start_loc, local.context_lens, scale)
-    ctx_out, ctx_lse = merge_heads(part[0], part[1], ctx, q.shape[1], v.shape[-1], q.dtype)
+    out, lse = gathered_gqa_partial(q, k_cache, v_cache, block_table, query_start_loc, local.context_lens, scale,
+                                    k.shape[1], ctx)
+    ctx_out, ctx_lse = merge_heads(out, lse, ctx, q.shape[1], v.shape[-1], q.dtype)
     new = _cp.varlen_causal_attention_lse.default(q, k, v, query_start_loc, scale)
     merged = _cp.lse_combine.default(torch.stack([ctx_out, new[0]]), torch.stack([ctx_lse, new[1]]))
     return merged[0].to(q.dtype)

@@ -37,7 +37,8 @@ from torch import Tensor
 
 import cp_compile.ops  # noqa: F401  (registers the cp::* building blocks)
 from cp_compile.ops import layout, pcp_layout
-from cp_compile.parallel.dcp import DCPContext, all_gather_heads, localize, merge_heads
+from cp_compile.parallel.dcp import (DCPContext, all_gather_heads, kv_major_heads, localize, merge_heads,
+                                      rank_major_heads)
 
 _c10d = torch.ops._c10d_functional
 _cp = torch.ops.cp
@@ -182,11 +183,15 @@ def pcp_gqa_attention(q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_cache:
     new = _cp.paged_attention_lse.default(q, k_new.unsqueeze(1), v_new.unsqueeze(1), step.new_table,
                                           step.local_qsl, step.new_lens, scale)
     # Context: every global query, every DCP-group head, against this rank's shard.
+    kv_heads = k.shape[1]
     q_h = all_gather_heads(q, ctx.dcp_group_view()) if ctx.dcp > 1 else q  # [T_loc, dcp*Hq, D]
-    q_glob = _gather_tokens(q_h, ctx)[step.inv]  # [T, dcp*Hq, D]
+    # Each DCP rank's heads with their own KV head (identity at one KV head per rank).
+    q_glob = kv_major_heads(_gather_tokens(q_h, ctx)[step.inv], ctx.dcp, kv_heads)  # [T, dcp*Hq, D]
     part = _cp.paged_attention_lse.default(q_glob, k_cache, v_cache, block_table, query_start_loc,
                                            step.local.context_lens, scale)
-    ctx_out, ctx_lse = _context_part(part[0], part[1], step, ctx, q.shape[1], v.shape[-1], q.dtype)
+    ctx_out, ctx_lse = _context_part(rank_major_heads(part[0], ctx.dcp, kv_heads),
+                                     rank_major_heads(part[1], ctx.dcp, kv_heads), step, ctx, q.shape[1],
+                                     v.shape[-1], q.dtype)
     return _finish(ctx_out, ctx_lse, new[0], new[1], step, q.dtype)
 
 
