@@ -26,14 +26,6 @@ from torch import Tensor
 from cp_compile.ops import quant_reference as ref
 
 
-def _check(x: Tensor, weight: Tensor, groups: int) -> None:
-    if weight.dtype != torch.int8 or weight.dim() != 2 or x.dim() != 2 or x.shape[1] != weight.shape[0]:
-        raise ValueError(f"w8a8 linear: x [T, in] float and weight int8 [in, out], got x {tuple(x.shape)} "
-                         f"and weight {weight.dtype} {tuple(weight.shape)}")
-    if groups < 1 or weight.shape[0] % groups:
-        raise ValueError(f"w8a8 linear: in={weight.shape[0]} does not split into groups={groups}")
-
-
 @torch.library.custom_op("cp::w8a8_dynamic_linear", mutates_args=())
 def w8a8_dynamic_linear(x: Tensor, weight: Tensor, weight_scale: Tensor, weight_offset: Tensor,
                         groups: int) -> Tensor:
@@ -44,7 +36,7 @@ def w8a8_dynamic_linear(x: Tensor, weight: Tensor, weight_scale: Tensor, weight_
     token), multiplied in int8 with int32 accumulation, dequantised with
     s_x[t, g] * s_w[o] and summed over groups in fp32.
     """
-    _check(x, weight, groups)
+    ref.check_linear(x, weight, groups)
     return ref.w8a8_dynamic_linear(x, weight, weight_scale, weight_offset, groups)
 
 
@@ -62,7 +54,7 @@ def w8a8_static_linear(x: Tensor, weight: Tensor, input_scale: Tensor, input_off
     Group g (input columns [g * in/G, (g+1) * in/G)) is quantised with its own
     calibrated scale and offset; y = sum_g (acc_g + quant_bias_g) * deq_scale_g.
     """
-    _check(x, weight, input_scale.shape[0])
+    ref.check_linear(x, weight, input_scale.shape[0])
     return ref.w8a8_static_linear(x, weight, input_scale, input_offset, quant_bias, deq_scale)
 
 

@@ -19,10 +19,21 @@ groups, done in fp32 in group order.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import Tensor
 
 QMAX = 127  # symmetric int8: [-127, 127] (keeps -x representable)
+
+
+def check_linear(x: Tensor, weight: Tensor, groups: int) -> None:
+    """Refuse operands the W8A8 linears cannot take (shape / dtype / group split)."""
+    if weight.dtype != torch.int8 or weight.dim() != 2 or x.dim() != 2 or x.shape[1] != weight.shape[0]:
+        raise ValueError(f"w8a8 linear: x [T, in] float and weight int8 [in, out], got x {tuple(x.shape)} "
+                         f"and weight {weight.dtype} {tuple(weight.shape)}")
+    if groups < 1 or weight.shape[0] % groups:
+        raise ValueError(f"w8a8 linear: in={weight.shape[0]} does not split into groups={groups}")
 
 
 def int8_matmul(a: Tensor, b: Tensor) -> Tensor:
@@ -59,10 +70,14 @@ def quantize_static(x: Tensor, input_scale: Tensor, input_offset: Tensor) -> Ten
     return torch.clamp(q, -128, 127).to(torch.int8)
 
 
-def _grouped_acc(x_q: Tensor, weight: Tensor) -> Tensor:
-    """x_q int8 [T, G, k], weight int8 [G * k, out] -> int32 [G, T, out] (one accumulator per group)."""
+Int8Matmul = Callable[[Tensor, Tensor], Tensor]  # int8 [G, M, K] @ int8 [G, K, N] -> int32 [G, M, N]
+
+
+def _grouped_acc(x_q: Tensor, weight: Tensor, matmul: Int8Matmul = int8_matmul) -> Tensor:
+    """x_q int8 [T, G, k], weight int8 [G * k, out] -> int32 [G, T, out] (one accumulator per group).
+    `matmul`: the int8 GEMM (a device kernel passes its own; integer, so any exact one gives the same)."""
     T, G, k = x_q.shape
-    return int8_matmul(x_q.transpose(0, 1), weight.reshape(G, k, weight.shape[-1]))
+    return matmul(x_q.transpose(0, 1), weight.reshape(G, k, weight.shape[-1]))
 
 
 def _sum_groups(terms: Tensor) -> Tensor:
@@ -73,11 +88,11 @@ def _sum_groups(terms: Tensor) -> Tensor:
     return out
 
 
-def w8a8_dynamic_accumulators(x: Tensor, weight: Tensor, weight_offset: Tensor,
-                              groups: int) -> tuple[Tensor, Tensor]:
+def w8a8_dynamic_accumulators(x: Tensor, weight: Tensor, weight_offset: Tensor, groups: int,
+                              matmul: Int8Matmul = int8_matmul) -> tuple[Tensor, Tensor]:
     """(int32 accumulators [G, T, out] with the weight offset applied, activation scales [T, G])."""
     x_q, scale = quantize_per_token(x, groups)
-    acc = _grouped_acc(x_q, weight)  # [G, T, out]
+    acc = _grouped_acc(x_q, weight, matmul)  # [G, T, out]
     # w = s_w * (w_q - o_w): subtract o_w * sum_k x_q per token and group, in int32.
     rowsum = x_q.to(torch.int32).sum(dim=-1, dtype=torch.int32).transpose(0, 1)  # [G, T]
     acc = acc - rowsum[..., None] * weight_offset.to(torch.int32)[None, None, :]
@@ -85,21 +100,22 @@ def w8a8_dynamic_accumulators(x: Tensor, weight: Tensor, weight_offset: Tensor,
 
 
 def w8a8_dynamic_linear(x: Tensor, weight: Tensor, weight_scale: Tensor, weight_offset: Tensor,
-                        groups: int) -> Tensor:
+                        groups: int, matmul: Int8Matmul = int8_matmul) -> Tensor:
     """y [T, out] = sum_g acc_g * s_x[t, g] * s_w[o], in x's dtype (fp32 inside)."""
-    acc, scale = w8a8_dynamic_accumulators(x, weight, weight_offset, groups)
+    acc, scale = w8a8_dynamic_accumulators(x, weight, weight_offset, groups, matmul)
     terms = acc.float() * scale.transpose(0, 1)[..., None] * weight_scale.float()[None, None, :]
     return _sum_groups(terms).to(x.dtype)
 
 
 def w8a8_static_accumulators(x: Tensor, weight: Tensor, input_scale: Tensor, input_offset: Tensor,
-                             quant_bias: Tensor) -> Tensor:
+                             quant_bias: Tensor, matmul: Int8Matmul = int8_matmul) -> Tensor:
     """int32 accumulators [G, T, out] including each group's quant bias."""
-    return _grouped_acc(quantize_static(x, input_scale, input_offset), weight) + quant_bias.to(torch.int32)[:, None]
+    acc = _grouped_acc(quantize_static(x, input_scale, input_offset), weight, matmul)
+    return acc + quant_bias.to(torch.int32)[:, None]
 
 
 def w8a8_static_linear(x: Tensor, weight: Tensor, input_scale: Tensor, input_offset: Tensor, quant_bias: Tensor,
-                       deq_scale: Tensor) -> Tensor:
+                       deq_scale: Tensor, matmul: Int8Matmul = int8_matmul) -> Tensor:
     """y [T, out] = sum_g (acc_g + quant_bias_g) * deq_scale_g, in x's dtype (fp32 inside)."""
-    acc = w8a8_static_accumulators(x, weight, input_scale, input_offset, quant_bias)
+    acc = w8a8_static_accumulators(x, weight, input_scale, input_offset, quant_bias, matmul)
     return _sum_groups(acc.float() * deq_scale.float()[:, None, :]).to(x.dtype)

@@ -8,6 +8,14 @@ torch tensors and returns new tensors; CPU tensors run only under TRITON_INTERPR
 - `paged_attention_with_lse_triton`  (paged_decode_lse.py)
 - `merge_partials_triton`, `lse_rescale_triton`  (lse_merge.py)
 - `local_slot_mapping_triton`  (localize_slots.py)
+- `cache_write_triton`  (cache_write.py)
+- `varlen_attention_lse_triton`  (varlen_attention.py: flash-style prefill)
+- `sparse_mla_rows_triton`  (sparse_mla.py)
+- `index_scores_triton`, `indexer_topk_rows`  (lightning_indexer.py)
+- `int8_matmul_triton`  (int8_matmul.py)
+
+and, next to each launcher, the `*_device` functions registered as the cp:: ops'
+accelerator kernels (`registry.DEVICE_KERNELS`).
 
 Each kernel module also declares `LOWERING` (`_common.LoweringDeclaration`): the
 launches the Triton-Ascend lowering check compiles (`python -m
@@ -26,6 +34,21 @@ _LAUNCHERS = {
     "merge_partials_triton": "lse_merge",
     "lse_rescale_triton": "lse_merge",
     "local_slot_mapping_triton": "localize_slots",
+    "cache_write_triton": "cache_write",
+    "cache_write_device": "cache_write",
+    "varlen_attention_lse_triton": "varlen_attention",
+    "varlen_causal_attention_lse_device": "varlen_attention",
+    "sparse_mla_rows_triton": "sparse_mla",
+    "sparse_mla_partial_attention_device": "sparse_mla",
+    "sparse_mla_rows_attention_device": "sparse_mla",
+    "sparse_mla_attention_device": "sparse_mla",
+    "index_scores_triton": "lightning_indexer",
+    "indexer_topk_rows": "lightning_indexer",
+    "lightning_indexer_device": "lightning_indexer",
+    "lightning_indexer_topk_rows_device": "lightning_indexer",
+    "int8_matmul_triton": "int8_matmul",
+    "w8a8_dynamic_linear_device": "int8_matmul",
+    "w8a8_static_linear_device": "int8_matmul",
 }
 
 __all__ = ["triton_available", *_LAUNCHERS]

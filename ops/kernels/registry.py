@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from cp_compile.ops import kernels, layout, reference
+from cp_compile.ops import kernels, layout
 
 _REGISTERED: list[str] = []
 
@@ -52,16 +52,33 @@ def _localize(slot_mapping, query_start_loc, seq_lens, dcp, rank, interleave, bl
 
 
 def _gqa_paged_attention(q, k, v, k_cache, v_cache, slot_mapping, block_table, seq_lens, query_start_loc, scale):
-    reference.write_cache(k_cache, k, slot_mapping)
-    reference.write_cache(v_cache, v, slot_mapping)
+    kernels.cache_write_triton(k, k_cache, slot_mapping)
+    kernels.cache_write_triton(v, v_cache, slot_mapping)
     kv_lens = layout.causal_lens(query_start_loc, seq_lens, q.shape[0])
     return _paged_attention_lse(q, k_cache, v_cache, block_table, query_start_loc, kv_lens, scale)[0]
 
 
 def _mla_attention(q_nope, q_pe, kv_c, k_pe, kv_cache, slot_mapping, block_table, seq_lens, query_start_loc, scale):
-    reference.write_cache(kv_cache, torch.cat([kv_c, k_pe], -1), slot_mapping)
+    kernels.cache_write_triton(torch.cat([kv_c, k_pe], -1), kv_cache, slot_mapping)
     kv_lens = layout.causal_lens(query_start_loc, seq_lens, q_nope.shape[0])
     return _mla_partial_attention(q_nope, q_pe, kv_cache, block_table, query_start_loc, kv_lens, scale)[0]
+
+
+def _lazy(name: str):
+    """The kernel launcher / device function `name` of cp_compile.ops.kernels, fetched
+    (and triton imported) on first call, not at registration."""
+
+    def call(*args, **kwargs):
+        return getattr(kernels, name)(*args, **kwargs)
+
+    call.__name__ = name
+    return call
+
+
+def _sparse_indices(topk_indices, dcp, rank, interleave, block_size):
+    # Vectorised torch (a stable sort, gathers; no host read): runs as it is on the device.
+    return layout.global_to_local_indices(topk_indices, dcp=dcp, rank=rank, interleave=interleave,
+                                          block_size=block_size)
 
 
 DEVICE_KERNELS = {
@@ -72,6 +89,16 @@ DEVICE_KERNELS = {
     "cp::dcp_localize_metadata": _localize,
     "cp::gqa_paged_attention": _gqa_paged_attention,
     "cp::mla_attention": _mla_attention,
+    "cp::cache_write": _lazy("cache_write_device"),
+    "cp::varlen_causal_attention_lse": _lazy("varlen_causal_attention_lse_device"),
+    "cp::sparse_mla_attention": _lazy("sparse_mla_attention_device"),
+    "cp::sparse_mla_partial_attention": _lazy("sparse_mla_partial_attention_device"),
+    "cp::sparse_mla_rows_attention": _lazy("sparse_mla_rows_attention_device"),
+    "cp::lightning_indexer": _lazy("lightning_indexer_device"),
+    "cp::lightning_indexer_topk_rows": _lazy("lightning_indexer_topk_rows_device"),
+    "cp::dcp_sparse_indices": _sparse_indices,
+    "cp::w8a8_dynamic_linear": _lazy("w8a8_dynamic_linear_device"),
+    "cp::w8a8_static_linear": _lazy("w8a8_static_linear_device"),
 }
 
 
