@@ -99,7 +99,8 @@ def index_scores_triton(
         hi_pad, d_pad = max(hi_pad, 16), max(d_pad, 16)
         block_n = block_n or 64
     else:
-        block_n = block_n or max(1, min(64, prev_pow2(_TILE_BUDGET // (hi_pad * d_pad))))
+        # >= 8 keys: a [HI_PAD, 1, D_PAD] product does not lower through triton-ascend's adapter.
+        block_n = block_n or max(8, min(64, prev_pow2(_TILE_BUDGET // (hi_pad * d_pad))))
     if block_n & (block_n - 1):
         raise ValueError(f"block_n={block_n} must be a power of two")
     n_ntile = triton.cdiv(S, block_n)
@@ -161,15 +162,16 @@ def lightning_indexer_topk_rows_device(q_i, index_cache, w, block_table, seq_len
 
 
 def _lowering_examples():
-    # DeepSeek-V3.2 indexer: 64 heads of 128, fp32 / bf16 weights.
+    # DeepSeek-V3.2 indexer: 64 heads of 128 on the tl.dot path (what accelerators launch),
+    # fp32 / bf16; the broadcast path (CPU default) at a small indexer.
     bt = torch.zeros(1, 2, dtype=torch.int32)
     req = torch.zeros(2, dtype=torch.int32)
     kv = torch.ones(2, dtype=torch.int32)
     for dtype in (torch.bfloat16, torch.float32):
-        q, cache = torch.empty(2, 64, 128, dtype=dtype), torch.empty(2, 64, 128, dtype=dtype)
-        for use_dot in (False, True):
-            yield (f"{str(dtype)[6:]} 64 x 128 dot={use_dot}",
-                   functools.partial(index_scores_triton, q, cache, torch.empty(2, 64, dtype=dtype), bt, req, kv,
+        for (hi, di), use_dot in (((64, 128), True), ((8, 64), False)):
+            q, cache = torch.empty(2, hi, di, dtype=dtype), torch.empty(2, 64, di, dtype=dtype)
+            yield (f"{str(dtype)[6:]} {hi} x {di} dot={use_dot}",
+                   functools.partial(index_scores_triton, q, cache, torch.empty(2, hi, dtype=dtype), bt, req, kv,
                                      use_dot=use_dot))
 
 
