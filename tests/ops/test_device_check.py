@@ -1,0 +1,78 @@
+"""CUDA readiness without a GPU (issue 22): the AOT compile check and the device script's dry run.
+
+- `tools/device_check.py --dry-run` (what CI runs): every step printed, every Triton
+  kernel AOT-compiled for sm_80 and sm_90a (one specialisation each,
+  `aot_cuda_check.py --subset`), registers / spills / smem recorded;
+- the AOT check fails on a kernel that does not compile for CUDA (a fixture);
+- under `slow`: every kernel x every declared launch specialisation x both archs
+  (the table in docs/kernels.md).
+
+Subprocesses without TRITON_INTERPRET (the interpreter compiles nothing); this file
+imports no triton.
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+FIXTURE = Path(__file__).parent / "aot_fixtures" / "bad_cuda_kernel.py"
+
+
+def _env() -> dict[str, str]:
+    return {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+
+
+def _jitted_kernels() -> set[str]:
+    names = set()
+    for path in (REPO / "ops" / "kernels").glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.FunctionDef) and any("jit" in ast.unparse(d) for d in node.decorator_list):
+                names.add(node.name)
+    return names
+
+
+def test_device_check_dry_run(tmp_path: Path) -> None:
+    proc = subprocess.run([sys.executable, "tools/device_check.py", "--dry-run", "--out", str(tmp_path)], cwd=REPO,
+                          env=_env(), capture_output=True, text=True, timeout=1200)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-3000:]
+    data = json.loads((tmp_path / "device_check.json").read_text())
+    steps = data["steps"]
+    assert list(steps) == ["env", "aot", "pytest", "kernels", "decode_bandwidth", "cuda_graph", "prefill_tflops"]
+    assert all(s["status"] == "ok" for s in steps.values()), {k: s.get("error") for k, s in steps.items()}
+    for name in steps:
+        assert f"== step {name} (dry run)" in proc.stdout
+    aot = steps["aot"]["rows"]
+    assert {(r["kernel"], r["target"]) for r in aot} == {(k, t) for k in _jitted_kernels() for t in ("sm_80", "sm_90a")}
+    assert all(r["status"] == "ok" and r["registers"] > 0 for r in aot)
+    assert len(steps["kernels"]["rows"]) == 17 * 3  # every op x fp32 / bf16 / fp16
+    assert [r["context"] for r in steps["decode_bandwidth"]["rows"]] == [8192, 32768, 131072]
+    assert (tmp_path / "device_check.md").read_text().count("### ") == 7
+
+
+def test_aot_check_fails_on_a_compile_error(tmp_path: Path) -> None:
+    out = tmp_path / "aot.json"
+    proc = subprocess.run([sys.executable, "tools/aot_cuda_check.py", str(FIXTURE), "--arch", "90", "--json", str(out)],
+                          cwd=REPO, env=_env(), capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = json.loads(out.read_text())["results"]
+    assert [(r["kernel"], r["status"]) for r in rows] == [("_mixed_dot_kernel", "failed")]
+    assert "CompilationError" in rows[0]["message"]
+
+
+@pytest.mark.slow
+def test_aot_every_specialisation_both_archs(tmp_path: Path) -> None:
+    out = tmp_path / "aot.json"
+    proc = subprocess.run([sys.executable, "tools/aot_cuda_check.py", "--json", str(out)], cwd=REPO, env=_env(),
+                          capture_output=True, text=True, timeout=7200)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-3000:]
+    rows = json.loads(out.read_text())["results"]
+    assert {r["kernel"] for r in rows} == _jitted_kernels()
+    assert {r["target"] for r in rows} == {"sm_80", "sm_90a"}
