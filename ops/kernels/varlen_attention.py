@@ -95,12 +95,13 @@ def _varlen_attention_kernel(
 
 
 def _tiles(device: torch.device, d_max: int, block_m: int | None, block_n: int | None) -> tuple[int, int]:
-    """(BLOCK_M, BLOCK_N): 64 x 64 for head dims up to 128 on a device (32 x 32 for the
-    wide MLA heads), 16 x 16 on CPU tensors (the interpreter's tiles are numpy arrays)."""
+    """(BLOCK_M, BLOCK_N): 64 x 64 for head dims up to 128 on a device, 32 x 32 up to 256,
+    16 x 16 for the wide MLA heads (576 / 512 padded to 1024: 32 x 32 tiles spill ~10 KB
+    per thread on sm_80, docs/kernels_aot.md), 16 x 16 on CPU tensors (the interpreter)."""
     if device.type == "cpu":
         default = 16
     else:
-        default = 64 if d_max <= 128 else 32
+        default = 64 if d_max <= 128 else 32 if d_max <= 256 else 16
     block_m, block_n = block_m or default, block_n or default
     for name, b in (("block_m", block_m), ("block_n", block_n)):
         if b < 16 or b & (b - 1):
@@ -170,7 +171,7 @@ def _lowering_examples():
                                          block_m=blocks[0], block_n=blocks[1]))
     q, kv = torch.empty(2, 16, 576, dtype=torch.bfloat16), torch.empty(2, 1, 576, dtype=torch.bfloat16)
     yield ("MLA bf16 16 heads 576 / 512",
-           functools.partial(varlen_attention_lse_triton, q, kv, kv[..., :512], qsl, 0.1, block_m=32, block_n=32))
+           functools.partial(varlen_attention_lse_triton, q, kv, kv[..., :512], qsl, 0.1, block_m=16, block_n=16))
 
 
 LOWERING = LoweringDeclaration(examples=_lowering_examples)
