@@ -18,7 +18,7 @@ import torch.fx as fx
 
 import cp_compile.ops  # noqa: F401  (registers cp::* ops before any graph is traced)
 from cp_compile.config import AttentionSpec, ConfigError, CPConfig
-from cp_compile.context import CompileContext, RoleBinding
+from cp_compile.passes.context import CompileContext, RoleBinding
 from cp_compile.lowering import Lowering, TorchairMode, lower
 from cp_compile.metadata import BatchKind
 from cp_compile.parallel_state import parallel_state_or_none

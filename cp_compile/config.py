@@ -12,19 +12,20 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Literal
 
+from cp_compile.errors import ConfigError
+
 AttentionKind = Literal["gqa", "mla", "sfa"]
+# The batches one compiled graph serves (docs/architecture.md §11, `metadata.batch_kind`):
+# every request at most one new token ("decode"), at most k + 1 under speculation
+# ("verify"), or any other batch ("prefill"); None: one graph for all.
+BatchKind = Literal["decode", "prefill", "verify"]
+# Kinds whose graph runs the whole batch on every rank over the sharded cache (no
+# token sharding): decode, and speculative verification (k + 1 queries per request).
+DECODE_KINDS: tuple[BatchKind, ...] = ("decode", "verify")
 
 
 def _is_int(v: object) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
-
-
-class ConfigError(ValueError):
-    """A configuration breaks one of the rules of docs/architecture.md §7."""
-
-    def __init__(self, rule: str, values: str, fix: str) -> None:
-        self.rule = rule
-        super().__init__(f"rule `{rule}` violated: {values}. Fix: {fix}")
 
 
 @dataclass(frozen=True)
@@ -200,7 +201,7 @@ class CPConfig:
                                   "choose tp as a multiple of num_kv_heads so every KV head is replicated "
                                   "on tp // num_kv_heads ranks")
         if spec.kind == "sfa" and self.pcp > 1:
-            # PCP compositions exist for dense GQA and MLA only (cp_compile/parallel/pcp.py);
+            # PCP compositions exist for dense GQA and MLA only (ops/parallel/pcp.py);
             # a sparse MLA layer under PCP would meet no pass and be refused at compile.
             raise ConfigError("prefill_context_parallel_size == 1 for SFA (PCP covers GQA and MLA)",
                               f"attention kind='sfa', prefill_context_parallel_size={self.pcp}, "

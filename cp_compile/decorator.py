@@ -33,7 +33,7 @@ from torch import nn
 
 from cp_compile.backend import CpAscendBackend
 from cp_compile.config import AttentionSpec, ConfigError, CPConfig
-from cp_compile.context import RoleBinding, resolve_roles
+from cp_compile.passes.context import RoleBinding, resolve_roles
 from cp_compile.lowering import Lowering, TorchairMode
 from cp_compile.metadata import AttentionMetadata, BatchKind, batch_kind, validate_forward_args
 from cp_compile.ops.pcp_layout import pcp_token_table
@@ -60,6 +60,13 @@ def _take_tokens(x: torch.Tensor, token_index: torch.Tensor) -> torch.Tensor:
     keep = (token_index >= 0).view(-1, *([1] * (x.dim() - 1)))
     return torch.where(keep, rows, torch.zeros((), dtype=x.dtype, device=x.device))
 
+
+
+def validation_dcp(backend: Any) -> int | None:
+    """The shard count a forward compiled with `backend` is validated at: None (the
+    parallel state's pcp * dcp) under cp_ascend; 1 under any other backend, which runs
+    the single-device ops as written over unsharded caches."""
+    return None if isinstance(backend, CpAscendBackend) else 1
 
 class CompiledForward:
     """A module's forward compiled with the cp_ascend backend, with dynamic token dims.
@@ -169,7 +176,7 @@ class CompiledForward:
         bound = self.signature.bind(*args, **kwargs)
         if self.validate_inputs:
             # Global metadata: every rank refuses the same step, before any collective.
-            validate_forward_args(bound.arguments, backend=self.backend)
+            validate_forward_args(bound.arguments, dcp=validation_dcp(self.backend))
         kind = self.batch_kind_of(bound.arguments)
         compiled = self._compiled[kind]
         for name in self.dynamic_args:

@@ -16,8 +16,10 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from cp_compile.config import AttentionSpec, ConfigError, CPConfig
+from cp_compile.parallel_state import parallel_state_or_none
 
 
 @dataclass
@@ -80,14 +82,10 @@ def check_dcp_layout(cfg: CPConfig, spec: KVCacheSpec, num_blocks: int, dtype: t
     the same cache layout (kind, KV heads or latent dims, pages, dtype). A mismatch
     raises `ConfigError` on every rank of the group (they all see all layouts), before
     any step could merge partials of different heads. No-op when pcp * dcp == 1."""
-    from cp_compile.parallel_state import parallel_state_or_none
-
     state = parallel_state_or_none()
     n = cfg.context_parallel_size
     if state is None or n == 1:
         return
-    import torch.distributed as dist
-
     mine = _layout(cfg, spec, num_blocks, dtype)
     layouts: list[Any] = [None] * n
     group = state.context_group
@@ -127,8 +125,6 @@ def allocate_kv_cache(cfg: CPConfig, spec: KVCacheSpec, num_blocks: int,
         cfg.validate_for(attention)
     if isinstance(num_blocks, bool) or not isinstance(num_blocks, int) or num_blocks < 1:
         raise ValueError(f"num_blocks={num_blocks!r} must be an integer >= 1")
-    from cp_compile.parallel_state import parallel_state_or_none
-
     state = parallel_state_or_none()
     if state is not None and cfg.context_parallel_size > 1:
         mismatch = {k: (getattr(cfg, k), getattr(state.cfg, k)) for k in

@@ -6,7 +6,7 @@ replay, the default torchair mode) runs each op's registered NPU kernel
 mode) converts every FX node to GE operators: the `cp::*` converters live in
 `cp_compile/ops/ge/` and are registered here; a `cp::*` op without one is a loud
 error. Neither mode has run on an NPU. The FX -> GE conversion of the DCP graphs
-is checked in CI on CPU (`python -m cp_compile.ops.ge.check`, docs/torchair.md),
+is checked in CI on CPU (`python -m tools.ge_check`, docs/torchair.md),
 with only torchair's C++ extension stood in.
 """
 
@@ -17,6 +17,9 @@ from typing import Any, Callable, Literal, Sequence
 
 import torch
 import torch.fx as fx
+
+from cp_compile.ops.ge import register_converters
+from cp_compile.ops.kernels.npu_fused import register_npu_fused_kernels
 
 Lowering = Literal["auto", "inductor", "aot_eager", "eager", "torchair"]
 TorchairMode = Literal["reduce-overhead", "max-autotune"]
@@ -48,16 +51,15 @@ def lower(gm: fx.GraphModule, example_inputs: Sequence[Any], lowering: Lowering 
 
 
 def _import_torchair():
-    """torch_npu then torchair; under the CI check's stand-in (cp_compile.testing.torchair_standin,
-    which replaces only torchair's C++ extension) torchair alone, since torch_npu cannot load there."""
-    import sys
-
-    standin = getattr(sys.modules.get("torchair.core._torchair"), "CP_COMPILE_STANDIN", False)
+    """torch_npu (when it imports) then torchair. torchair itself decides whether it can
+    work without torch_npu (its FX -> GE conversion can; running a graph cannot)."""
     try:
-        if not standin:
-            import torch_npu  # noqa: F401  (must be imported before torchair)
+        import torch_npu  # noqa: F401  (must be imported before torchair)
+    except ImportError:  # not installed, or the Ascend driver libraries are missing
+        pass
+    try:
         import torchair
-    except ImportError as e:  # also raised when the Ascend driver libraries are missing
+    except ImportError as e:
         raise RuntimeError(
             "lowering='torchair' needs torch_npu (which ships torchair) and the Ascend driver libraries. "
             "Fix: `pip install cp-compile[ascend]` on an Ascend host, or use lowering='inductor' / 'aot_eager'"
@@ -87,14 +89,10 @@ def _lower_torchair(gm: fx.GraphModule, example_inputs: Sequence[Any], mode: Tor
     if mode not in ("reduce-overhead", "max-autotune"):
         raise ValueError(f"torchair mode {mode!r}: use 'reduce-overhead' or 'max-autotune'")
     torchair = _import_torchair()
-    from cp_compile.ops.kernels.npu_fused import register_npu_fused_kernels
-
     register_npu_fused_kernels()  # torch_npu fused ops as the cp ops' NPU kernels (no-op without torch_npu)
     config = torchair.CompilerConfig()
     config.mode = mode
     if mode == "max-autotune":
-        from cp_compile.ops.ge import register_converters
-
         register_converters()  # GE converters for every cp:: op (cp_compile/ops/ge/)
         missing = missing_ge_converters(gm)
         if missing:

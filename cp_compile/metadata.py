@@ -15,31 +15,22 @@ the same verdict before any collective: no rank waits on a peer that refused.
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
-from typing import Any, Literal, Mapping, Sequence
+from typing import Any, Mapping, Sequence
 
 import torch
+
+from cp_compile.config import DECODE_KINDS, BatchKind
+from cp_compile.errors import CapacityError, MetadataError
+from cp_compile.parallel_state import parallel_state_or_none
+
+__all__ = ["AttentionMetadata", "BatchKind", "DECODE_KINDS", "BlockAllocator", "CapacityError", "MetadataError", "batch_kind",
+           "build_attention_metadata", "validate_forward_args", "validate_metadata", "validate_step"]
 
 # Dtypes the ops accept for metadata. Documented: query_start_loc / seq_lens /
 # block_table int32, slot_mapping / positions int64; either width works everywhere
 # (the ops widen before indexing). Floats are refused: a float32 slot is exact only
 # up to 2**24.
 _INDEX_DTYPES = (torch.int32, torch.int64)
-
-
-class MetadataError(ValueError):
-    """Attention metadata that would write or read the wrong cache entries.
-
-    Raised before any cache write. `field`, `request` (request index, or None) and
-    `value` locate the problem; the message ends with the fix.
-    """
-
-    def __init__(self, field: str, problem: str, fix: str, *, request: int | None = None,
-                 value: Any = None) -> None:
-        self.field = field
-        self.request = request
-        self.value = value
-        where = f" (request {request})" if request is not None else ""
-        super().__init__(f"{field}{where}: {problem}. Fix: {fix}")
 
 
 @dataclass
@@ -67,12 +58,6 @@ class AttentionMetadata:
         """Raise `MetadataError` unless this step is safe for a cache of `num_blocks`
         pages of `block_size` tokens per rank (virtual blocks of block_size * dcp)."""
         validate_metadata(self, num_blocks=num_blocks, block_size=block_size, dcp=dcp, num_tokens=num_tokens)
-
-
-BatchKind = Literal["decode", "prefill", "verify"]
-# Kinds whose graph runs the whole batch on every rank over the sharded cache (no
-# token sharding): decode, and speculative verification (k + 1 queries per request).
-DECODE_KINDS: tuple[BatchKind, ...] = ("decode", "verify")
 
 
 def batch_kind(meta: AttentionMetadata, num_speculative_tokens: int = 0) -> BatchKind:
@@ -285,8 +270,6 @@ def validate_step(meta: AttentionMetadata, kv_caches: Sequence[Sequence[torch.Te
     refuse the same step before any collective.
     """
     if dcp is None:
-        from cp_compile.parallel_state import parallel_state_or_none
-
         state = parallel_state_or_none()
         dcp = state.cfg.context_parallel_size if state is not None else 1
     num_blocks, block_size, device = _cache_geometry(kv_caches)
@@ -295,10 +278,6 @@ def validate_step(meta: AttentionMetadata, kv_caches: Sequence[Sequence[torch.Te
         raise MetadataError("metadata", f"is on {meta.slot_mapping.device} but the KV cache is on {device}",
                             f"move it with meta.to({str(device)!r})", value=str(meta.slot_mapping.device))
     validate_metadata(meta, num_blocks=num_blocks, block_size=block_size, dcp=dcp, num_tokens=num_tokens)
-
-
-class CapacityError(RuntimeError):
-    """The KV cache has no free block for a request."""
 
 
 def _check_count(name: str, value: Any, minimum: int) -> int:
@@ -475,20 +454,15 @@ def build_attention_metadata(
 
 
 
-def validate_forward_args(arguments: Mapping[str, Any], dcp: int | None = None, backend: Any = None) -> None:
+def validate_forward_args(arguments: Mapping[str, Any], dcp: int | None = None) -> None:
     """`validate_step` for a model forward's bound arguments (the compiled entry).
 
     Finds the `AttentionMetadata` argument, the KV caches (`kv_caches`, else the first
     list of per-layer tuples of tensors) and the token count (`input_ids`); does
-    nothing when the forward takes no metadata or caches. `backend`: the backend the
-    forward is compiled with; one other than cp_ascend runs the single-device ops as
-    written, so its caches are checked at dcp = 1 even on a DCP parallel state.
+    nothing when the forward takes no metadata or caches. `dcp` as for `validate_step`
+    (the compiled entry passes 1 for a backend other than cp_ascend:
+    `decorator.validation_dcp`).
     """
-    if dcp is None and backend is not None:
-        from cp_compile.backend import CpAscendBackend
-
-        if not isinstance(backend, CpAscendBackend):
-            dcp = 1
     meta = next((v for v in arguments.values() if isinstance(v, AttentionMetadata)), None)
     caches = arguments.get("kv_caches")
     if caches is None:

@@ -9,7 +9,7 @@ restored in try/finally since #13946):
         logits = model(input_ids, positions, caches, meta)
 
 Inside the `with`, each o_proj module's forward is replaced by the full-weight
-path of `cp_compile.parallel.o_proj`: all-gather the TP shard of every input-sharded
+path of `cp_compile.ops.parallel.o_proj`: all-gather the TP shard of every input-sharded
 parameter into a pooled buffer, point the module's parameters at the full buffers
 (`param.set_`), run the full-weight linear on this rank's token shard (token
 all-to-all in, output all-gather back), and point the parameters back at their TP
@@ -36,10 +36,10 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from cp_compile.config import ConfigError
-from cp_compile.context import resolve_roles
+from cp_compile.passes.context import resolve_roles
 from cp_compile.metadata import AttentionMetadata, batch_kind
-from cp_compile.parallel.dsa_cp import DSACPContext
-from cp_compile.parallel.o_proj import INPUT_SHARDED, full_linear, gather_tokens, shard_tokens
+from cp_compile.ops.parallel.dsa_cp import DSACPContext
+from cp_compile.ops.parallel.o_proj import INPUT_SHARDED, full_linear, gather_tokens, shard_tokens
 
 
 def linear_kind(module: nn.Module) -> str:

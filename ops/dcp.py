@@ -3,7 +3,7 @@
 Each op is small enough for a pass to place on its own: metadata localisation
 (once per forward), local cache write, partial attention over the local shard
 returning (out, lse), and the two LSE-merge combines. Collectives are *not* inside
-these ops: the compositions in `cp_compile.parallel.dcp` issue them as
+these ops: the compositions in `cp_compile.ops.parallel.dcp` issue them as
 `_c10d_functional` ops so they stay visible graph nodes.
 
 CPU runs the torch references; CUDA (and NPU when torch_npu is present) run the

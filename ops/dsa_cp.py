@@ -7,7 +7,7 @@ single-device `cp::lightning_indexer` top-k and `cp::sparse_mla_attention` restr
 to such a row shard; each derives its rows' request and causal length from the
 *global* metadata (`layout.shard_row_metadata`), so a row gets exactly what that
 token gets on one device. Neither writes a cache: the compositions in
-`cp_compile.parallel.dsa_cp` write every token's keys with `cp::cache_write`, and
+`cp_compile.ops.parallel.dsa_cp` write every token's keys with `cp::cache_write`, and
 collectives stay outside the ops as `_c10d_functional` nodes.
 """
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 
+from cp_compile.errors import MetadataError
 from cp_compile.ops.layout import request_index
 
 
@@ -22,8 +23,6 @@ def check_paged_step(caches: tuple[torch.Tensor, ...], slot_mapping: torch.Tenso
     one host sync. The full semantic check (slots match positions, seq_lens cover the
     new tokens, ...) is `cp_compile.metadata.validate_metadata`, run once per step
     by the runtime and model entry points."""
-    from cp_compile.metadata import MetadataError
-
     for name, t in (("slot_mapping", slot_mapping), ("block_table", block_table), ("seq_lens", seq_lens),
                     ("query_start_loc", query_start_loc)):
         if t.dtype not in (torch.int32, torch.int64):

@@ -12,7 +12,7 @@ from typing import Any, ClassVar
 import torch
 import torch.fx as fx
 
-from cp_compile.context import CompileContext
+from cp_compile.passes.context import CompileContext
 
 
 class CPPass(abc.ABC):

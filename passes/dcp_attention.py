@@ -8,7 +8,7 @@ attention node, and shared by every layer. The collectives are `_c10d_functional
 nodes, so later lowerings (Inductor, torchair) see and schedule them.
 
 The replacement is produced by calling the compositions of
-`cp_compile.parallel.dcp` on FX proxies: one implementation serves eager mode and
+`cp_compile.ops.parallel.dcp` on FX proxies: one implementation serves eager mode and
 graph mode (docs/architecture.md, "Adding a pass").
 """
 
@@ -19,8 +19,8 @@ from typing import Any, Callable
 import torch
 import torch.fx as fx
 
-from cp_compile.context import CompileContext
-from cp_compile.parallel import dcp as dcp_compose
+from cp_compile.passes.context import CompileContext
+from cp_compile.ops.parallel import dcp as dcp_compose
 from cp_compile.passes.base import CPPass
 from cp_compile.passes.fx_utils import ShapedProxy, bind_op_args
 
@@ -84,7 +84,7 @@ class DCPAttentionPass(CPPass):
     handles = tuple(p.op for p in patterns)
     enabled_when = ("decode_context_parallel_size > 1 (pcp = 1), or decode graphs at "
                     "prefill_context_parallel_size > 1 (over the pcp * dcp ranks of the cache)")
-    emits_from = ("cp_compile.parallel.dcp",)
+    emits_from = ("cp_compile.ops.parallel.dcp",)
 
     def __init__(self, ctx: CompileContext) -> None:
         super().__init__(ctx)

@@ -44,8 +44,8 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from cp_compile.context import CompileContext
-from cp_compile.parallel import dsa_cp as dsa
+from cp_compile.passes.context import CompileContext
+from cp_compile.ops.parallel import dsa_cp as dsa
 from cp_compile.passes.base import CPPass
 from cp_compile.passes.fx_utils import CLAIMED_KEY, FakeTracer, bind_op_args, op_nodes
 
@@ -61,7 +61,7 @@ class DSACPPass(CPPass):
     enabled_when = ("enable_dsa_cp, a 'prefill' batch-kind graph, tensor_parallel_size > 1, "
                     "decode_context_parallel_size == 1, prefill_context_parallel_size == 1 and an attention "
                     "kind of 'sfa'")
-    emits_from = ("cp_compile.parallel.dsa_cp",)
+    emits_from = ("cp_compile.ops.parallel.dsa_cp",)
 
     def __init__(self, ctx: CompileContext) -> None:
         super().__init__(ctx)

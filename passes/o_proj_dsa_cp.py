@@ -17,7 +17,7 @@ row-parallel linear (input dim sharded). Which of them is the o_proj:
   TP all-reduce. The MLP's down projection reads the residual stream, which is past
   the o_proj's all-reduce, so it never matches.
 
-Each match becomes `cp_compile.parallel.o_proj.o_proj_full_weight` (all-gather of
+Each match becomes `cp_compile.ops.parallel.o_proj.o_proj_full_weight` (all-gather of
 the input-sharded parameters, token all-to-all, full-weight linear on the rows,
 all-gather of the output rows), traced on FX proxies. The gathered weight is a
 graph intermediate: no parameter, buffer, constant or output of full-weight size
@@ -32,8 +32,8 @@ import torch
 import torch.fx as fx
 
 from cp_compile.config import ConfigError
-from cp_compile.context import CompileContext
-from cp_compile.parallel import o_proj as o_proj_compose
+from cp_compile.passes.context import CompileContext
+from cp_compile.ops.parallel import o_proj as o_proj_compose
 from cp_compile.passes.base import CPPass
 from cp_compile.passes.fx_utils import FakeTracer, parameter_fqn
 
@@ -129,7 +129,7 @@ class OProjDSACPPass(CPPass):
 
     name = "o_proj_dsa_cp"
     enabled_when = "enable_dsa_cp, prefill graph, tensor_parallel_size > 1, decode_context_parallel_size == 1"
-    emits_from = ("cp_compile.parallel.o_proj", "cp_compile.parallel.dsa_cp")
+    emits_from = ("cp_compile.ops.parallel.o_proj", "cp_compile.ops.parallel.dsa_cp")
 
     def __init__(self, ctx: CompileContext) -> None:
         super().__init__(ctx)

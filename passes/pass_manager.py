@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 import torch.fx as fx
 
-from cp_compile.context import CompileContext
+from cp_compile.passes.context import CompileContext
 from cp_compile.passes.base import CPPass
 from cp_compile.passes.fx_utils import count_ops, propagate_fake_values
 from cp_compile.passes.pipeline import PIPELINE

@@ -15,7 +15,7 @@ indices are a graph input with a use, which is how this pass finds them.
 
 What the pass does:
 1. every `cp::gqa_paged_attention` / `cp::mla_attention` becomes `pcp_gqa_attention` /
-   `pcp_mla_attention` (cp_compile/parallel/pcp.py), with one `pcp_step` per graph
+   `pcp_mla_attention` (ops/parallel/pcp.py), with one `pcp_step` per graph
    (per distinct metadata) shared by the layers, like `localize` in dcp_attention;
 2. every graph output whose dim 0 is the local token count (T_loc) is put back in
    global order on every rank: one all-gather over PCP and a row permutation with the
@@ -38,8 +38,8 @@ import torch
 import torch.fx as fx
 
 from cp_compile.config import ConfigError
-from cp_compile.context import CompileContext
-from cp_compile.parallel import pcp as pcp_compose
+from cp_compile.passes.context import CompileContext
+from cp_compile.ops.parallel import pcp as pcp_compose
 from cp_compile.passes.base import CPPass
 from cp_compile.passes.dcp_attention import AttentionPattern, rewrite_attention_nodes
 from cp_compile.passes.fx_utils import FakeTracer, fake_value
@@ -89,7 +89,7 @@ class PCPAttentionPass(CPPass):
     handles = tuple(p.op for p in patterns)
     enabled_when = "prefill_context_parallel_size > 1 (prefill graphs)"
     # dcp_attention: its rewrite loop (rewrite_attention_nodes) shapes this pass's graphs too.
-    emits_from = ("cp_compile.passes.dcp_attention", "cp_compile.parallel.pcp", "cp_compile.parallel.dcp",
+    emits_from = ("cp_compile.passes.dcp_attention", "cp_compile.ops.parallel.pcp", "cp_compile.ops.parallel.dcp",
                   "cp_compile.ops.pcp_layout", "cp_compile.ops.layout")
 
     def __init__(self, ctx: CompileContext) -> None:

@@ -19,18 +19,10 @@ its inputs exist (docs/architecture.md, "Adding a pass").
 from __future__ import annotations
 
 from cp_compile.passes.base import CPPass
-from cp_compile.passes.dcp_attention import DCPAttentionPass
-from cp_compile.passes.pcp_attention import PCPAttentionPass
-from cp_compile.passes.dsa_cp import DSACPPass
-from cp_compile.passes.o_proj_dsa_cp import OProjDSACPPass
-from cp_compile.passes.sfa_dcp import SFADCPPass
+from cp_compile.passes.rewrites import REWRITES
 from cp_compile.passes.unsharded_attention import UnshardedAttentionCheck
 
 PIPELINE: tuple[type[CPPass], ...] = (
-    PCPAttentionPass,  # first: it token-shards the prefill graph every later pass sees
-    DCPAttentionPass,
-    SFADCPPass,
-    DSACPPass,
-    OProjDSACPPass,  # after the attention passes: it rewrites what reads their output
+    *REWRITES,  # 0-4, in order (passes/rewrites.py)
     UnshardedAttentionCheck,  # always last: it checks what every other pass left
 )

@@ -10,7 +10,7 @@ of `block_size * dcp` tokens (what `allocate_kv_cache` allocates for kind "sfa")
   metadata it computes exactly the single-device top-k on every rank. The pass
   checks that the cache it reads has the replicated layout (the fake value's page
   size) and claims the node for the unsharded-attention check.
-- `cp::sparse_mla_attention` becomes `cp_compile.parallel.dcp.dcp_sfa_attention`:
+- `cp::sparse_mla_attention` becomes `cp_compile.ops.parallel.dcp.dcp_sfa_attention`:
   local latent write, one Q all-gather, global top-k -> this rank's local positions,
   partial sparse attention with LSE, LSE merge.
 
@@ -23,8 +23,8 @@ import torch
 import torch.fx as fx
 
 from cp_compile.config import ConfigError
-from cp_compile.context import CompileContext
-from cp_compile.parallel import dcp as dcp_compose
+from cp_compile.passes.context import CompileContext
+from cp_compile.ops.parallel import dcp as dcp_compose
 from cp_compile.passes.dcp_attention import AttentionPattern, DCPAttentionPass
 from cp_compile.passes.fx_utils import CLAIMED_KEY, bind_op_args, fake_value, op_nodes
 

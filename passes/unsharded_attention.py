@@ -13,17 +13,16 @@ import torch
 import torch.fx as fx
 
 from cp_compile.config import ConfigError
-from cp_compile.context import CompileContext
+from cp_compile.passes.context import CompileContext
 from cp_compile.ops.attention import SINGLE_DEVICE_ATTENTION_OPS
 from cp_compile.passes.base import CPPass
 from cp_compile.passes.fx_utils import CLAIMED_KEY, op_nodes
+from cp_compile.passes.rewrites import REWRITES
 
 
 def supported_by(op: torch._ops.OpOverloadPacket) -> str:
     """Which pipeline passes handle `op`, and when they run, in words."""
-    from cp_compile.passes.pipeline import PIPELINE  # the pipeline lists this pass too
-
-    names = [f"the {p.name} pass (enabled when {p.enabled_when})" for p in PIPELINE if op in p.handles]
+    names = [f"the {p.name} pass (enabled when {p.enabled_when})" for p in REWRITES if op in p.handles]
     if not names:
         return "no pass supports it yet, so this model runs only at decode_context_parallel_size=1 and " \
                "prefill_context_parallel_size=1"

@@ -1,7 +1,7 @@
 """CUDA readiness without a GPU: AOT-compile every Triton kernel x every declared launch for sm_80 and sm_90a.
 
-    .venv/bin/python tools/aot_cuda_check.py [--arch 80 --arch 90] [--json out.json] [--markdown out.md]
-                                             [--subset] [modules ...]
+    .venv/bin/python -m tools.aot_cuda_check [--arch 80 --arch 90] [--json out.json] [--markdown out.md]
+                                                 [--subset] [modules ...]
 
 The launches are the ones the Triton-Ascend lowering check compiles: each kernel
 module's `LOWERING.examples` run with launches captured (`ascend_check.collect`:
@@ -32,6 +32,8 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
+
+from tools.ascend_check import collect, kernel_modules
 
 DEFAULT_ARCHS = (80, 90)
 
@@ -107,8 +109,6 @@ def compile_spec(spec: Any, arch: int) -> Compiled:
 
 def specs_to_compile(modules: list[str] | None, subset: bool) -> tuple[list[Any], list[str]]:
     """(specialisations, declaration failures) from the kernel modules' LOWERING declarations."""
-    from cp_compile.ops.kernels.ascend_check import collect, kernel_modules
-
     specs, failures = [], []
     for module in kernel_modules(modules or None):
         found, bad = collect(module)

@@ -3,11 +3,11 @@
 #   .venv          the CPU torch 2.13.0, cp-compile (editable) with the test extra (upstream triton)
 #   .venv-ascend   with --with-ascend: the CPU torch, triton-ascend 3.2.0 + pybind11 and
 #                  cp-compile (editable), for the Triton-Ascend lowering check
-#                  (python -m cp_compile.ops.kernels.ascend_check). triton-ascend owns the
+#                  (python -m tools.ascend_check). triton-ascend owns the
 #                  `triton` module name, so it cannot share .venv with upstream triton.
 #   .venv-torchair with --with-ascend: the CPU torch, torch-npu 2.13.0 (for the torchair inside
 #                  it; torch_npu itself is never imported), protobuf, packaging and cp-compile
-#                  (editable), for the torchair GE-graph check (python -m cp_compile.ops.ge.check),
+#                  (editable), for the torchair GE-graph check (python -m tools.ge_check),
 #                  which stands in torchair's one C++ extension (needs CANN). With torch-npu
 #                  installed, `import torch` needs TORCH_DEVICE_BACKEND_AUTOLOAD=0 (the check's
 #                  test sets it), so it gets its own environment.

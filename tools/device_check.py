@@ -83,7 +83,7 @@ def step_env(dry: bool) -> list[dict]:
 def step_aot(dry: bool) -> list[dict]:
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     out = Path(os.environ.get("TMPDIR", "/tmp")) / f"aot_{os.getpid()}.json"
-    proc = subprocess.run([sys.executable, str(REPO / "tools" / "aot_cuda_check.py"), "--subset", "--json", str(out)],
+    proc = subprocess.run([sys.executable, "-m", "tools.aot_cuda_check", "--subset", "--json", str(out)],
                           cwd=REPO, env=env, capture_output=True, text=True, timeout=1200)
     print(proc.stdout.strip().splitlines()[-1] if proc.stdout.strip() else proc.stderr[-2000:], flush=True)
     if proc.returncode != 0:
@@ -208,7 +208,7 @@ def step_cuda_graph(dry: bool) -> list[dict]:
     import torch.distributed as dist
 
     import cp_compile.ops  # noqa: F401
-    from cp_compile.parallel.dcp import DCPContext, dcp_gqa_attention
+    from cp_compile.ops.parallel.dcp import DCPContext, dcp_gqa_attention
 
     plan = "world of 1 NCCL rank; DCPContext(dcp=1); dcp_gqa_attention decode of 8 requests at 4k"
     if dry:

@@ -34,6 +34,8 @@ from typing import Any, Callable
 import torch
 import torch.multiprocessing as mp
 
+from cp_compile.parallel_state import destroy_parallel
+
 _NOTE_WAIT_S = 2.0  # how long a failing rank waits for a peer's failure note
 _POLL_S = 0.2
 
@@ -130,8 +132,6 @@ def _worker(fn: Callable[..., Any], rank: int, world_size: int, world_dir: str, 
         results.put((rank, "error", tb, failed_at))
     finally:
         try:
-            from cp_compile.parallel_state import destroy_parallel
-
             destroy_parallel()
             if dist.is_initialized():
                 dist.destroy_process_group()

@@ -17,7 +17,7 @@ from typing import Any, Callable
 import torch
 import torch.fx as fx
 
-from cp_compile.context import CompileContext
+from cp_compile.passes.context import CompileContext
 from cp_compile.passes.pass_manager import PassManager
 
 

@@ -10,7 +10,7 @@ Importing this package imports no torchair; `register_converters()` does, lazily
 (torchair exists only with torch-npu). The `_c10d_functional` collectives use
 torchair's own converters (HcomAllGather / HcomReduceScatter / HcomAllToAllV,
 group from the process group's tag and rank list); `python -m
-cp_compile.ops.ge.check` checks them.
+tools.ge_check` checks them.
 """
 
 from __future__ import annotations

@@ -19,7 +19,7 @@ accelerator kernels (`registry.DEVICE_KERNELS`).
 
 Each kernel module also declares `LOWERING` (`_common.LoweringDeclaration`): the
 launches the Triton-Ascend lowering check compiles (`python -m
-cp_compile.ops.kernels.ascend_check`, in .venv-ascend).
+tools.ascend_check`, in .venv-ascend).
 """
 
 from __future__ import annotations

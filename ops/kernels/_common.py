@@ -1,7 +1,7 @@
 """Launch helpers shared by the Triton kernels (docs/architecture.md §8).
 
 Kept free of kernel code so every kernel file stays one kernel plus its launcher.
-Also holds what the Triton-Ascend lowering check (`ascend_check.py`) needs from a
+Also holds what the Triton-Ascend lowering check (`tools/ascend_check.py`) needs from a
 kernel module: the launch capture and the `LoweringDeclaration` each module keeps
 next to its kernels.
 """

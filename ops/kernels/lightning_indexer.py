@@ -19,6 +19,7 @@ import triton
 import triton.language as tl
 
 from cp_compile.ops import layout
+from cp_compile.ops.kernels.cache_write import cache_write_triton
 from cp_compile.ops.kernels._common import (
     LoweringDeclaration,
     grid_size,
@@ -143,8 +144,6 @@ def indexer_topk_rows(q_i: torch.Tensor, index_cache: torch.Tensor, w: torch.Ten
 
 def lightning_indexer_device(q_i, k_i, w, index_cache, slot_mapping, block_table, seq_lens, query_start_loc, topk):
     """`cp::lightning_indexer` on an accelerator: index-key write, then scores and top-k."""
-    from cp_compile.ops.kernels.cache_write import cache_write_triton
-
     cache_write_triton(k_i, index_cache, slot_mapping)
     T = q_i.shape[0]
     req = layout.request_index(query_start_loc, T)

@@ -14,6 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
+from cp_compile.ops.kernels import registry
 from cp_compile.ops.kernels._common import LoweringDeclaration, grid_size, kernel_for, next_pow2
 
 _MAX_BLOCK = 1024  # tokens per tile
@@ -84,8 +85,7 @@ def local_slot_mapping_triton(
 
 
 def _lowering_examples():
-    from cp_compile.ops.kernels import registry  # the registry's calls are what device runs launch
-
+    # The registry's calls are what device runs launch.
     # BLOCK = next_pow2(T) up to _MAX_BLOCK: every power of two a batch can produce.
     for i in range(_MAX_BLOCK.bit_length()):
         T = 1 << i

@@ -18,6 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
+from cp_compile.ops.kernels import registry
 from cp_compile.ops.kernels._common import (
     LoweringDeclaration,
     grid_size,
@@ -247,8 +248,7 @@ def lse_rescale_triton(
 
 
 def _lowering_examples():
-    from cp_compile.ops.kernels import registry  # the registry's calls are what device runs launch
-
+    # The registry's calls are what device runs launch.
     # The row count picks BLOCK_R (_row_block): every power of two until it stops
     # growing; Dv 128 (GQA) and 512 (MLA latent); partials in bf16 and fp32.
     for dv in (128, 512):

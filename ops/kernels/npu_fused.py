@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import torch
 
+import cp_compile.ops.dcp  # noqa: F401  (defines the ops the kernels are registered for)
 from cp_compile.ops import layout
 
 _REGISTERED: list[str] = []
@@ -88,8 +89,6 @@ def register_npu_fused_kernels() -> list[str]:
         _torch_npu()
     except (ImportError, OSError, RuntimeError):  # not installed, or no CANN libraries
         return _REGISTERED
-    import cp_compile.ops.dcp  # noqa: F401  (defines the ops)
-
     for op, fn in NPU_FUSED_KERNELS.items():
         torch.library.register_kernel(op, "npu", fn)
         _REGISTERED.append(f"{op}@npu")

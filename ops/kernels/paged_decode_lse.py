@@ -14,6 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
+from cp_compile.ops.kernels import registry
 from cp_compile.ops.kernels._common import (
     LoweringDeclaration,
     grid_size,
@@ -211,8 +212,7 @@ _MLA_HEADS = (1, 16, 128)
 
 
 def _lowering_examples():
-    from cp_compile.ops.kernels import registry  # the registry's calls are what device runs launch
-
+    # The registry's calls are what device runs launch.
     bt = torch.zeros(1, 2, dtype=torch.int32)
     qsl = torch.tensor([0, 2], dtype=torch.int32)
     kv_lens = torch.ones(2, dtype=torch.int32)

@@ -19,6 +19,7 @@ import triton
 import triton.language as tl
 
 from cp_compile.ops import layout
+from cp_compile.ops.kernels.cache_write import cache_write_triton
 from cp_compile.ops.kernels._common import (
     LoweringDeclaration,
     grid_size,
@@ -183,8 +184,6 @@ def sparse_mla_rows_attention_device(q_nope, q_pe, kv_cache, block_table, seq_le
 def sparse_mla_attention_device(q_nope, q_pe, kv_c, k_pe, kv_cache, slot_mapping, block_table, seq_lens,
                                 query_start_loc, topk_indices, scale):
     """`cp::sparse_mla_attention` on an accelerator: latent write, then sparse attention."""
-    from cp_compile.ops.kernels.cache_write import cache_write_triton
-
     cache_write_triton(torch.cat([kv_c, k_pe], dim=-1), kv_cache, slot_mapping)
     return sparse_mla_partial_attention_device(q_nope, q_pe, kv_cache, block_table, query_start_loc, topk_indices,
                                                scale)[0]

@@ -246,7 +246,7 @@ def test_allocator_transaction_rolls_back_every_ensure():
 
 
 def _dcp_world(rank: int, world: int, hf_config, state_dict, ok_config, ok_state_dict) -> dict:
-    from cp_compile.parallel import dcp as D
+    from cp_compile.ops.parallel import dcp as D
 
     out: dict = {}
     cfg = cp_compile.CPConfig(tensor_parallel_size=2, decode_context_parallel_size=2, block_size=4)
@@ -290,15 +290,16 @@ def _dcp_world(rank: int, world: int, hf_config, state_dict, ok_config, ok_state
     out["compiled_graphs"] = len(compiled.backend.pass_managers)
     # A forward compiled with another backend runs the single-device ops as written:
     # its (dcp = 1) caches are checked at dcp = 1 even on this DCP state.
+    from cp_compile.decorator import validation_dcp
     from cp_compile.metadata import validate_forward_args
 
     plain_alloc = cp_compile.BlockAllocator(4, 4)  # dcp = 1 blocks of 4 tokens
     plain_alloc.ensure(-1, 4)  # block 0 taken: the request's blocks are 1 and 2
     plain = cp_compile.build_attention_metadata([(5, 1)], plain_alloc)
     plain_args = {"input_ids": torch.zeros(1, dtype=torch.long), "kv_caches": cache.layers, "meta": plain}
-    validate_forward_args(plain_args, backend="inductor")
+    validate_forward_args(plain_args, dcp=validation_dcp("inductor"))
     try:
-        validate_forward_args(plain_args, backend=compiled.backend)
+        validate_forward_args(plain_args, dcp=validation_dcp(compiled.backend))
     except MetadataError as e:
         out["plain_under_dcp"] = str(e)
     # The group is still in step: a valid step runs on both ranks.

@@ -219,7 +219,7 @@ def test_fuzz_catches_every_kind_of_mutation():
 
 
 def _dcp_cases(rank: int, world: int, cases_: list[dict]) -> list[tuple]:
-    from cp_compile.parallel import dcp as D
+    from cp_compile.ops.parallel import dcp as D
 
     cfg = cp_compile.CPConfig(tensor_parallel_size=2, decode_context_parallel_size=2, block_size=VBS // 2)
     state = cp_compile.init_parallel(cfg, device="cpu", timeout=30)

@@ -22,7 +22,7 @@ def _groups(rank: int, world: int, cfgs: list[cp_compile.CPConfig]) -> list[dict
                         pcp=dist.get_process_group_ranks(st.pcp_group),
                         cp=dist.get_process_group_ranks(st.context_group), cp_rank=st.cp_rank,
                         cp_group_rank=dist.get_rank(st.context_group),
-                        ctx_cp=cp_compile.context.CompileContext.from_state(st).cp,
+                        ctx_cp=cp_compile.passes.context.CompileContext.from_state(st).cp,
                         tp_rank=st.tp_rank, dcp_rank=st.dcp_rank, pcp_rank=st.pcp_rank,
                         dcp_sum=t.item(), backend=st.backend))
         cp_compile.destroy_parallel()

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 import cp_compile
-from cp_compile.parallel import dcp as D
+from cp_compile.ops.parallel import dcp as D
 from cp_compile.testing.multirank import RankFailed, run_on_ranks
 
 BLOCK = 4

@@ -5,8 +5,8 @@ import sys
 import torch
 
 import cp_compile
-from cp_compile.context import CompileContext
-from cp_compile.parallel import dcp as D
+from cp_compile.passes.context import CompileContext
+from cp_compile.ops.parallel import dcp as D
 
 
 def main() -> None:

@@ -1,4 +1,4 @@
-"""Triton-Ascend readiness without an NPU (docs/architecture.md §8, ops/kernels/ascend_check.py).
+"""Triton-Ascend readiness without an NPU (docs/architecture.md §8, tools/ascend_check.py).
 
 The check runs in its own environment (.venv-ascend: CPU torch + triton-ascend, which
 owns the `triton` module name) as a subprocess: every @triton.jit kernel of
@@ -40,7 +40,7 @@ def ascend_python() -> str:
 
 def run_check(python: str, out: Path, *modules: str) -> tuple[int, dict, str]:
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    proc = subprocess.run([python, "-m", "cp_compile.ops.kernels.ascend_check", "--json", str(out), *modules],
+    proc = subprocess.run([python, "-m", "tools.ascend_check", "--json", str(out), *modules],
                           cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     data = json.loads(out.read_text()) if out.exists() else {}
     return proc.returncode, data, proc.stdout + proc.stderr[-4000:]
@@ -75,7 +75,7 @@ def test_every_kernel_lowers_for_ascend(ascend_python: str, tmp_path: Path, summ
     summary_note(f"Triton-Ascend lowering check ({data['stage']}, {data['arch']}): {summary['kernels']} kernels, "
                  f"{summary['constexpr_sets']} constexpr sets, {summary['specialisations']} specialisations, "
                  f"all lowered and within docs/architecture.md §8 rules, {summary['seconds']:.1f} s of compiling "
-                 "(.venv-ascend/bin/python -m cp_compile.ops.kernels.ascend_check prints the table)")
+                 "(.venv-ascend/bin/python -m tools.ascend_check prints the table)")
 
 
 def test_unsupported_constructs_fail_the_check(ascend_python: str, tmp_path: Path) -> None:

@@ -18,9 +18,9 @@ import torch
 
 import cp_compile
 import cp_compile.ops  # noqa: F401
-from cp_compile.context import CompileContext
-from cp_compile.parallel import dcp as D
-from cp_compile.parallel.dcp_eager import dcp_mla_chunked_prefill
+from cp_compile.passes.context import CompileContext
+from cp_compile.ops.parallel import dcp as D
+from cp_compile.ops.parallel.dcp_eager import dcp_mla_chunked_prefill
 from cp_compile.testing.batches import STEP_B, meta_args, two_step_metas
 from cp_compile.testing.multirank import run_on_ranks
 

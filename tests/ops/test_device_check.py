@@ -59,7 +59,7 @@ def test_device_check_dry_run(tmp_path: Path) -> None:
 
 def test_aot_check_fails_on_a_compile_error(tmp_path: Path) -> None:
     out = tmp_path / "aot.json"
-    proc = subprocess.run([sys.executable, "tools/aot_cuda_check.py", str(FIXTURE), "--arch", "90", "--json", str(out)],
+    proc = subprocess.run([sys.executable, "-m", "tools.aot_cuda_check", str(FIXTURE), "--arch", "90", "--json", str(out)],
                           cwd=REPO, env=_env(), capture_output=True, text=True, timeout=600)
     assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
     rows = json.loads(out.read_text())["results"]
@@ -70,7 +70,7 @@ def test_aot_check_fails_on_a_compile_error(tmp_path: Path) -> None:
 @pytest.mark.slow
 def test_aot_every_specialisation_both_archs(tmp_path: Path) -> None:
     out = tmp_path / "aot.json"
-    proc = subprocess.run([sys.executable, "tools/aot_cuda_check.py", "--json", str(out)], cwd=REPO, env=_env(),
+    proc = subprocess.run([sys.executable, "-m", "tools.aot_cuda_check", "--json", str(out)], cwd=REPO, env=_env(),
                           capture_output=True, text=True, timeout=7200)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-3000:]
     rows = json.loads(out.read_text())["results"]

@@ -28,10 +28,10 @@ REPO = Path(__file__).resolve().parents[2]
 # graph passes (they build nodes, and any tensor they make lands in the graph) and the
 # HF serving path. Not here: cp_compile/metadata.py (builds a step's metadata from
 # Python lists on the host, then `.to(device)` once, by design), hf/tp.py (load-time
-# weight indices, moved to the weight's device where used), ops/ge/check.py (CPU-only
+# weight indices, moved to the weight's device where used), tools/ge_check.py (CPU-only
 # GE conversion cases), and `_lowering_examples` (CPU tensors for launch capture).
 STEP_PATH = [*sorted((REPO / "ops").glob("*.py")), *sorted((REPO / "ops" / "kernels").glob("*.py")),
-             *sorted((REPO / "cp_compile" / "parallel").glob("*.py")), *sorted((REPO / "passes").glob("*.py")),
+             *sorted((REPO / "ops" / "parallel").glob("*.py")), *sorted((REPO / "passes").glob("*.py")),
              REPO / "cp_compile" / "hf" / "engine.py", REPO / "cp_compile" / "hf" / "attention.py",
              REPO / "cp_compile" / "hf" / "cache.py", REPO / "cp_compile" / "kv_cache.py"]
 EXEMPT_FUNCTIONS = {"_lowering_examples"}

@@ -18,8 +18,8 @@ import pytest
 import torch
 
 import cp_compile
-from cp_compile.context import CompileContext
-from cp_compile.parallel import dcp as D
+from cp_compile.passes.context import CompileContext
+from cp_compile.ops.parallel import dcp as D
 from cp_compile.testing.batches import STEP_B, meta_args, two_step_metas
 from cp_compile.testing.multirank import run_on_ranks
 

@@ -1,7 +1,7 @@
-"""torchair GE graph mode without an NPU (ops/ge/check.py, docs/torchair.md).
+"""torchair GE graph mode without an NPU (tools/ge_check.py, docs/torchair.md).
 
 The check runs in its own environment (.venv-torchair: CPU torch + torch-npu's
-torchair, whose one C++ extension is replaced by cp_compile.testing.torchair_standin)
+torchair, whose one C++ extension is replaced by tools.torchair_standin)
 as a subprocess: every cp:: op and the DCP-rewritten example models (GQA and MLA,
 tp = 4 on 4 gloo ranks, dcp 1 and 2, both merges; the sparse SFA model at tp = dcp = 2
 on 2 ranks) go through torchair's real
@@ -36,7 +36,7 @@ def torchair_python() -> str:
 def run_check(python: str, out: Path, *args: str) -> tuple[int, dict, str]:
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["TORCH_DEVICE_BACKEND_AUTOLOAD"] = "0"  # torch would otherwise import torch_npu (needs CANN)
-    proc = subprocess.run([python, "-m", "cp_compile.ops.ge.check", "--json", str(out), *args], cwd=REPO, env=env,
+    proc = subprocess.run([python, "-m", "tools.ge_check", "--json", str(out), *args], cwd=REPO, env=env,
                           capture_output=True, text=True, timeout=900)
     data = json.loads(out.read_text()) if out.exists() else {}
     return proc.returncode, data, proc.stdout + proc.stderr[-4000:]
@@ -74,7 +74,7 @@ def test_every_cp_op_converts_to_ge(check, summary_note) -> None:
                  f"{s['op_graphs']} op graphs + {s['model_graphs']} DCP model graphs (GQA / MLA on ranks 0, 1 "
                  f"of 4 gloo ranks; SFA on 2), "
                  f"{s['fx_nodes']} FX nodes -> {s['ge_ops']} GE ops ({s['hccl_ops']} HCCL), all converted, "
-                 f"{s['seconds']:.1f} s (.venv-torchair/bin/python -m cp_compile.ops.ge.check prints the table)")
+                 f"{s['seconds']:.1f} s (.venv-torchair/bin/python -m tools.ge_check prints the table)")
 
 
 def test_dcp_model_graphs_use_hccl_on_the_dcp_group(check) -> None:

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 import cp_compile
-from cp_compile.context import CompileContext
+from cp_compile.passes.context import CompileContext
 from cp_compile.passes.dcp_attention import DCPAttentionPass
 from cp_compile.testing.multirank import run_on_ranks
 from examples.models.tiny import VOCAB, example_from_config, hf_deepseek_sfa, hf_deepseek_v3, hf_qwen3

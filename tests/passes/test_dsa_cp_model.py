@@ -37,7 +37,7 @@ import torch
 
 import cp_compile
 from cp_compile.config import AttentionSpec, CPConfig
-from cp_compile.context import CompileContext
+from cp_compile.passes.context import CompileContext
 from cp_compile.metadata import BlockAllocator, batch_kind, build_attention_metadata
 from cp_compile.ops.layout import causal_lens
 from cp_compile.passes.dsa_cp import DSACPPass

@@ -34,7 +34,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import cp_compile
 from cp_compile import o_proj_full_weight as ofw
 from cp_compile.config import AttentionSpec, ConfigError, CPConfig
-from cp_compile.parallel.o_proj import INPUT_SHARDED
+from cp_compile.ops.parallel.o_proj import INPUT_SHARDED
 from cp_compile.metadata import BlockAllocator, build_attention_metadata
 from cp_compile.passes import o_proj_dsa_cp as pass_module
 from cp_compile.passes.fx_utils import fake_value

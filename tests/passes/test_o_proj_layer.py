@@ -1,4 +1,4 @@
-"""The full-weight o_proj composition (cp_compile/parallel/o_proj.py) on gloo ranks, tp = 2.
+"""The full-weight o_proj composition (ops/parallel/o_proj.py) on gloo ranks, tp = 2.
 
 For one o_proj layer built from a full float weight, unquantised and W8A8
 (dynamic, static with a different calibrated scale / offset per input shard):
@@ -17,8 +17,8 @@ import torch
 
 import cp_compile
 from cp_compile.comm_stats import CollectiveMeter
-from cp_compile.context import CompileContext
-from cp_compile.parallel.o_proj import INPUT_SHARDED, o_proj_bytes_per_step, o_proj_full_weight
+from cp_compile.passes.context import CompileContext
+from cp_compile.ops.parallel.o_proj import INPUT_SHARDED, o_proj_bytes_per_step, o_proj_full_weight
 from cp_compile.testing.multirank import run_on_ranks
 from examples.models.common import RowParallelLinear
 from examples.models.quant import W8A8Config, W8A8RowParallelLinear

@@ -21,7 +21,7 @@ from torch._subclasses.fake_tensor import FakeTensor
 
 import cp_compile
 from cp_compile.config import AttentionSpec, ConfigError, CPConfig
-from cp_compile.context import CompileContext, GroupInfo, resolve_roles
+from cp_compile.passes.context import CompileContext, GroupInfo, resolve_roles
 from cp_compile.metadata import BlockAllocator, build_attention_metadata
 from cp_compile.passes.fx_utils import count_ops, fake_value
 from cp_compile.passes.o_proj_dsa_cp import OProjDSACPPass

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from cp_compile.config import AttentionSpec, ConfigError, CPConfig
-from cp_compile.context import CompileContext
+from cp_compile.passes.context import CompileContext
 from cp_compile.metadata import BlockAllocator, build_attention_metadata
 from cp_compile.ops import pcp_layout
 from cp_compile.passes.fx_utils import fake_value

@@ -13,7 +13,7 @@ from torch import nn
 
 import cp_compile
 from cp_compile.config import AttentionSpec, ConfigError, CPConfig
-from cp_compile.context import CompileContext, resolve_roles
+from cp_compile.passes.context import CompileContext, resolve_roles
 from cp_compile.metadata import BlockAllocator, build_attention_metadata
 from cp_compile.passes import pass_manager
 from cp_compile.passes.base import CPPass
@@ -294,7 +294,7 @@ def test_passes_and_compositions_read_no_module_level_parallel_state():
     from pathlib import Path
 
     root = Path(__file__).resolve().parents[2]
-    files = sorted([*(root / "passes").glob("*.py"), *(root / "cp_compile" / "parallel").glob("*.py")])
+    files = sorted([*(root / "passes").glob("*.py"), *(root / "ops" / "parallel").glob("*.py")])
     assert len(files) >= 7
     needles = ("parallel_state", "get_parallel_state", "_STATE", "torch.distributed", "import dist")
     offenders = [f"{f.relative_to(root)}: {n}" for f in files for n in needles if n in f.read_text()]

@@ -8,7 +8,7 @@ module replaces *only* that extension, so that torchair's real Python code
 (`get_npu_backend`, the FX -> GE converter registry, the generated op builders,
 the GE graph passes, the pbtxt dumps) runs on CPU tensors. It is pinned to the
 torchair inside `torch-npu==2.13.0` (TORCHAIR_VERSION below; `install()` refuses
-another version) and is used by `python -m cp_compile.ops.ge.check` and nothing
+another version) and is used by `python -m tools.ge_check` and nothing
 else: never on an NPU, where the real extension loads.
 
 What the stand-in does instead of the C++ code (each function below says so):
@@ -78,7 +78,7 @@ STATE = _State()
 
 def _make_module() -> types.ModuleType:
     mod = types.ModuleType(MODULE)
-    mod.__doc__ = "cp-compile STAND-IN for torchair.core._torchair (see cp_compile.testing.torchair_standin)"
+    mod.__doc__ = "cp-compile STAND-IN for torchair.core._torchair (see tools.torchair_standin)"
     mod.CP_COMPILE_STANDIN = True
 
     def InitializeGraphEngine(options: dict) -> None:  # real: creates the GE session on the device
@@ -168,7 +168,7 @@ class _Finder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
             # torchair falls back when `import torch_npu` raises ImportError.
             raise ImportError("torch_npu is not imported under the torchair stand-in (needs CANN)")
         if fullname == MODULE:
-            return importlib.machinery.ModuleSpec(fullname, self, origin="cp_compile.testing.torchair_standin")
+            return importlib.machinery.ModuleSpec(fullname, self, origin="tools.torchair_standin")
         return None
 
     def create_module(self, spec):

@@ -11,7 +11,7 @@ import torch
 from torch import Tensor
 
 from cp_compile.ops import layout, reference
-from cp_compile.parallel.dcp import DCPContext, localize
+from cp_compile.ops.parallel.dcp import DCPContext, localize
 
 _c10d = torch.ops._c10d_functional
 _cp = torch.ops.cp

@@ -37,8 +37,8 @@ from torch import Tensor
 
 import cp_compile.ops  # noqa: F401  (registers the cp::* building blocks)
 from cp_compile.ops import layout, pcp_layout
-from cp_compile.parallel.dcp import (DCPContext, all_gather_heads, kv_major_heads, localize, merge_heads,
-                                      rank_major_heads)
+from cp_compile.ops.parallel.dcp import (DCPContext, all_gather_heads, kv_major_heads, localize, merge_heads,
+                                          rank_major_heads)
 
 _c10d = torch.ops._c10d_functional
 _cp = torch.ops.cp

@@ -37,7 +37,7 @@ import torch
 from torch import Tensor
 
 import cp_compile.ops.quant  # noqa: F401  (registers cp::w8a8_*_linear)
-from cp_compile.parallel.dsa_cp import DSACPContext, pad_tokens, shard_rows
+from cp_compile.ops.parallel.dsa_cp import DSACPContext, pad_tokens, shard_rows
 
 _c10d = torch.ops._c10d_functional
 _cp = torch.ops.cp

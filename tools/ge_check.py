@@ -3,7 +3,7 @@
 Runs torchair's real Python (the converter registry, `get_npu_backend` in
 `max-autotune` mode, the FX -> GE conversion, its GE graph passes and dumps) with
 one thing replaced: torchair's C++ extension `torchair.core._torchair`, by the
-stand-in `cp_compile.testing.torchair_standin` (pinned to torch-npu 2.13.0). The
+stand-in `tools.torchair_standin` (pinned to torch-npu 2.13.0). The
 stand-in receives the serialised GE graph at `load`; the check reads it back and
 asserts op types, attributes and shapes. Nothing is compiled by GE or run.
 
@@ -21,7 +21,7 @@ asserts op types, attributes and shapes. Nothing is compiled by GE or run.
 3. `--with-unconverted-op` adds a graph with an op that has no converter: the
    check must then fail (the negative case the tests run).
 
-    TORCH_DEVICE_BACKEND_AUTOLOAD=0 .venv-torchair/bin/python -m cp_compile.ops.ge.check [--json F] [--dump DIR]
+    TORCH_DEVICE_BACKEND_AUTOLOAD=0 .venv-torchair/bin/python -m tools.ge_check [--json F] [--dump DIR]
 
 (`TORCH_DEVICE_BACKEND_AUTOLOAD=0`: with torch-npu installed, `import torch` would
 otherwise try to load torch_npu, which needs CANN.) Exit status: 0 all converted
@@ -42,6 +42,8 @@ from pathlib import Path
 from typing import Any, Callable
 
 import torch
+
+from tools import torchair_standin as standin
 
 # Key attributes read off each GE op type (what the table prints and the tests assert).
 KEY_ATTRS = {
@@ -173,8 +175,6 @@ def fx_targets(gm) -> Counter:
 
 def compile_and_load(fn: Callable[[], Any], name: str, recorder: _FxRecorder, rank: int = 0) -> GraphResult:
     """Run `fn` (which calls a torch.compile'd function once) and read the GE graph it loaded."""
-    from cp_compile.testing import torchair_standin as standin
-
     result = GraphResult(name=name, status="failed", rank=rank)
     start = time.perf_counter()
     loaded = len(standin.STATE.graphs)
@@ -342,9 +342,7 @@ SFA_WORLD = 2
 
 
 def _model(kind: str, tp: int, tp_rank: int, tp_group):
-    repo = str(Path(__file__).resolve().parents[2])  # examples/ lives at the repository root
-    if repo not in sys.path:
-        sys.path.append(repo)
+    # Imported after the stand-in is in place (as is cp_compile, whose kernel registry probes torch_npu).
     from examples.models.deepseek_mla import DeepseekMLAConfig, DeepseekMLAModel
     from examples.models.deepseek_sfa import DeepseekSFAConfig, DeepseekSFAModel
     from examples.models.qwen3 import Qwen3Config, Qwen3Model
@@ -365,8 +363,6 @@ def _model(kind: str, tp: int, tp_rank: int, tp_group):
 
 
 def _rank_main(rank: int, world: int, configs: list, dump: str | None) -> list[dict]:
-    from cp_compile.testing import torchair_standin as standin
-
     standin.install()
     import cp_compile
     from cp_compile.metadata import BlockAllocator
@@ -561,8 +557,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--ops-only", action="store_true", help="skip the model graphs (4 gloo ranks)")
     parser.add_argument("--op", action="append", help="only this op graph (e.g. cp::cache_write); implies --ops-only")
     args = parser.parse_args(argv)
-    from cp_compile.testing import torchair_standin as standin
-
     start = time.perf_counter()
     try:
         standin.install()

@@ -20,7 +20,7 @@ at linalg, which is all this repository's CI can run.
 triton-ascend owns the `triton` module name, so this runs in its own environment
 (`.venv-ascend`, made by `tools/bootstrap.sh --with-ascend`):
 
-    .venv-ascend/bin/python -m cp_compile.ops.kernels.ascend_check [--json out.json]
+    .venv-ascend/bin/python -m tools.ascend_check [--json out.json]
 
 Exit status: 0 all lowered and kept the rules, 1 something failed, 2 not runnable here.
 """
@@ -44,6 +44,7 @@ from typing import Any
 
 import torch
 
+import cp_compile.ops.kernels as kernels_package
 from cp_compile.ops.kernels._common import CPU_MAX_PROGRAMS, Launch, LoweringDeclaration, capture_launches
 
 _TRITON_DTYPES = {
@@ -89,11 +90,9 @@ class _Spec:
 def kernel_modules(targets: list[str] | None = None) -> list[ModuleType]:
     """The kernels package's modules, or the given module names / .py paths."""
     if not targets:
-        import cp_compile.ops.kernels as package
-
-        # Every module but this one: a module without kernels contributes nothing.
-        names = [m.name for m in pkgutil.iter_modules(package.__path__) if m.name != "ascend_check"]
-        return [importlib.import_module(f"{package.__name__}.{n}") for n in sorted(names)]
+        # Every module of the package: a module without kernels contributes nothing.
+        names = [m.name for m in pkgutil.iter_modules(kernels_package.__path__)]
+        return [importlib.import_module(f"{kernels_package.__name__}.{n}") for n in sorted(names)]
     modules = []
     for target in targets:
         path = Path(target)

@@ -11,20 +11,37 @@ context built by hand (`CompileContext.for_test`).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from torch import nn
 
-from cp_compile.config import AttentionSpec, ConfigError, CPConfig
-from cp_compile.metadata import DECODE_KINDS, BatchKind
-from cp_compile.parallel.dcp import DCPContext
-from cp_compile.parallel.dsa_cp import DSACPContext
-from cp_compile.parallel.pcp import PCPContext
-
-if TYPE_CHECKING:
-    from cp_compile.parallel_state import ParallelState
+from cp_compile.config import DECODE_KINDS, AttentionSpec, BatchKind, ConfigError, CPConfig
+from cp_compile.ops.parallel.dcp import DCPContext
+from cp_compile.ops.parallel.dsa_cp import DSACPContext
+from cp_compile.ops.parallel.pcp import PCPContext
 
 ROLE_NAMES = ("o_proj", "indexer")
+
+
+class _NamedGroup(Protocol):
+    group_name: str  # what functional collectives address a process group by
+
+
+class RankGroups(Protocol):
+    """What `CompileContext.from_state` reads of an initialised parallel state
+    (the front door's `ParallelState`, one layer up, which passes never import)."""
+
+    cfg: CPConfig
+    tp_rank: int
+    dcp_rank: int
+    pcp_rank: int
+    cp_rank: int
+    tp_group: _NamedGroup
+    dcp_group: _NamedGroup
+    pcp_group: _NamedGroup
+
+    @property
+    def cp_group_name(self) -> str: ...
 
 
 @dataclass(frozen=True)
@@ -119,7 +136,7 @@ class CompileContext:
                                   "pass the process group's group_name")
 
     @classmethod
-    def from_state(cls, state: "ParallelState", attention: AttentionSpec | None = None,
+    def from_state(cls, state: RankGroups, attention: AttentionSpec | None = None,
                    roles: tuple[RoleBinding, ...] = (), batch_kind: BatchKind | None = None) -> "CompileContext":
         """The context of a compile on this rank of an initialised parallel state."""
         cfg = state.cfg

@@ -11,7 +11,7 @@ serve both uses:
   proxies, which records the building blocks and the collectives as graph nodes.
 
 Compositions receive a `DCPContext`: the narrow view of the compile context
-(`cp_compile.context.CompileContext.dcp_view()`) holding only what DCP attention is
+(`cp_compile.passes.context.CompileContext.dcp_view()`) holding only what DCP attention is
 specialised on. Nothing here reads module-level parallel state.
 
 Head layout: collectives work on dim 0, so tensors cross the wire head-major
