@@ -8,6 +8,7 @@ torch tensors and returns new tensors; CPU tensors run only under TRITON_INTERPR
 - `paged_attention_with_lse_triton`  (paged_decode_lse.py)
 - `merge_partials_triton`, `lse_rescale_triton`  (lse_merge.py)
 - `local_slot_mapping_triton`  (localize_slots.py)
+- `paged_prefill_attention_lse_triton`  (paged_prefill.py: query-tiled prefill over a paged cache)
 - `cache_write_triton`  (cache_write.py)
 - `varlen_attention_lse_triton`  (varlen_attention.py: flash-style prefill)
 - `sparse_mla_rows_triton`  (sparse_mla.py)
@@ -34,6 +35,7 @@ _LAUNCHERS = {
     "merge_partials_triton": "lse_merge",
     "lse_rescale_triton": "lse_merge",
     "local_slot_mapping_triton": "localize_slots",
+    "paged_prefill_attention_lse_triton": "paged_prefill",
     "cache_write_triton": "cache_write",
     "cache_write_device": "cache_write",
     "varlen_attention_lse_triton": "varlen_attention",

@@ -18,16 +18,28 @@ from cp_compile.ops import kernels, layout
 _REGISTERED: list[str] = []
 
 
+# Batches with at least this many tokens per request (prefill, chunked prefill) take the
+# query-tiled kernel, which reads each request's pages once per BLOCK_M tokens instead
+# of once per token; decode-like batches keep the per-token flash-decode kernel. A
+# choice on shapes only (T and B are sizes), so a captured graph keeps one kernel.
+PREFILL_TOKENS_PER_REQUEST = 4
+
+
+def _paged(q, k_cache, v_cache, block_table, query_start_loc, kv_lens, scale):
+    if q.shape[0] >= PREFILL_TOKENS_PER_REQUEST * max(query_start_loc.shape[0] - 1, 1):
+        return kernels.paged_prefill_attention_lse_triton(q, k_cache, v_cache, block_table, query_start_loc,
+                                                          kv_lens, scale)
+    return kernels.paged_attention_with_lse_triton(q, k_cache, v_cache, block_table, query_start_loc, kv_lens, scale)
+
+
 def _paged_attention_lse(q, k_cache, v_cache, block_table, query_start_loc, kv_lens, scale):
-    return kernels.paged_attention_with_lse_triton(q, k_cache, v_cache, block_table, query_start_loc,
-                                                   kv_lens, scale)
+    return _paged(q, k_cache, v_cache, block_table, query_start_loc, kv_lens, scale)
 
 
 def _mla_partial_attention(q_nope, q_pe, kv_cache, block_table, query_start_loc, kv_lens, scale):
     L = q_nope.shape[-1]
-    return kernels.paged_attention_with_lse_triton(torch.cat([q_nope, q_pe], -1), kv_cache.unsqueeze(2),
-                                                   kv_cache[..., :L].unsqueeze(2), block_table, query_start_loc,
-                                                   kv_lens, scale)
+    return _paged(torch.cat([q_nope, q_pe], -1), kv_cache.unsqueeze(2), kv_cache[..., :L].unsqueeze(2), block_table,
+                  query_start_loc, kv_lens, scale)
 
 
 def _lse_rescale(out, lse, lse_all):

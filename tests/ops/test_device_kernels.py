@@ -95,6 +95,32 @@ def test_varlen_tiles_straddle_requests(block: int) -> None:
 
 
 @interp
+@pytest.mark.parametrize("block_m", [16, 32])
+def test_paged_prefill_tiles_per_request(block_m: int) -> None:
+    """Chunked prefill over a paged context: 4 requests (1 .. 20 new tokens over 0 .. 30
+    cached), GQA group 3, padded head dims, two padding tokens, through the registry's
+    paged-attention kernel (T >= 4 B takes the query-tiled kernel) and directly."""
+    from cp_compile.ops.kernels import paged_prefill_attention_lse_triton
+
+    g = torch.Generator().manual_seed(7)
+    lens, ctx = [1, 20, 3, 17], [5, 0, 30, 9]
+    qsl = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
+    seq = torch.tensor([a + b for a, b in zip(lens, ctx)], dtype=torch.int32)
+    T, Hq, Hkv, D, Dv, BS, NB = int(qsl[-1]) + 2, 6, 2, 24, 20, 4, 48
+    k_cache, v_cache = torch.randn(NB, BS, Hkv, D, generator=g), torch.randn(NB, BS, Hkv, Dv, generator=g)
+    bt = torch.randperm(NB, generator=g)[:44].view(4, 11).to(torch.int32)
+    q = torch.randn(T, Hq, D, generator=g)
+    kv = layout.causal_lens(qsl, seq, T)
+    want = reference.paged_attention_with_lse(q, k_cache, v_cache, bt, qsl, kv, 0.3)
+    assert T >= registry.PREFILL_TOKENS_PER_REQUEST * 4
+    _assert_same("registry", registry.DEVICE_KERNELS["cp::paged_attention_lse"](q, k_cache, v_cache, bt, qsl, kv, 0.3),
+                 want)
+    got = paged_prefill_attention_lse_triton(q, k_cache, v_cache, bt, qsl, kv, 0.3, block_m=block_m, block_n=16,
+                                             num_programs=3)
+    _assert_same("paged prefill", got, want)
+
+
+@interp
 @pytest.mark.parametrize("dtype", [torch.float16])
 def test_varlen_half_precision(dtype: torch.dtype) -> None:
     """fp16 here; bf16 on a GPU (tools/device_check.py): the upstream interpreter's
