@@ -53,6 +53,18 @@ def _mark_dynamic(value: Any) -> None:
                     torch._dynamo.maybe_mark_dynamic(t, d)
 
 
+def no_size_specialisation() -> Any:
+    """The one mechanism that keeps a compiled step graph valid for every batch size
+    (issue 19; the HF Engine runs through it too):
+    - no duck sizing: token count and request count often coincide (decode), and an
+      equality guard between them would recompile the next mixed batch;
+    - backed size-oblivious symbols: a dim marked dynamic that is 1 (one request, a
+      one-token decode, a one-block table) is not specialised to 1, so a 1-request
+      step after 2-request steps (or the other way round) reuses the graph.
+    """
+    return torch.fx.experimental._config.patch(use_duck_shape=False, backed_size_oblivious=True)
+
+
 def _take_tokens(x: torch.Tensor, token_index: torch.Tensor) -> torch.Tensor:
     """Rows `token_index` of x ([T, ...] -> [T_loc, ...]); zeros where the index is -1
     (a rank's padding rows: token id 0 at position 0, harmless, never read back)."""
@@ -182,9 +194,7 @@ class CompiledForward:
         for name in self.dynamic_args:
             if name in bound.arguments:
                 _mark_dynamic(bound.arguments[name])
-        # Token count and request count often coincide (decode): no duck-sizing
-        # equality between them, or the next mixed batch would recompile.
-        with torch.fx.experimental._config.patch(use_duck_shape=False):
+        with no_size_specialisation():
             try:
                 if kind == "prefill" and self._pcp_size > 1:
                     return self._pcp_call(compiled, bound)

@@ -6,9 +6,8 @@
 Every step is one flattened batch (vLLM style): joining requests' prompts
 (prefill) ride beside running requests' single tokens (decode), so prefill and
 decode are one compiled graph. The token, request and block-table dims are
-dynamic; two things would still specialise a graph on size 1, and the engine
-avoids both: a batch of one request gets a one-token scratch request beside it
-(its own block, output dropped), and the block table is at least two blocks wide.
+dynamic and never specialised on size 1 (`compile_model`'s one mechanism,
+`decorator.no_size_specialisation`): a batch of one request reuses the graph.
 """
 
 from __future__ import annotations
@@ -31,9 +30,6 @@ from cp_compile.kv_cache import KVCacheSpec, allocate_kv_cache, tp_kv_head_ids
 from cp_compile.lowering import Lowering
 from cp_compile.metadata import BlockAllocator, build_attention_metadata
 from cp_compile.parallel_state import parallel_state_or_none
-
-_SCRATCH = -1  # request id of the one-token scratch request (see module doc)
-
 
 class _HFStep(nn.Module):
     """forward(input_ids[T], positions[T], kv_caches, meta) -> logits[T, vocab] over the HF model."""
@@ -123,14 +119,11 @@ class Engine:
         self.device = first.device
         self.cache = allocate_kv_cache(config, kv_cache_spec(model.config, config.tp, tp_rank), num_blocks,
                                        dtype=dtype, device=self.device, attention=self.spec)
-        if num_blocks < 2:
-            raise ValueError(f"num_blocks={num_blocks}: the engine needs >= 2 (one is the scratch request's, "
-                             "see the module doc). Fix: allocate more blocks")
         self.num_blocks = num_blocks
         vbs = config.virtual_block_size
-        cap = (num_blocks - 1) * vbs  # one virtual block is the scratch request's
+        cap = num_blocks * vbs
         self.max_model_len = min(max_model_len or cap, cap)
-        self.block_table_width = max(2, math.ceil(self.max_model_len / vbs))
+        self.block_table_width = math.ceil(self.max_model_len / vbs)
         self.max_batch = max_batch
         self.warmup_steps = warmup_steps
         self.forbid_recompiles = forbid_recompiles
@@ -176,10 +169,6 @@ class Engine:
         reqs = [(r.cached, len(r.tokens) - r.cached) for r in batch]
         rids = [r.rid for r in batch]
         ids = [t for r in batch for t in r.tokens[r.cached:]]
-        if len(batch) == 1:  # keep B >= 2 and T >= 2: no size-1 specialisation (module doc)
-            reqs.append((0, 1))
-            rids.append(_SCRATCH)
-            ids.append(0)
         meta = build_attention_metadata(reqs, alloc, req_ids=rids, max_blocks_per_req=self.block_table_width,
                                         device=self.device)
         return torch.tensor(ids, dtype=torch.long, device=self.device), meta
@@ -203,7 +192,6 @@ class Engine:
                                  f"{self.max_model_len}. Fix: more num_blocks, a larger dcp, or fewer tokens")
         vbs = self.config.virtual_block_size
         alloc = BlockAllocator(self.num_blocks, vbs)
-        alloc.ensure(_SCRATCH, 1)  # the scratch request's block, held for the whole run
         waiting = deque(sorted(range(n), key=lambda i: arrivals[i]))
         running: list[_Request] = []
         done: dict[int, _Request] = {}
@@ -221,7 +209,7 @@ class Engine:
             while waiting and arrivals[waiting[0]] <= step and len(running) < self.max_batch:
                 i = waiting[0]
                 need = math.ceil((len(prompts[i]) + max_new[i]) / vbs)
-                if reserved + need > self.num_blocks - 1:
+                if reserved + need > self.num_blocks:
                     break
                 waiting.popleft()
                 reserved += need

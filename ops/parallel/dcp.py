@@ -61,9 +61,16 @@ def localize(ctx: DCPContext, slot_mapping: Tensor, query_start_loc: Tensor, seq
     return LocalMetadata(out[0], out[1], out[2], out[3])
 
 
+def dense(x: Tensor) -> Tensor:
+    """A contiguous copy. Not `.contiguous()`: on a symbolic token dim its "already
+    contiguous?" test guards T != 1 while a pass traces, and a 1-token step after that
+    recompiles (issue 19). The compositions copy what a collective or view needs dense."""
+    return x.clone(memory_format=torch.contiguous_format)
+
+
 def all_gather_heads(x: Tensor, ctx: DCPContext) -> Tensor:
     """[T, H, ...] on each rank -> [T, N*H, ...], heads in group rank order."""
-    g = _c10d.all_gather_into_tensor.default(x.transpose(0, 1).contiguous(), ctx.dcp, ctx.group_name)
+    g = _c10d.all_gather_into_tensor.default(dense(x.transpose(0, 1)), ctx.dcp, ctx.group_name)
     return _c10d.wait_tensor.default(g).transpose(0, 1)
 
 
@@ -89,7 +96,7 @@ def kv_major_heads(x: Tensor, ranks: int, kv_heads: int) -> Tensor:
     if kv_heads == 1:
         return x
     # [T, N, Hkv, G, ...] -> [T, Hkv, N, G, ...]
-    return x.unflatten(1, (ranks, kv_heads, -1)).transpose(1, 2).flatten(1, 3).contiguous()
+    return dense(x.unflatten(1, (ranks, kv_heads, -1)).transpose(1, 2).flatten(1, 3))
 
 
 def rank_major_heads(x: Tensor, ranks: int, kv_heads: int) -> Tensor:
@@ -97,7 +104,7 @@ def rank_major_heads(x: Tensor, ranks: int, kv_heads: int) -> Tensor:
     back to the rank-major chunks the merge hands each rank."""
     if kv_heads == 1:
         return x
-    return x.unflatten(1, (kv_heads, ranks, -1)).transpose(1, 2).flatten(1, 3).contiguous()
+    return dense(x.unflatten(1, (kv_heads, ranks, -1)).transpose(1, 2).flatten(1, 3))
 
 
 def gathered_gqa_partial(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_table: Tensor,
@@ -120,25 +127,25 @@ def merge_heads(out: Tensor, lse: Tensor, ctx: DCPContext, heads: int, v_dim: in
     """
     if ctx.merge == "ag_rs":
         # All-gather the LSEs, weight the local partial, reduce-scatter the sum.
-        lse_all = _c10d.all_gather_into_tensor.default(lse.transpose(0, 1).contiguous(), ctx.dcp, ctx.group_name)
+        lse_all = _c10d.all_gather_into_tensor.default(dense(lse.transpose(0, 1)), ctx.dcp, ctx.group_name)
         lse_all = _c10d.wait_tensor.default(lse_all)  # [N*N*H, T]
         rescaled = _cp.lse_rescale.default(out, lse, lse_all)
         scaled, total = rescaled[0], rescaled[1]
-        summed = _c10d.reduce_scatter_tensor.default(scaled.to(dtype).transpose(0, 1).contiguous(), "sum",
+        summed = _c10d.reduce_scatter_tensor.default(dense(scaled.to(dtype).transpose(0, 1)), "sum",
                                                      ctx.dcp, ctx.group_name)
         mine = _c10d.wait_tensor.default(summed).transpose(0, 1)  # [T, H, Dv]
         total = total.transpose(0, 1)[ctx.rank * heads:(ctx.rank + 1) * heads]  # this rank's heads
-        return mine.contiguous(), total.transpose(0, 1)
+        return dense(mine), total.transpose(0, 1)
     # One all-to-all of [out | lse]; the fp32 LSE rides as raw bytes in out's dtype.
     packed = torch.cat([out, lse.unsqueeze(-1).view(dtype)], dim=-1)  # [T, N*H, Dv + w]
     splits = [heads] * ctx.dcp
-    recv = _c10d.all_to_all_single.default(packed.transpose(0, 1).contiguous(), splits, splits, ctx.group_name)
+    recv = _c10d.all_to_all_single.default(dense(packed.transpose(0, 1)), splits, splits, ctx.group_name)
     recv = _c10d.wait_tensor.default(recv)  # [N*H, T, Dv + w]: chunk j = rank j's partial of my heads
     parts = recv.unflatten(0, (ctx.dcp, heads))  # [N, H, T, Dv + w]
-    lses = parts[..., v_dim:].contiguous().view(torch.float32).squeeze(-1)  # [N, H, T]
+    lses = dense(parts[..., v_dim:]).view(torch.float32).squeeze(-1)  # [N, H, T]
     merged = _cp.lse_combine.default(parts[..., :v_dim], lses)
     merged, total = merged[0], merged[1]
-    return merged.to(dtype).transpose(0, 1).contiguous(), total.transpose(0, 1)
+    return dense(merged.to(dtype).transpose(0, 1)), total.transpose(0, 1)
 
 
 def dcp_gqa_attention(q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, slot_mapping: Tensor,

@@ -37,7 +37,7 @@ from torch import Tensor
 
 import cp_compile.ops  # noqa: F401  (registers the cp::* building blocks)
 from cp_compile.ops import layout, pcp_layout
-from cp_compile.ops.parallel.dcp import (DCPContext, all_gather_heads, kv_major_heads, localize, merge_heads,
+from cp_compile.ops.parallel.dcp import (DCPContext, all_gather_heads, dense, kv_major_heads, localize, merge_heads,
                                           rank_major_heads)
 
 _c10d = torch.ops._c10d_functional
@@ -80,7 +80,7 @@ class PCPContext:
 
 def _gather_tokens(x: Tensor, ctx: PCPContext) -> Tensor:
     """[T_loc, ...] on each PCP rank -> [pcp*T_loc, ...], rank-major (group rank order)."""
-    g = _c10d.all_gather_into_tensor.default(x.contiguous(), ctx.pcp, ctx.pcp_group_name)
+    g = _c10d.all_gather_into_tensor.default(dense(x), ctx.pcp, ctx.pcp_group_name)
     return _c10d.wait_tensor.default(g)
 
 
@@ -124,14 +124,14 @@ def _context_part(part_out: Tensor, part_lse: Tensor, step: _Step, ctx: PCPConte
     # PCP merge on tokens: all-gather the LSEs, weight this rank's partial, then a
     # reduce-scatter over rows in rank-major token order hands each rank its tokens.
     lse_all = _c10d.wait_tensor.default(_c10d.all_gather_into_tensor.default(
-        lse.transpose(0, 1).contiguous(), ctx.pcp, ctx.pcp_group_name))  # [pcp*H, T]
+        dense(lse.transpose(0, 1)), ctx.pcp, ctx.pcp_group_name))  # [pcp*H, T]
     rescaled = _cp.lse_rescale.default(out, lse, lse_all)
     scaled, total = rescaled[0], rescaled[1]  # [T, H, Dv] fp32, [T, H] fp32
     rows = step.gathered_index.clamp(min=0)
     keep = (step.gathered_index >= 0)[:, None, None]
     send = torch.where(keep, scaled[rows], 0.0)  # [pcp*T_loc, H, Dv]
     mine = _c10d.wait_tensor.default(_c10d.reduce_scatter_tensor.default(
-        send.to(dtype).contiguous(), "sum", ctx.pcp, ctx.pcp_group_name))  # [T_loc, H, Dv]
+        dense(send.to(dtype)), "sum", ctx.pcp, ctx.pcp_group_name))  # [T_loc, H, Dv]
     return mine, total[step.token_index.clamp(min=0)]
 
 

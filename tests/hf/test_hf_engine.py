@@ -145,8 +145,8 @@ def test_dcp_beyond_kv_replication_refused():
 
 @pytest.mark.parametrize("kind", ["qwen3", "qwen2"])
 def test_single_request_joins_and_leaves_without_recompiles(kind, capfd):
-    """One device, eager lowering: batches of 1 -> 2 -> 1 requests (the engine adds a
-    scratch request to a batch of one) stay one graph and equal HF generate. Qwen2
+    """One device, eager lowering: batches of 1 -> 2 -> 1 requests (no size-1
+    specialisation: `decorator.no_size_specialisation`) stay one graph and equal HF generate. Qwen2
     (q/k/v biases) is checked here only."""
     hf = tiny_hf(kind, num_kv_heads=2)
     prompts = _prompts()[:2]
@@ -185,8 +185,8 @@ def test_model_sharded_by_hf_refused_naming_both_meshes():
 def test_request_beyond_capacity_refused_before_any_step():
     hf = tiny_hf("llama")
     engine = cp_compile.hf.Engine(hf, cp_compile.CPConfig(block_size=BLOCK), num_blocks=3, lowering="eager")
-    # 3 blocks of 4 tokens, one the scratch request's: 8 tokens per request at most.
-    assert engine.max_model_len == 8
-    with pytest.raises(ValueError, match="max_model_len=8. Fix"):
-        engine.generate([[1, 2, 3, 4, 5]], max_new_tokens=4)
+    # 3 blocks of 4 tokens: 12 tokens per request at most.
+    assert engine.max_model_len == 12
+    with pytest.raises(ValueError, match="max_model_len=12. Fix"):
+        engine.generate([[1, 2, 3, 4, 5]], max_new_tokens=8)
     assert engine.steps == 0 and engine.num_graphs == 0
