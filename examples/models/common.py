@@ -19,10 +19,35 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from cp_compile.config import ConfigError
 from cp_compile.metadata import validate_step
 
 
 # --------------------------------------------------------------------------- norms
+
+
+def check_config_fields(cfg: Any, positive: tuple[str, ...], even: tuple[str, ...] = (),
+                        divides: tuple[tuple[str, str], ...] = ()) -> None:
+    """Refuse a model config the ops cannot run, naming the field (issue 19): a zero
+    top-k gives zero attention output everywhere, a zero head count an empty tensor,
+    a negative one `negative dimension -4` naming nothing. ConfigError, before any
+    weight is built."""
+    name = type(cfg).__name__
+    for f in positive:
+        v = getattr(cfg, f)
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ConfigError(f"{name}.{f} >= 1", f"{f}={v!r}", f"set {f} to a positive integer (the checkpoint's "
+                              f"config value; 0 or less describes no model the ops can run)")
+    for f in even:
+        v = getattr(cfg, f)
+        if v % 2:
+            raise ConfigError(f"{name}.{f} is even (rotary pairs)", f"{f}={v}",
+                              f"use an even {f}: rope rotates pairs of channels")
+    for a, b in divides:
+        va, vb = getattr(cfg, a), getattr(cfg, b)
+        if va % vb:
+            raise ConfigError(f"{name}.{a} % {name}.{b} == 0", f"{a}={va}, {b}={vb}",
+                              f"choose {b} dividing {a} (each KV head serves {a} // {b} query heads)")
 
 
 class RMSNorm(nn.Module):

@@ -37,6 +37,7 @@ from cp_compile.config import AttentionSpec
 from cp_compile.kv_cache import KVCacheSpec
 from cp_compile.metadata import AttentionMetadata
 
+from examples.models.common import check_config_fields
 from examples.models.common import load_hf_state_dict as common_load_hf_state_dict
 from examples.models.common import (
     CausalLM,
@@ -76,6 +77,12 @@ class DeepseekMLAConfig:
     # from the checkpoint's float weight at load; None: the float RowParallelLinear.
     o_proj_quant: Any = None
 
+    def __post_init__(self) -> None:
+        check_config_fields(self, ("vocab_size", "hidden_size", "num_layers", "num_heads", "kv_lora_rank",
+                                   "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "intermediate_size")
+                            + (("q_lora_rank",) if self.q_lora_rank is not None else ()),
+                            even=("qk_rope_head_dim",))
+
     @property
     def qk_head_dim(self) -> int:
         return self.qk_nope_head_dim + self.qk_rope_head_dim
@@ -92,6 +99,14 @@ class DeepseekMLAConfig:
         if rope_type != "default":
             raise NotImplementedError(f"DeepSeek MLA example supports default rope only (no yarn), "
                                       f"got rope_type={rope_type!r}")
+        # transformers 5.x decides MoE per layer from mlp_layer_types ("sparse" = MoE);
+        # older configs only from first_k_dense_replace. Read both as transformers does.
+        moe = [i for i, t in enumerate(getattr(hf, "mlp_layer_types", None) or []) if t != "dense"]
+        if moe:
+            raise NotImplementedError(f"DeepSeek MLA example has dense MLPs only, but mlp_layer_types marks layers "
+                                      f"{moe} as MoE ({[hf.mlp_layer_types[i] for i in moe][:3]}...): MoE layers are "
+                                      f"not built. Fix: a checkpoint with dense layers only "
+                                      f"(mlp_layer_types all 'dense')")
         if hf.first_k_dense_replace < hf.num_hidden_layers:
             raise NotImplementedError(f"DeepSeek MLA example has dense MLPs only: set first_k_dense_replace="
                                       f"{hf.num_hidden_layers} (got {hf.first_k_dense_replace})")

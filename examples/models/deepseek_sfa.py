@@ -45,7 +45,8 @@ from cp_compile.config import AttentionSpec
 from cp_compile.kv_cache import KVCacheSpec
 from cp_compile.metadata import AttentionMetadata
 
-from examples.models.common import StateDictReader, apply_rope_interleaved, apply_rope_neox, load_replicated
+from examples.models.common import (StateDictReader, apply_rope_interleaved, apply_rope_neox, check_config_fields,
+                                    load_replicated)
 from examples.models.deepseek_mla import DeepseekMLAConfig, DeepseekMLAModel, MLAAttention
 
 
@@ -57,6 +58,10 @@ class DeepseekSFAConfig(DeepseekMLAConfig):
     # The indexer's own rope layout: DeepSeek-V3.2 rotates halves (neox), GLM-5
     # interleaved pairs; the main MLA rope is interleaved in both.
     indexer_rope_interleave: bool = False
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        check_config_fields(self, ("index_n_heads", "index_head_dim", "index_topk"))
 
     @classmethod
     def from_hf(cls, hf: Any) -> "DeepseekSFAConfig":

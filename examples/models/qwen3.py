@@ -28,6 +28,7 @@ from cp_compile.config import AttentionSpec
 from cp_compile.kv_cache import KVCacheSpec
 from cp_compile.metadata import AttentionMetadata
 
+from examples.models.common import check_config_fields
 from examples.models.common import load_hf_state_dict as common_load_hf_state_dict
 from examples.models.common import (
     CausalLM,
@@ -53,6 +54,11 @@ class Qwen3Config:
     rope_theta: float = 1_000_000.0
     tie_word_embeddings: bool = False
     attention_bias: bool = False
+
+    def __post_init__(self) -> None:
+        check_config_fields(self, ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads",
+                                   "head_dim", "intermediate_size"), even=("head_dim",),
+                            divides=(("num_heads", "num_kv_heads"),))
 
     @classmethod
     def from_hf(cls, hf: Any) -> "Qwen3Config":

@@ -35,10 +35,10 @@ def _randomize(model: torch.nn.Module, seed: int) -> None:
 
 
 def hf_qwen3(tie: bool = False, bias: bool = False, num_kv_heads: int = 2, num_heads: int = 4,
-             num_layers: int = 2):
+             num_layers: int = 2, head_dim: int = 16):
     cfg = transformers.Qwen3Config(
         vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=num_layers,
-        num_attention_heads=num_heads, num_key_value_heads=num_kv_heads, head_dim=16, rms_norm_eps=1e-6,
+        num_attention_heads=num_heads, num_key_value_heads=num_kv_heads, head_dim=head_dim, rms_norm_eps=1e-6,
         rope_parameters={"rope_type": "default", "rope_theta": 10000.0}, tie_word_embeddings=tie,
         attention_bias=bias, attn_implementation="eager")
     torch.manual_seed(0)
@@ -53,11 +53,12 @@ def hf_qwen3(tie: bool = False, bias: bool = False, num_kv_heads: int = 2, num_h
 
 
 def hf_deepseek_v3(q_lora_rank: int | None = 24, rope_interleave: bool = True, num_heads: int = 4,
-                   num_layers: int = 2):
+                   num_layers: int = 2, kv_lora_rank: int = 32, qk_rope_head_dim: int = 8):
     cfg = transformers.DeepseekV3Config(
         vocab_size=VOCAB, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
         num_hidden_layers=num_layers, first_k_dense_replace=num_layers, num_attention_heads=num_heads,
-        num_key_value_heads=num_heads, q_lora_rank=q_lora_rank, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=12,
+        num_key_value_heads=num_heads, q_lora_rank=q_lora_rank, kv_lora_rank=kv_lora_rank, qk_nope_head_dim=16,
+        qk_rope_head_dim=qk_rope_head_dim, v_head_dim=12,
         rms_norm_eps=1e-2, rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
         rope_interleave=rope_interleave, tie_word_embeddings=False, attn_implementation="eager")
     torch.manual_seed(0)
