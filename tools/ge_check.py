@@ -19,7 +19,12 @@ asserts op types, attributes and shapes. Nothing is compiled by GE or run.
    and the collectives are HCCL ops on the DCP group (rank list and size), the TP
    all-reduce on the TP group;
 3. `--with-unconverted-op` adds a graph with an op that has no converter: the
-   check must then fail (the negative case the tests run).
+   check must then fail (the negative case the tests run);
+4. by value (issue 21): every GE graph is run on CPU by `tools.ge_eval` (in place of
+   the stand-in's `run`) and compared with its FX graph on the same inputs, outputs
+   and mutated caches, every rank, under both readings of FIA's empty-row LSE
+   (`tools/ge_eval/probe.py`); `CP_COMPILE_GE_CONVERTERS=DIR` loads converter copies
+   from DIR instead of ops/ge (the mutation test).
 
     TORCH_DEVICE_BACKEND_AUTOLOAD=0 .venv-torchair/bin/python -m tools.ge_check [--json F] [--dump DIR]
 
@@ -79,6 +84,11 @@ class GraphResult:
     seconds: float = 0.0
     rank: int = 0
     text: str = ""  # the GE graph rendered by `render` (written under --dump, not into --json)
+    # GE graph (tools/ge_eval) vs FX graph on the same inputs: one row per output / mutated
+    # input and reading of an undocumented behaviour (tools/ge_eval/probe.py).
+    values: list[dict[str, Any]] = field(default_factory=list)
+    uncertain: dict[str, int] = field(default_factory=dict)  # undocumented behaviours the values rely on
+    constraints: dict[str, int] = field(default_factory=dict)  # documented NPU limits the CI shapes miss
 
 
 # ----------------------------------------------------------------------------- GE graph reading
@@ -175,17 +185,29 @@ def fx_targets(gm) -> Counter:
 
 def compile_and_load(fn: Callable[[], Any], name: str, recorder: _FxRecorder, rank: int = 0) -> GraphResult:
     """Run `fn` (which calls a torch.compile'd function once) and read the GE graph it loaded."""
+    from tools.ge_eval import probe
+
     result = GraphResult(name=name, status="failed", rank=rank)
     start = time.perf_counter()
     loaded = len(standin.STATE.graphs)
     fx_seen = len(recorder.graphs)
+    compared = len(probe.RESULTS)
     try:
         fn()
-        result.message = "ran without reaching the stand-in's run (no GE graph?)"
-    except standin.StandInCannotRun:
-        pass
     except Exception as e:  # noqa: BLE001 - the conversion error is the result
         result.message = f"{type(e).__name__}: {e}"[:3000]
+    comparisons = probe.RESULTS[compared:]
+    for c in comparisons:
+        result.values += [dict(r, graph=c.graph) for r in c.rows]
+        for k, v in c.uncertain.items():
+            result.uncertain[k] = result.uncertain.get(k, 0) + v
+        for k, v in c.constraints.items():
+            result.constraints[k] = result.constraints.get(k, 0) + v
+    value_failures = [f"{c.graph}: {f}" for c in comparisons for f in c.failures()]
+    if value_failures and not result.message:
+        result.message = f"{name}: GE graph differs from the FX graph by value: " + "; ".join(value_failures)[:3000]
+    elif not comparisons and not result.message:
+        result.message = "no GE graph was run (the value check compared nothing)"
     result.seconds = time.perf_counter() - start
     new = standin.STATE.graphs[loaded:]
     for gm in recorder.graphs[fx_seen:]:
@@ -203,6 +225,30 @@ def compile_and_load(fn: Callable[[], Any], name: str, recorder: _FxRecorder, ra
     return result
 
 
+# ----------------------------------------------------------------------------- converters under test
+
+# A folder holding (mutated) copies of ops/ge/*.py: loaded in place of the library's
+# converter modules, for the mutation test (tests/ops/test_ge_value_mutations.py).
+CONVERTERS_ENV = "CP_COMPILE_GE_CONVERTERS"
+
+
+def load_converters(folder: str | None) -> None:
+    """Import the converter modules from `folder` under their library names (so the
+    library's `register_converters` finds them already imported)."""
+    if not folder:
+        return
+    import importlib.util
+
+    from cp_compile.ops import ge as ge_pkg
+
+    for name in ("_util",) + ge_pkg.MODULES:
+        full = f"{ge_pkg.__name__}.{name}"
+        spec = importlib.util.spec_from_file_location(full, Path(folder) / f"{name}.py")
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[full] = module
+        spec.loader.exec_module(module)
+
+
 # ----------------------------------------------------------------------------- op graphs
 
 
@@ -217,6 +263,9 @@ def op_cases() -> dict[str, tuple[Callable[..., Any], tuple]]:
     slots = torch.tensor([3, 4, 9, 10, 11, -1])
     table = torch.zeros(B, nb, dtype=torch.int32)
     kv_lens = torch.tensor([4, 5, 5, 6, 7, 0], dtype=torch.int32)
+    mine, other = torch.randn(T, 2 * Hq), torch.randn(T, 2 * Hq)  # per-token LSEs of two DCP ranks
+    mine[4:] = float("-inf")
+    other[5] = float("-inf")
     cp = torch.ops.cp
     return {
         "cp::dcp_localize_metadata": (lambda s, q, sl: cp.dcp_localize_metadata(s, q, sl, 2, 1, 1, BS),
@@ -232,11 +281,11 @@ def op_cases() -> dict[str, tuple[Callable[..., Any], tuple]]:
         "cp::varlen_causal_attention_lse": (lambda q, k, v, qs: cp.varlen_causal_attention_lse(q, k, v, qs, 0.125),
                                             (torch.randn(T, Hq, D, dtype=bf), torch.randn(T, Hkv, D, dtype=bf),
                                              torch.randn(T, Hkv, D, dtype=bf), qsl)),
+        # Empty shards: token 4 has no key on this rank, token 5 (padding) on none.
         "cp::lse_rescale": (lambda o, l, la: cp.lse_rescale(o, l, la),
-                            (torch.randn(T, 2 * Hq, D, dtype=bf), torch.randn(T, 2 * Hq),
-                             torch.randn(2 * 2 * Hq, T))),
+                            (torch.randn(T, 2 * Hq, D, dtype=bf), mine, torch.cat([mine.T, other.T]))),
         "cp::lse_combine": (lambda o, l: cp.lse_combine(o, l),
-                            (torch.randn(2, Hq, T, D, dtype=bf), torch.randn(2, Hq, T))),
+                            (torch.randn(2, Hq, T, D, dtype=bf), torch.stack([mine[:, :Hq].T, other[:, :Hq].T]))),
         "cp::gqa_paged_attention": (
             lambda q, k, v, kc, vc, s, t, sl, qs: cp.gqa_paged_attention(q, k, v, kc, vc, s, t, sl, qs, 0.125),
             (torch.randn(T, Hq, D, dtype=bf), torch.randn(T, Hkv, D, dtype=bf), torch.randn(T, Hkv, D, dtype=bf),
@@ -284,6 +333,12 @@ def op_cases() -> dict[str, tuple[Callable[..., Any], tuple]]:
     }
 
 
+# Op graphs whose GE path rounds through bf16 where the FX kernel stays in fp32: compared
+# with bf16's tolerance, for the reason given.
+BF16_PATHS = {"cp::lse_combine": (torch.bfloat16, "AttentionUpdate's out has localOut's dtype (bf16 here; the page "
+                                                  "allows fp32 only on Atlas A3)")}
+
+
 def _unconverted_op():
     """A custom op with no GE converter (negative case)."""
     if not hasattr(torch.ops, "cp_check") or not hasattr(torch.ops.cp_check, "unconverted"):
@@ -318,10 +373,14 @@ def run_op_graphs(recorder: _FxRecorder, dump: str | None, with_unconverted: boo
         cases["cp_check::unconverted"] = (lambda x: op(x) + 1, (torch.randn(4, 4, dtype=torch.bfloat16),))
     if only:
         cases = {k: v for k, v in cases.items() if k in only or (with_unconverted and k == "cp_check::unconverted")}
+    from tools.ge_eval import probe
+
     for name, (fn, args) in cases.items():
         torch._dynamo.reset()
         compiled = torch.compile(fn, backend=_torchair_backend(dump), fullgraph=True, dynamic=False)
+        probe.TOLERANCE_DTYPE = BF16_PATHS.get(name, (None, ""))[0]
         results.append(compile_and_load(lambda: compiled(*args), f"op:{name}", recorder))
+        probe.TOLERANCE_DTYPE = None
     return results
 
 
@@ -334,14 +393,14 @@ MODEL_CONFIGS = [("gqa", 1, "ag_rs"), ("gqa", 2, "ag_rs"), ("gqa", 2, "a2a"),
 # and 1 (one DCP group) build graphs; ranks 2 and 3 only take part in creating the
 # process groups (graph building issues no collective).
 MODEL_WORLD = 4
-BUILDING_RANKS = (0, 1)
+BUILDING_RANKS = (0, 1, 2, 3)  # all: the value check runs the TP all-reduce, which needs every rank
 # SFA DCP needs dcp == tp, which the tp = 4 world cannot give at dcp = 2: its own world
 # of 2 ranks (both build; the DCP group is the TP group).
-SFA_CONFIGS = [("sfa", 2, "ag_rs")]
+SFA_CONFIGS = [("sfa", 2, "ag_rs"), ("sfa", 1, "dsa_cp")]  # dsa_cp: the DSA-CP prefill graph, W8A8 o_proj
 SFA_WORLD = 2
 
 
-def _model(kind: str, tp: int, tp_rank: int, tp_group):
+def _model(kind: str, tp: int, tp_rank: int, tp_group, w8a8: bool = False):
     # Imported after the stand-in is in place (as is cp_compile, whose kernel registry probes torch_npu).
     from examples.models.deepseek_mla import DeepseekMLAConfig, DeepseekMLAModel
     from examples.models.deepseek_sfa import DeepseekSFAConfig, DeepseekSFAModel
@@ -356,6 +415,10 @@ def _model(kind: str, tp: int, tp_rank: int, tp_group):
         cfg = DeepseekSFAConfig(vocab_size=128, hidden_size=128, num_layers=1, num_heads=8, q_lora_rank=64,
                                 kv_lora_rank=64, qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=32,
                                 intermediate_size=128, index_n_heads=4, index_head_dim=32, index_topk=4)
+        if w8a8:  # static W8A8 o_proj, two input groups (the o_proj pass's full-weight linear)
+            from examples.models.quant import W8A8Config
+
+            cfg.o_proj_quant = W8A8Config("static", input_scales=(0.05, 0.08), input_offsets=(2, -3))
         return DeepseekSFAModel(cfg, tp, tp_rank, tp_group).to(torch.bfloat16).eval()
     cfg = DeepseekMLAConfig(vocab_size=128, hidden_size=128, num_layers=1, num_heads=8, kv_lora_rank=64,
                             qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=32, intermediate_size=128)
@@ -366,6 +429,10 @@ def _rank_main(rank: int, world: int, configs: list, dump: str | None) -> list[d
     standin.install()
     import cp_compile
     from cp_compile.metadata import BlockAllocator
+    from tools.ge_eval import hccl, probe
+
+    load_converters(os.environ.get(CONVERTERS_ENV))
+    probe.install(hccl.Comm())
 
     recorder = _FxRecorder()
     if dump:
@@ -373,14 +440,15 @@ def _rank_main(rank: int, world: int, configs: list, dump: str | None) -> list[d
     out = []
     for kind, dcp, merge in configs:
         torch._dynamo.reset()
+        dsa = merge == "dsa_cp"
         cfg = cp_compile.CPConfig(tensor_parallel_size=world, decode_context_parallel_size=dcp, block_size=4,
-                                  dcp_merge=merge)
+                                  **(dict(enable_dsa_cp=True) if dsa else dict(dcp_merge=merge)))
         state = cp_compile.init_parallel(cfg, device="cpu")
         if rank not in BUILDING_RANKS:
             cp_compile.destroy_parallel()
             continue
         try:
-            model = _model(kind, world, state.tp_rank, state.tp_group)
+            model = _model(kind, world, state.tp_rank, state.tp_group, w8a8=dsa)
             cache = cp_compile.allocate_kv_cache(cfg, model.kv_cache_spec(), 16, dtype=torch.bfloat16,
                                                  attention=model.attention_spec())
             compiled = cp_compile.compile_model(model, lowering="torchair", torchair_mode="max-autotune")
@@ -390,14 +458,18 @@ def _rank_main(rank: int, world: int, configs: list, dump: str | None) -> list[d
             meta = cp_compile.build_attention_metadata([(0, 5), (0, 3)], alloc, num_padding_tokens=2,
                                                        max_blocks_per_req=4)
             ids = torch.zeros(10, dtype=torch.long)
-            name = f"{kind} tp={world} dcp={dcp}" + (f" {merge}" if dcp > 1 else "")
+            name = f"{kind} tp={world} dcp={dcp}" + (f" {merge}" if dcp > 1 or dsa else "")
 
             def step():
                 with torch.no_grad():
                     # SFA: each layer's tuple also holds its replicated indexer cache.
                     compiled(ids, meta.positions, layers, meta)
 
+            # A bf16 model: every layer's activations are bf16 on both paths, rounded at
+            # different points (GE's decompositions vs the FX kernels).
+            probe.TOLERANCE_DTYPE = torch.bfloat16
             r = compile_and_load(step, name, recorder, rank)
+            probe.TOLERANCE_DTYPE = None
             import torch.distributed as dist
 
             r.expected_ranks = dist.get_process_group_ranks(state.dcp_group) if dcp > 1 else []
@@ -459,6 +531,8 @@ def expect_model(r: GraphResult) -> list[str]:
     kind = r.name.split()[0]
     dcp = int(re.search(r"dcp=(\d)", r.name).group(1))
     layers = 1  # the example models are built with one decoder layer: the graph of one DCP layer
+    if kind == "sfa" and r.name.endswith("dsa_cp"):
+        return problems + _expect_dsa_cp_model(r)
     if kind == "sfa":
         return problems + _expect_sfa_model(r, dcp, layers)
     fia = r.attrs.get("FusedInferAttentionScore", [])
@@ -487,7 +561,7 @@ def expect_model(r: GraphResult) -> list[str]:
     if dcp == 1:
         if any(g["type"] != "HcomAllReduce" for g in r.groups):
             problems.append(f"dcp=1 graph has DCP collectives: {r.groups}")
-        want = {"ScatterPaKvCache": layers} if kind == "gqa" else {"ScatterNdUpdate": layers}
+        want = {"ScatterNdUpdate": layers * (2 if kind == "gqa" else 1)}  # k and v / the MLA latent
     else:
         merge = r.name.split()[-1]
         q_gathers = 1  # GQA gathers q; MLA one fused [q_nope | q_pe]
@@ -507,6 +581,13 @@ def expect_model(r: GraphResult) -> list[str]:
         if r.ge_ops.get(op_type, 0) != n:
             problems.append(f"{r.ge_ops.get(op_type, 0)} {op_type}, want {n}")
     return problems
+
+
+def _expect_dsa_cp_model(r: GraphResult) -> list[str]:
+    """The DSA-CP prefill graph (tp = 2, W8A8 o_proj): the row-shard indexer and sparse
+    MLA, the o_proj pass's full-weight W8A8 linear (QuantBatchMatmulV3, two groups)."""
+    want = ("LightningIndexer", "SparseFlashAttention", "QuantBatchMatmulV3", "HcomAllToAllV")
+    return [f"DSA-CP graph lacks {t}" for t in want if not r.ge_ops.get(t)]
 
 
 def _expect_sfa_model(r: GraphResult, dcp: int, layers: int) -> list[str]:
@@ -548,6 +629,20 @@ def table(results: list[GraphResult]) -> str:
     return "\n".join(rows)
 
 
+def values_table(results: list[GraphResult]) -> str:
+    """GE vs FX by value: per graph and rank, the worst max abs diff of each output /
+    mutated input over the readings of the undocumented behaviours."""
+    lines = ["graph | rank | compared: max abs diff (dtype) | undocumented behaviours relied on"]
+    for r in results:
+        worst: dict[str, tuple[float, str, bool]] = {}
+        for v in r.values:
+            d, dtype, ok = worst.get(v["what"], (0.0, v["dtype"], True))
+            worst[v["what"]] = (max(d, v["max_abs_diff"]), v["dtype"], ok and v["ok"])
+        cells = ", ".join(f"{k} {d:.2g} ({t}){'' if ok else ' FAIL'}" for k, (d, t, ok) in worst.items())
+        lines.append(f"{r.name} | {r.rank} | {cells or 'none'} | {len(r.uncertain)}")
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--json", help="write the results here")
@@ -556,18 +651,23 @@ def main(argv: list[str] | None = None) -> int:
                         help="add an op that has no GE converter (the check must fail)")
     parser.add_argument("--ops-only", action="store_true", help="skip the model graphs (4 gloo ranks)")
     parser.add_argument("--op", action="append", help="only this op graph (e.g. cp::cache_write); implies --ops-only")
+    parser.add_argument("--model", action="append", help="only this model graph, KIND:DCP:MERGE (e.g. sfa:2:ag_rs); "
+                        "skips the op graphs")
     args = parser.parse_args(argv)
     start = time.perf_counter()
     try:
         standin.install()
         from cp_compile.ops.ge import GE_OPS, register_converters
+        from tools.ge_eval import probe
 
+        load_converters(os.environ.get(CONVERTERS_ENV))
         register_converters()
+        probe.install()
     except (RuntimeError, ImportError) as e:
         print(f"torchair GE check not runnable here: {e}", file=sys.stderr)
         return 2
     recorder = _FxRecorder()
-    results = run_op_graphs(recorder, args.dump, args.with_unconverted_op, args.op)
+    results = [] if args.model else run_op_graphs(recorder, args.dump, args.with_unconverted_op, args.op)
     for r in results:
         op = r.name[3:]
         if r.status == "ok" and op in GE_OPS:
@@ -575,7 +675,8 @@ def main(argv: list[str] | None = None) -> int:
             if problems:
                 r.status, r.message = "failed", "; ".join(problems)
     if not args.ops_only and not args.op:
-        models = run_model_graphs(args.dump)
+        chosen = [(k, int(d), m) for k, d, m in (x.split(":") for x in args.model)] if args.model else None
+        models = run_model_graphs(args.dump, chosen)
         for r in models:
             if r.status == "ok":
                 problems = expect_model(r)
@@ -584,7 +685,7 @@ def main(argv: list[str] | None = None) -> int:
         results += models
     defined = sorted(f"cp::{n}" for n in dir(torch.ops.cp) if not n.startswith("_") and
                      isinstance(getattr(torch.ops.cp, n), torch._ops.OpOverloadPacket))
-    uncovered = sorted(set(defined) - set(GE_OPS)) if not args.op else []
+    uncovered = sorted(set(defined) - set(GE_OPS)) if not (args.op or args.model) else []
     failed = [r for r in results if r.status != "ok"]
     summary = dict(op_graphs=sum(r.name.startswith("op:") for r in results),
                    model_graphs=sum(not r.name.startswith("op:") for r in results),
@@ -594,6 +695,7 @@ def main(argv: list[str] | None = None) -> int:
                    cp_ops_defined=len(defined), cp_ops_without_converter=uncovered,
                    seconds=time.perf_counter() - start)
     print(table(results))
+    print("\n" + values_table(results))
     print(f"\ntorchair GE check: {summary['op_graphs']} op graphs, {summary['model_graphs']} model graphs "
           f"(ranks {list(BUILDING_RANKS)} of {MODEL_WORLD}; SFA on {SFA_WORLD}), "
           f"{summary['fx_nodes']} FX nodes converted, {summary['ge_ops']} GE ops, "

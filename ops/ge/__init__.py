@@ -28,7 +28,7 @@ GE_OPS = {
     "cp::paged_attention_lse": ("FusedInferAttentionScore",),
     "cp::mla_partial_attention": ("FusedInferAttentionScore",),
     "cp::varlen_causal_attention_lse": ("FusedInferAttentionScore",),
-    "cp::gqa_paged_attention": ("ScatterPaKvCache", "FusedInferAttentionScore"),
+    "cp::gqa_paged_attention": ("ScatterNdUpdate", "FusedInferAttentionScore"),
     "cp::mla_attention": ("ScatterNdUpdate", "FusedInferAttentionScore"),
     "cp::lse_rescale": ("ReduceMaxD", "Exp", "Log", "SelectV2"),
     "cp::lse_combine": ("AttentionUpdate",),

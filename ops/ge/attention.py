@@ -19,8 +19,8 @@ so a wrong argument fails in Python:
 - `cp::varlen_causal_attention_lse` (chunked prefill, new tokens): layout TND with
   cumulative `actual_seq_lengths` = query_start_loc[1:], causal `sparse_mode` 3
   with the 2048 x 2048 compressed causal mask the op documents.
-- `cp::gqa_paged_attention` / `cp::mla_attention` (dcp = 1): the cache write
-  (`ScatterPaKvCache` for the k/v pair, `ScatterNdUpdate` for the MLA latent), then
+- `cp::gqa_paged_attention` / `cp::mla_attention` (dcp = 1): the cache writes
+  (`ScatterNdUpdate`, as `cp::cache_write`), then
   the same attention with one-device causal lengths `pos + 1`.
 """
 
@@ -37,6 +37,7 @@ import cp_compile.ops.attention  # noqa: F401  (registers the ops)
 import cp_compile.ops.dcp  # noqa: F401
 from cp_compile.ops.ge._util import I32, I64, cast, const, dims, request_of_token, reshape, tail, token_positions, where
 from cp_compile.ops.ge.cache import scatter_into
+from cp_compile.ops.ge.merge import clean
 
 MAX_INT32 = 2147483647
 CAUSAL_MASK = 2048  # FusedInferAttentionScore's compressed mask size for sparse_mode 2/3/4
@@ -72,7 +73,7 @@ def gqa_partial(q, k_cache, v_cache, block_table, query_start_loc, kv_lens, scal
     out, lse = _paged_per_token(q, q, _flat_cache(k_cache), _flat_cache(v_cache), block_table, query_start_loc,
                                 kv_lens, scale, heads=int(H), kv_heads=Hkv, head_dim=int(q.meta.shape[2]),
                                 block_size=int(k_cache.meta.shape[1]))
-    return reshape(out, [T, H, Dv]), reshape(lse, [T, H])
+    return reshape(out, [T, H, Dv]), clean(reshape(lse, [T, H]))
 
 
 def mla_partial(q_nope, q_pe, kv_cache, block_table, query_start_loc, kv_lens, scale):
@@ -83,7 +84,7 @@ def mla_partial(q_nope, q_pe, kv_cache, block_table, query_start_loc, kv_lens, s
                                 heads=int(H), kv_heads=1, head_dim=int(kv_cache.meta.shape[-1]),
                                 block_size=int(kv_cache.meta.shape[1]))
     out = ge.Slice(out, const([0, 0, 0, 0], I64), const([-1, -1, -1, int(L)], I64))  # value = c: first L columns
-    return reshape(out, [T, H, L]), reshape(lse, [T, H])
+    return reshape(out, [T, H, L]), clean(reshape(lse, [T, H]))
 
 
 @register_fx_node_ge_converter(torch.ops.cp.paged_attention_lse.default)
@@ -116,7 +117,7 @@ def convert_varlen_causal_attention_lse(q: Tensor, k: Tensor, v: Tensor, query_s
         None, None, None, None, None, None, None,
         num_heads=int(H), scale=float(scale), pre_tokens=MAX_INT32, next_tokens=0, input_layout="TND",
         num_key_value_heads=Hkv, sparse_mode=3, softmax_lse_flag=True)
-    return out, reshape(lse, [T, H])
+    return out, clean(reshape(lse, [T, H]))
 
 
 def causal_lens(query_start_loc: Tensor, seq_lens: Tensor, like: Tensor) -> Tensor:
@@ -129,8 +130,9 @@ def causal_lens(query_start_loc: Tensor, seq_lens: Tensor, like: Tensor) -> Tens
 def convert_gqa_paged_attention(q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor,
                                 slot_mapping: Tensor, block_table: Tensor, seq_lens: Tensor, query_start_loc: Tensor,
                                 scale: float, meta_outputs: Any = None):
-    k_new, v_new = ge.ScatterPaKvCache(k, k_cache, cast(slot_mapping, I64), v, v_cache, None, None, None,
-                                       cache_mode="Norm", scatter_mode="None", strides=[1, 1], offsets=[0, 0])
+    # Not ScatterPaKvCache: its page requires every slot in [0, blocks * block_size) and
+    # unique, and padding tokens carry slot -1. The same write as the DCP path instead.
+    k_new, v_new = scatter_into(k_cache, k, slot_mapping), scatter_into(v_cache, v, slot_mapping)
     k_new.set_meta(k_cache.meta)
     v_new.set_meta(v_cache.meta)
     k_cache, v_cache = k_new, v_new

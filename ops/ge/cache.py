@@ -8,7 +8,12 @@
   vLLM-Ascend writes MLA caches in torchair graph mode). Tokens whose local slot
   is -1 (owned by another DCP rank, or padding) index block -1: ScatterNdUpdate
   must drop out-of-range rows for this to be a no-op there. That is what the
-  Triton kernel and the reference do; on CANN it is NOT verified here (no NPU).
+  Triton kernel and the reference do; CANN's page documents no out-of-range
+  behaviour, so the GE value check reports the rows that rely on it. Routing them to
+  free slots that write back their own content (as ops/kernels/npu_fused.py does in
+  eager) needs a read of the cache copy torchair hands the converter, and torchair's
+  `optimize_reference_op_redundant_copy` then deletes that copy (TensorMove) under
+  the reader, leaving a dangling input (seen here, issue 21): not done in GE.
 """
 
 from __future__ import annotations

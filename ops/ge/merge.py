@@ -23,12 +23,18 @@ from torchair._ge_concrete_graph import ge_apis as ge
 from torchair.ge._ge_graph import Tensor
 
 import cp_compile.ops.dcp  # noqa: F401
-from cp_compile.ops.ge._util import F32, cast, const, dims, reshape, where
+from cp_compile.ops.ge._util import F32, I64, cast, const, dims, reshape, where
 
 
 def clean(lse: Tensor) -> Tensor:
-    """NaN -> -inf (reference.clean_lse)."""
-    return where(ge.IsNan(lse), const(float("-inf"), F32), lse)
+    """Any non-finite LSE -> -inf: NaN as reference.clean_lse, and +inf, which CANN's FIA
+    page calls "invalid" LSE data (what FIA gives for a row without keys is not documented)."""
+    return where(ge.IsFinite(lse), lse, const(float("-inf"), F32))
+
+
+# A finite stand-in for -inf in AttentionUpdate's inputs: its page gives the formula only,
+# which is NaN for a row whose every LSE is -inf (a token no rank holds keys for).
+LSE_FLOOR = -1.0e30
 
 
 @register_fx_node_ge_converter(torch.ops.cp.lse_rescale.default)
@@ -54,7 +60,12 @@ def convert_lse_combine(outs: Tensor, lses: Tensor, meta_outputs: Any = None):
     n = int(outs.meta.shape[0])
     dv = int(outs.meta.shape[-1])
     go = [reshape(x, [-1, dv]) for x in ge.SplitD(outs, split_dim=0, num_split=n)]
-    lse = [reshape(x, [-1]) for x in ge.SplitD(clean(cast(lses, F32)), split_dim=0, num_split=n)]
+    cleaned = clean(cast(lses, F32))  # [N, ...]
+    empty = ge.LogicalNot(ge.ReduceAny(ge.IsFinite(cleaned), const([0], I64), keep_dims=False))  # [...]
+    floored = ge.Maximum(cleaned, const(LSE_FLOOR, F32))
+    lse = [reshape(x, [-1]) for x in ge.SplitD(floored, split_dim=0, num_split=n)]
     merged, lse_m = ge.AttentionUpdate(lse, go, update_type=1, sp=n)
-    return reshape(cast(merged, F32), dims(outs)[1:]), reshape(lse_m, dims(lses)[1:])
+    # Rows no rank has keys for: out 0, LSE -inf (as the reference), whatever the op does there.
+    out = where(ge.Unsqueeze(empty, axes=[-1]), const(0.0, F32), reshape(cast(merged, F32), dims(outs)[1:]))
+    return out, where(empty, const(float("-inf"), F32), reshape(lse_m, dims(lses)[1:]))
 

@@ -15,7 +15,7 @@ With one group (a TP rank's shard) this is npu_dynamic_quant + npu_quant_matmul
 with an fp32 dequantisation after it; the fused per-token dequant of
 QuantBatchMatmulV3 (`pertoken_scale`, bf16 output) would round the output once more
 than the reference, so the int32 form is kept. Not run on an NPU: the GE graph is
-checked by `tools/ge_check.py` (structure), the numbers only by the torch reference.
+checked by `tools/ge_check.py`, structure and, evaluated on CPU by tools/ge_eval, value.
 """
 
 from __future__ import annotations

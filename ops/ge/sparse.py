@@ -104,8 +104,17 @@ def convert_sparse_mla_attention(q_nope: Tensor, q_pe: Tensor, kv_c: Tensor, k_p
     return reshape(out, [T, H, L])
 
 
+def _capacity(block_table: Tensor, block_size: int) -> Tensor:
+    """[B] int32, every entry the block-table row's capacity (blocks x block size): the
+    page requires actual_seq_lengths_kv with PA_BSND; the SFA DCP partial trusts its
+    (local) indices and has no per-request length."""
+    nb, bs = int(block_table.meta.shape[1]), int(block_size)
+    rows = ge.GatherV2(cast(block_table, I32), const(0, I64), const(1, I64))  # [B]: column 0
+    return ge.Add(ge.Mul(rows, const(0, I32)), const(nb * bs, I32))
+
+
 def _sparse_flash(q_nope: Tensor, q_pe: Tensor, cache: Tensor, width: int, indices: Tensor, block_table: Tensor,
-                  query_start_loc: Tensor, seq_lens: Tensor | None, scale: float, *, lse: bool):
+                  query_start_loc: Tensor, seq_lens: Tensor, scale: float, *, lse: bool):
     T = dims(q_nope)[0]
     K = int(indices.meta.shape[-1])
     inputs = {
@@ -115,7 +124,7 @@ def _sparse_flash(q_nope: Tensor, q_pe: Tensor, cache: Tensor, width: int, indic
         "sparse_indices": reshape(cast(indices, I32), [T, 1, K]),
         "block_table": cast(block_table, I32),
         "actual_seq_lengths_query": cast(tail(cast(query_start_loc, I64)), I32),
-        "actual_seq_lengths_kv": None if seq_lens is None else cast(seq_lens, I32),
+        "actual_seq_lengths_kv": cast(seq_lens, I32),
         "query_rope": None,
         "key_rope": None,
     }
@@ -144,7 +153,8 @@ def convert_sparse_mla_partial_attention(q_nope: Tensor, q_pe: Tensor, kv_cache:
     width = int(kv_cache.meta.shape[-1])
     # No causal crop (sparse_mode 0): the indices are local positions chosen by the indexer.
     out, smax, ssum = _sparse_flash(q_nope, q_pe, _paged(kv_cache, width), width, indices, block_table,
-                                    query_start_loc, None, scale, lse=True)
+                                    query_start_loc, _capacity(block_table, int(kv_cache.meta.shape[1])), scale,
+                                    lse=True)
     out = ge.Slice(out, const([0, 0, 0], I64), const([-1, -1, int(L)], I64))
     lse = ge.Add(cast(smax, F32), ge.Log(cast(ssum, F32)))
     return reshape(out, [T, H, L]), reshape(lse, [T, H])

@@ -1,6 +1,8 @@
 """NPU eager kernels from torch_npu's fused ops, for aclgraph capture (torchair `reduce-overhead`).
 
-UNTESTED: no machine here has an NPU (torch_npu cannot even import without CANN).
+Not run on an NPU (none here; torch_npu cannot import without CANN): tests/ops/test_npu_fused_kernels.py
+runs these functions against a torch_npu stand-in that records the calls and enforces the
+documented preconditions (in-range, unique scatter indices).
 Imported lazily; `register_npu_fused_kernels()` does nothing unless torch_npu imports.
 It overrides, for the "npu" device only, the Triton-Ascend kernels that
 `ops/kernels/registry.py` registers, where a torch_npu fused op does the same job
@@ -17,8 +19,20 @@ aclgraph and GE graph mode run one kernel per op):
 Everything else (localisation, `lse_rescale`, the single-device ops, SFA) keeps the
 Triton-Ascend kernel or the torch reference. The argument conventions follow
 torch_npu's documentation for these ops and are the ones the GE check verifies for
-the GE path; the -1-slot behaviour of `npu_scatter_nd_update_` and FIA's LSE for
-an empty shard need a device to confirm (docs/torchair.md).
+the GE path (docs/torchair.md).
+
+aclgraph capture (issue 21):
+- `cp::cache_write` and `cp::lse_combine` read nothing on the host. Slots -1 (another
+  DCP rank's token, padding) are routed explicitly: each such row is sent to a distinct
+  slot no valid row writes this step and writes back that slot's current content, so
+  every index handed to `npu_scatter_nd_update_` is in range and unique (CANN documents
+  no out-of-range behaviour). AttentionUpdate never sees an all -inf row (its page
+  gives only the formula, NaN there): LSEs are floored, and empty rows set to 0 / -inf.
+- `cp::paged_attention_lse` / `cp::mla_partial_attention`: torch_npu's
+  `npu_fused_infer_attention_score` takes `actual_seq_lengths_kv` as a host list
+  (`SymInt[]`); a capture would freeze one step's lengths into every replay. These
+  kernels refuse to run inside a capture (`NpuCaptureUnsupported`, the fix in the
+  message) and read the lengths on the host only outside one.
 """
 
 from __future__ import annotations
@@ -29,6 +43,12 @@ import cp_compile.ops.dcp  # noqa: F401  (defines the ops the kernels are regist
 from cp_compile.ops import layout
 
 _REGISTERED: list[str] = []
+# A finite floor for AttentionUpdate's LSEs (see the module doc).
+LSE_FLOOR = -1.0e30
+
+
+class NpuCaptureUnsupported(RuntimeError):
+    """An npu_fused kernel that needs a host value was called inside an aclgraph capture."""
 
 
 def _torch_npu():
@@ -37,40 +57,86 @@ def _torch_npu():
     return torch_npu
 
 
+def route_invalid_slots(slots: torch.Tensor, num_slots: int) -> torch.Tensor:
+    """[T] slots (-1 = do not write) -> [T] distinct targets in [0, num_slots): a valid
+    row keeps its slot, the j-th invalid row gets the j-th slot no valid row uses.
+    Device ops only (sort, cumsum, searchsorted); needs num_slots >= T, which holds
+    whenever every token of the step can have a slot. Valid slots must be distinct.
+
+    With the valid slots sorted, s_i - i counts the free slots below s_i, so the k-th
+    free slot is k + #{i : s_i - i <= k}.
+    """
+    T = slots.shape[0]
+    s = slots.long()
+    valid = s >= 0
+    big = num_slots + T
+    ordered = torch.sort(torch.where(valid, s, torch.full_like(s, big))).values
+    steps = torch.arange(T, device=s.device)
+    gaps = torch.where(ordered < big, ordered - steps, torch.full_like(s, 2 * big))  # non-decreasing
+    k = (torch.cumsum((~valid).long(), 0) - 1).clamp(min=0)  # rank of each invalid row
+    free = k + torch.searchsorted(gaps, k, right=True)
+    return torch.where(valid, s, free)
+
+
 def _cache_write(new, cache, slot_mapping):
-    bs = cache.shape[1]
+    NB, bs = cache.shape[0], cache.shape[1]
     s = slot_mapping.long()
-    idx = torch.stack([torch.div(s, bs, rounding_mode="floor"), s % bs], dim=1)
-    _torch_npu().npu_scatter_nd_update_(cache, idx, new)
+    target = route_invalid_slots(s, NB * bs)
+    flat = cache.view(NB * bs, *cache.shape[2:])
+    valid = (s >= 0).view(-1, *([1] * (new.dim() - 1)))
+    rows = torch.where(valid, new.to(cache.dtype), flat[target])  # invalid rows write back what is there
+    idx = torch.stack([torch.div(target, bs, rounding_mode="floor"), target % bs], dim=1)
+    _torch_npu().npu_scatter_nd_update_(cache, idx, rows)
 
 
-def _per_token_fia(q, k_cache, v_cache, block_table, query_start_loc, kv_lens, scale, kv_heads):
+def _refuse_capture(op: str) -> None:
+    npu = _torch_npu().npu
+    if npu.is_current_stream_capturing():
+        raise NpuCaptureUnsupported(
+            f"{op}: torch_npu.npu_fused_infer_attention_score takes actual_seq_lengths_kv as a host list "
+            "(SymInt[]), so an aclgraph capture would freeze this step's key lengths into every replay. Fix: "
+            "compile with torchair_mode='max-autotune' (the GE graph takes the lengths as a tensor), or keep "
+            "this op out of the captured region")
+
+
+def _per_token_fia(q, k_cache, v_cache, block_table, query_start_loc, kv_lens, scale, kv_heads, op):
+    _refuse_capture(op)
     T, H, D = q.shape
     req = layout.request_index(query_start_loc, T).clamp(min=0).long()
     out, lse = _torch_npu().npu_fused_infer_attention_score(
         q.reshape(T, 1, H, D), k_cache.flatten(2), v_cache.flatten(2), num_heads=H, num_key_value_heads=kv_heads,
         input_layout="BSND", scale=scale, block_table=block_table[req].to(torch.int32),
-        block_size=k_cache.shape[1], actual_seq_lengths_kv=kv_lens.long().tolist(), softmax_lse_flag=True)
-    return out.reshape(T, H, -1), lse.reshape(T, H).float()
+        block_size=k_cache.shape[1], actual_seq_lengths_kv=kv_lens.long().tolist(),  # host read, see above
+        softmax_lse_flag=True)
+    lse = lse.reshape(T, H).float()
+    # FIA's LSE for a row without keys is undocumented ("inf is invalid"): -inf, as the reference.
+    return out.reshape(T, H, -1), torch.where(torch.isfinite(lse), lse, torch.full_like(lse, float("-inf")))
 
 
 def _paged_attention_lse(q, k_cache, v_cache, block_table, query_start_loc, kv_lens, scale):
-    return _per_token_fia(q, k_cache, v_cache, block_table, query_start_loc, kv_lens, scale, k_cache.shape[2])
+    return _per_token_fia(q, k_cache, v_cache, block_table, query_start_loc, kv_lens, scale, k_cache.shape[2],
+                          "cp::paged_attention_lse")
 
 
 def _mla_partial_attention(q_nope, q_pe, kv_cache, block_table, query_start_loc, kv_lens, scale):
     L = q_nope.shape[-1]
     out, lse = _per_token_fia(torch.cat([q_nope, q_pe], -1), kv_cache, kv_cache, block_table, query_start_loc,
-                              kv_lens, scale, 1)
+                              kv_lens, scale, 1, "cp::mla_partial_attention")
     return out[..., :L].contiguous(), lse
 
 
 def _lse_combine(outs, lses):
     n, dv = outs.shape[0], outs.shape[-1]
-    lses = torch.where(torch.isnan(lses), torch.full_like(lses, float("-inf")), lses.float())
-    merged, total = _torch_npu().npu_attention_update([lses[i].reshape(-1) for i in range(n)],
+    lses = lses.float()
+    finite = torch.isfinite(lses)
+    empty = ~finite.any(dim=0)  # no rank holds a key for this row
+    floored = torch.where(finite, lses, torch.full_like(lses, LSE_FLOOR))
+    merged, total = _torch_npu().npu_attention_update([floored[i].reshape(-1) for i in range(n)],
                                                       [outs[i].reshape(-1, dv) for i in range(n)], 1)
-    return merged.float().reshape(outs.shape[1:]), total.reshape(lses.shape[1:])
+    merged = merged.float().reshape(outs.shape[1:])
+    total = total.reshape(lses.shape[1:])
+    return (torch.where(empty[..., None], torch.zeros_like(merged), merged),
+            torch.where(empty, torch.full_like(total, float("-inf")), total))
 
 
 NPU_FUSED_KERNELS = {

@@ -6,45 +6,16 @@ as a subprocess: every cp:: op and the DCP-rewritten example models (GQA and MLA
 tp = 4 on 4 gloo ranks, dcp 1 and 2, both merges; the sparse SFA model at tp = dcp = 2
 on 2 ranks) go through torchair's real
 FX -> GE conversion in max-autotune mode; the GE graphs handed to the stand-in's
-`load` must hold the expected CANN ops, attributes and HCCL groups. An op without a
-converter must fail the check.
+`load` must hold the expected CANN ops, attributes and HCCL groups, and, run on CPU
+by tools/ge_eval, compute what the FX graph computes (outputs and caches, every rank,
+both readings of FIA's empty-row LSE). An op without a converter must fail the check.
 """
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
 from pathlib import Path
 
-import pytest
-
-REPO = Path(__file__).resolve().parents[2]
-SETUP = "bash tools/bootstrap.sh --with-ascend"
-
-
-@pytest.fixture(scope="module")
-def torchair_python() -> str:
-    python = Path(os.environ.get("CP_COMPILE_TORCHAIR_PYTHON", REPO / ".venv-torchair" / "bin" / "python"))
-    if not python.exists():
-        pytest.fail(f"no torchair environment at {python}: run `{SETUP}` (the README's test command does), "
-                    "or point CP_COMPILE_TORCHAIR_PYTHON at a python with torch-npu==2.13.0, protobuf, packaging "
-                    "and cp_compile installed")
-    return str(python)
-
-
-def run_check(python: str, out: Path, *args: str) -> tuple[int, dict, str]:
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["TORCH_DEVICE_BACKEND_AUTOLOAD"] = "0"  # torch would otherwise import torch_npu (needs CANN)
-    proc = subprocess.run([python, "-m", "tools.ge_check", "--json", str(out), *args], cwd=REPO, env=env,
-                          capture_output=True, text=True, timeout=900)
-    data = json.loads(out.read_text()) if out.exists() else {}
-    return proc.returncode, data, proc.stdout + proc.stderr[-4000:]
-
-
-@pytest.fixture(scope="module")
-def check(torchair_python: str, tmp_path_factory) -> tuple[int, dict, str]:
-    return run_check(torchair_python, tmp_path_factory.mktemp("ge") / "ge.json")
+from tests.ops.conftest import REPO, run_check  # noqa: F401  (fixtures: torchair_python, check)
 
 
 def test_every_cp_op_converts_to_ge(check, summary_note) -> None:
@@ -63,7 +34,7 @@ def test_every_cp_op_converts_to_ge(check, summary_note) -> None:
     assert fia["cp::varlen_causal_attention_lse"]["sparse_mode"] == 3
     assert ops["cp::lse_combine"]["attrs"]["AttentionUpdate"] == [{"update_type": 1, "sp": 2}]
     assert ops["cp::cache_write"]["ge_ops"]["ScatterNdUpdate"] == 1
-    assert ops["cp::gqa_paged_attention"]["ge_ops"]["ScatterPaKvCache"] == 1
+    assert ops["cp::gqa_paged_attention"]["ge_ops"]["ScatterNdUpdate"] == 2  # k and v (slot -1: no ScatterPaKvCache)
     assert ops["cp::lightning_indexer"]["attrs"]["LightningIndexer"][0]["sparse_count"] == 4
     assert ops["cp::sparse_mla_attention"]["ge_ops"]["SparseFlashAttention"] == 1
     # What GE is handed: the bf16 query and paged caches in, the bf16 output and fp32 LSE out.
@@ -71,9 +42,10 @@ def test_every_cp_op_converts_to_ge(check, summary_note) -> None:
     assert io["inputs"][:3] == ["y: DT_BF16[6, 8, 64]", "y: DT_BF16[8, 4, 2, 64]", "y: DT_BF16[8, 4, 2, 64]"], io
     assert io["outputs"] == ["input0: DT_BF16[6, 8, 64]", "input1: DT_FLOAT[6, 8]"], io
     summary_note(f"torchair GE check (torchair of torch-npu 2.13.0, only its C++ extension stood in): "
-                 f"{s['op_graphs']} op graphs + {s['model_graphs']} DCP model graphs (GQA / MLA on ranks 0, 1 "
+                 f"{s['op_graphs']} op graphs + {s['model_graphs']} DCP model graphs (GQA / MLA, every rank "
                  f"of 4 gloo ranks; SFA on 2), "
                  f"{s['fx_nodes']} FX nodes -> {s['ge_ops']} GE ops ({s['hccl_ops']} HCCL), all converted, "
+                 f"GE == FX by value, "
                  f"{s['seconds']:.1f} s (.venv-torchair/bin/python -m tools.ge_check prints the table)")
 
 
@@ -82,7 +54,7 @@ def test_dcp_model_graphs_use_hccl_on_the_dcp_group(check) -> None:
     models = [r for r in data.get("results", []) if not r["name"].startswith(("op:", "sfa "))]
     names = {(r["name"], r["rank"]) for r in models}
     want = {f"{m} tp=4 dcp={d}" for m in ("gqa", "mla") for d in ("1", "2 ag_rs", "2 a2a")}
-    assert names == {(n, rank) for n in want for rank in (0, 1)}, output
+    assert names == {(n, rank) for n in want for rank in range(4)}, output
     for r in models:
         assert r["status"] == "ok", (r["name"], r["message"])
         assert not any("NO CONVERTER" in t for t in r["fx_targets"]), r["fx_targets"]
@@ -93,9 +65,10 @@ def test_dcp_model_graphs_use_hccl_on_the_dcp_group(check) -> None:
         if "dcp=1" in r["name"]:
             assert dcp_ops == []
             continue
-        assert r["expected_ranks"] == [0, 1]
+        dcp_group = [0, 1] if r["rank"] < 2 else [2, 3]
+        assert r["expected_ranks"] == dcp_group
         for g in dcp_ops:
-            assert g["rank_list"] == [0, 1] and g["group"].startswith("tag=ptd:"), g
+            assert g["rank_list"] == dcp_group and g["group"].startswith("tag=ptd:"), g
         kinds = {g["type"] for g in dcp_ops}
         assert kinds == ({"HcomAllGather", "HcomReduceScatter"} if "ag_rs" in r["name"]
                          else {"HcomAllGather", "HcomAllToAllV"}), kinds
@@ -108,7 +81,7 @@ def test_sfa_model_graph_keeps_the_indexer_and_attends_sparse(check) -> None:
     """SFA DCP (tp = dcp = 2): LightningIndexer over the replicated cache, the top-k
     remap (stable Sort), SparseFlashAttention with its LSE, collectives on the DCP group."""
     rc, data, output = check
-    sfa = [r for r in data.get("results", []) if r["name"].startswith("sfa ")]
+    sfa = [r for r in data.get("results", []) if r["name"].startswith("sfa ") and "dcp=2" in r["name"]]
     assert {(r["name"], r["rank"]) for r in sfa} == {("sfa tp=2 dcp=2 ag_rs", rank) for rank in (0, 1)}, output
     for r in sfa:
         assert r["status"] == "ok", (r["name"], r["message"])
@@ -130,3 +103,26 @@ def test_an_op_without_converter_fails_the_check(torchair_python: str, tmp_path:
     # stand-in's, which knows only the ops in CANN_IR_TYPES) has no op "Unconverted".
     assert "No AscendIR Unconverted was found to be registered" in bad["message"], bad["message"]
     assert all(r["status"] == "ok" for r in data["results"] if r is not bad)
+
+
+def test_ge_graphs_equal_fx_graphs_by_value(check) -> None:
+    """Every op graph and every model graph on every rank: outputs and mutated caches
+    compared under both readings of FIA's empty-row LSE, all within tolerance."""
+    rc, data, output = check
+    results = data.get("results", [])
+    models = {(r["name"], r["rank"]) for r in results if not r["name"].startswith("op:")}
+    assert ("sfa tp=2 dcp=1 dsa_cp", 0) in models and ("sfa tp=2 dcp=1 dsa_cp", 1) in models, models
+    for r in results:
+        assert r["status"] == "ok", (r["name"], r["rank"], r["message"])
+        variants = {v["variant"] for v in r["values"]}
+        assert variants == {"fia_empty_lse=-inf", "fia_empty_lse=+inf"}, (r["name"], variants)
+        assert all(v["ok"] for v in r["values"]) and any(v["what"].startswith("output") for v in r["values"]), r
+    # The caches come back written: a mutated input was compared in every cache-writing graph.
+    writers = [r for r in results if r["name"] in ("op:cp::cache_write", "op:cp::gqa_paged_attention")
+               or not r["name"].startswith("op:")]
+    assert all(any("mutated" in v["what"] for v in r["values"]) for r in writers)
+    # The -1 slots rely on an undocumented ScatterNdUpdate behaviour, and the check says so.
+    cache_write = next(r for r in results if r["name"] == "op:cp::cache_write")
+    assert any("ScatterNdUpdate" in k for k in cache_write["uncertain"]), cache_write["uncertain"]
+    dsa = next(r for r in results if r["name"] == "sfa tp=2 dcp=1 dsa_cp")
+    assert dsa["ge_ops"].get("QuantBatchMatmulV3") and dsa["ge_ops"].get("LightningIndexer"), dsa["ge_ops"]
