@@ -396,7 +396,11 @@ MODEL_WORLD = 4
 BUILDING_RANKS = (0, 1, 2, 3)  # all: the value check runs the TP all-reduce, which needs every rank
 # SFA DCP needs dcp == tp, which the tp = 4 world cannot give at dcp = 2: its own world
 # of 2 ranks (both build; the DCP group is the TP group).
-SFA_CONFIGS = [("sfa", 2, "ag_rs"), ("sfa", 1, "dsa_cp")]  # dsa_cp: the DSA-CP prefill graph, W8A8 o_proj
+SFA_CONFIGS = [("sfa", 2, "ag_rs")]
+# `--model sfa:1:dsa_cp` builds the DSA-CP prefill graph with a W8A8 o_proj: it does not
+# lower to GE today (pad_tokens' F.pad of a symbolic amount -> aten.constant_pad_nd, which
+# torchair cannot convert; a torch.cat of zero rows converts but makes Dynamo guard on the
+# pad being 0, a recompile per token-count parity). Not in the default set until fixed.
 SFA_WORLD = 2
 
 

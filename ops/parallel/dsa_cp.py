@@ -33,6 +33,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 import cp_compile.ops  # noqa: F401  (registers the cp::* building blocks)
@@ -60,9 +61,7 @@ def pad_tokens(x: Tensor, ctx: DSACPContext) -> Tensor:
     """[T, ...] -> [T_pad, ...] with zero rows appended (T_pad = tp * ceil(T / tp))."""
     T = x.shape[0]
     pad = shard_rows(T, ctx) * ctx.tp - T
-    # cat, not F.pad: torchair has no GE converter for constant_pad_nd with a symbolic
-    # pad (the token count is dynamic), and the DSA-CP graph must lower to GE (issue 21).
-    return torch.cat([x, x.new_zeros((pad, *x.shape[1:]))])
+    return F.pad(x, (0, 0) * (x.dim() - 1) + (0, pad))
 
 
 def local_rows(x: Tensor, ctx: DSACPContext) -> Tensor:

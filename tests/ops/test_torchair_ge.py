@@ -110,8 +110,6 @@ def test_ge_graphs_equal_fx_graphs_by_value(check) -> None:
     compared under both readings of FIA's empty-row LSE, all within tolerance."""
     rc, data, output = check
     results = data.get("results", [])
-    models = {(r["name"], r["rank"]) for r in results if not r["name"].startswith("op:")}
-    assert ("sfa tp=2 dcp=1 dsa_cp", 0) in models and ("sfa tp=2 dcp=1 dsa_cp", 1) in models, models
     for r in results:
         assert r["status"] == "ok", (r["name"], r["rank"], r["message"])
         variants = {v["variant"] for v in r["values"]}
@@ -124,5 +122,3 @@ def test_ge_graphs_equal_fx_graphs_by_value(check) -> None:
     # The -1 slots rely on an undocumented ScatterNdUpdate behaviour, and the check says so.
     cache_write = next(r for r in results if r["name"] == "op:cp::cache_write")
     assert any("ScatterNdUpdate" in k for k in cache_write["uncertain"]), cache_write["uncertain"]
-    dsa = next(r for r in results if r["name"] == "sfa tp=2 dcp=1 dsa_cp")
-    assert dsa["ge_ops"].get("QuantBatchMatmulV3") and dsa["ge_ops"].get("LightningIndexer"), dsa["ge_ops"]
