@@ -52,7 +52,7 @@ def test_device_check_dry_run(tmp_path: Path) -> None:
     aot = steps["aot"]["rows"]
     assert {(r["kernel"], r["target"]) for r in aot} == {(k, t) for k in _jitted_kernels() for t in ("sm_80", "sm_90a")}
     assert all(r["status"] == "ok" and r["registers"] > 0 for r in aot)
-    assert len(steps["kernels"]["rows"]) == 17 * 3  # every op x fp32 / bf16 / fp16
+    assert len(steps["kernels"]["rows"]) == 3 * len({r["op"] for r in steps["kernels"]["rows"]}) >= 3 * 17
     assert [r["context"] for r in steps["decode_bandwidth"]["rows"]] == [8192, 32768, 131072]
     assert (tmp_path / "device_check.md").read_text().count("### ") == 7
 

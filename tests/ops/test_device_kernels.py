@@ -57,7 +57,8 @@ def _assert_same(op: str, got, want) -> None:
 
 
 def test_every_op_has_a_device_kernel() -> None:
-    assert set(registry.DEVICE_KERNELS) == set(registry.cp_ops()) and len(registry.cp_ops()) == 17
+    # A new cp:: op fails here until it has a device kernel and a case (17 today).
+    assert set(registry.DEVICE_KERNELS) == set(registry.cp_ops()) and len(registry.cp_ops()) >= 17
     assert set(op_cases()) == set(registry.cp_ops())
 
 
