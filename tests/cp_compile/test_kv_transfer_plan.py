@@ -1,0 +1,228 @@
+"""The transfer plan against brute-force ownership, in one process.
+
+Brute force: a request's token p, KV head h holds a unique value. P rank caches are
+filled, and the D rank caches expected, by dealing each virtual block's tokens out
+in chunks of `interleave` to the cp ranks round-robin, each rank filling its page in
+order (the §5 rule simulated, not its formula). The plan's byte descriptors are then
+executed by memmove between the tensors of this process, and every D rank must equal
+the brute-force expectation, with every destination byte written exactly once, and
+the bytes moved must equal `expected_bytes`.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import itertools
+
+import pytest
+import torch
+
+from cp_compile.kv_transfer.layout import KVGeometry, KVLayout, check_compatible
+from cp_compile.kv_transfer.plan import expected_bytes, plan_rank
+from cp_compile.kv_transfer.regions import check_in_regions, descriptors, regions_of
+from cp_compile.config import ConfigError
+from cp_compile.kv_cache import tp_kv_head_ids
+
+HEAD, VHEAD, LATENT, INDEX = 3, 2, 5, 4
+
+
+def _deal(layout: KVLayout, n: int, blocks: list[int]) -> dict[int, tuple[int, int]]:
+    """position -> (cp rank, slot) by simulation of the interleaved deal."""
+    N, I, bs = layout.context_parallel_size, layout.cp_kv_cache_interleave_size, layout.block_size
+    out = {}
+    for p in range(n):
+        vb, j = divmod(p, bs * N)
+        counts = [0] * N
+        for q in range(j + 1):  # deal tokens 0..j of this virtual block
+            r = (q // I) % N
+            if q == j:
+                out[p] = (r, blocks[vb] * bs + counts[r])
+            counts[r] += 1
+    return out
+
+
+def _value(p: int, h: int, which: int) -> torch.Tensor:  # unique per (token, head, tensor)
+    return torch.arange(8, dtype=torch.float32) + 1000.0 * (p + 1) + 10.0 * h + 0.1 * which
+
+
+def _caches(geo: KVGeometry, layout: KVLayout, rank: int, num_blocks: int, n: int, blocks: list[int] | None):
+    """A rank's caches; filled with the request's values when `blocks` is given (P side)."""
+    heads = geo.kv_heads_of(layout, rank)
+    bs = layout.block_size
+    if geo.kind == "gqa":
+        layers = [(torch.zeros(num_blocks, bs, len(heads), HEAD), torch.zeros(num_blocks, bs, len(heads), VHEAD))]
+    else:
+        layers = [(torch.zeros(num_blocks, bs, LATENT),)]
+    index = [torch.zeros(num_blocks, layout.virtual_block_size, INDEX)] if geo.kind == "sfa" else []
+    if blocks is not None:
+        fill(geo, layout, rank, layers, index, n, blocks)
+    return layers, index
+
+
+def fill(geo, layout, rank, layers, index, n, blocks):
+    me = layout.coords(rank).cp_rank
+    heads = geo.kv_heads_of(layout, rank)
+    for p, (owner, slot) in _deal(layout, n, blocks).items():
+        if owner == me:
+            page, off = divmod(slot, layout.block_size)
+            if geo.kind == "gqa":
+                for i, h in enumerate(heads):
+                    layers[0][0][page, off, i] = _value(p, h, 0)[:HEAD]
+                    layers[0][1][page, off, i] = _value(p, h, 1)[:VHEAD]
+            else:
+                layers[0][0][page, off] = _value(p, 0, 2)[:LATENT]
+    for p in range(n):
+        vb, j = divmod(p, layout.virtual_block_size)
+        if index:
+            index[0][blocks[vb], j] = _value(p, 0, 3)[:INDEX]
+
+
+def _geometry(kind: str, kv_heads: int) -> KVGeometry:
+    if kind == "gqa":
+        return KVGeometry("gqa", 1, num_kv_heads=kv_heads, head_dim=HEAD, v_head_dim=VHEAD)
+    return KVGeometry(kind, 1, latent_dim=LATENT, index_dim=INDEX if kind == "sfa" else 0)
+
+
+def _blocks(layout: KVLayout, n: int, offset: int) -> list[int]:
+    need = -(-n // layout.virtual_block_size)
+    return [offset + 2 * i for i in range(need)][::-1]  # non-contiguous, descending: no accidental identity
+
+
+def transfer(src: KVLayout, dst: KVLayout, geo: KVGeometry, n: int):
+    """Plan, execute by memmove, check against brute force. Returns (bytes moved, runs, descriptors)."""
+    nb = 2 * (-(-n // min(src.virtual_block_size, dst.virtual_block_size))) + 4
+    sb, db = _blocks(src, n, 1), _blocks(dst, n, 0)
+    p_caches = {r: _caches(geo, src, r, nb, n, sb) for r in range(src.world_size)}
+    p_regions = {r: regions_of(*p_caches[r], geo.kind) for r in p_caches}
+    moved = runs = ndesc = 0
+    for d in range(dst.world_size):
+        got = _caches(geo, dst, d, nb, n, None)
+        want = _caches(geo, dst, d, nb, n, db)
+        written = _caches(geo, dst, d, nb, n, None)  # per-element write counts
+        plan = plan_rank(src, dst, geo, n, sb, db, d)
+        assert set(plan.dst_blocks) == set(db)
+        local = regions_of(*got, geo.kind)
+        counts = regions_of(*written, geo.kind)
+        runs += len(plan.runs)
+        for s, (loc, rem) in descriptors(plan, local, p_regions).items():
+            check_in_regions(loc, local, "decode")
+            check_in_regions(rem, p_regions[s], "prefill")
+            ndesc += len(loc)
+            for (la, ln, _), (ra, rn, _) in zip(loc.tolist(), rem.tolist()):
+                assert ln == rn
+                ctypes.memmove(la, ra, ln)
+                moved += ln
+                # count writes: local address -> same offset in the counts tensors
+                reg = next(i for i, r in enumerate(local) if r.addr <= la < r.addr + r.nbytes)
+                off = la - local[reg].addr
+                t = (written[0][0] if reg < len(written[0][0]) else written[1][0])
+                flat = list(itertools.chain(*written[0])) + written[1]
+                flat[reg].view(-1)[off // 4: (off + ln) // 4] += 1
+        for g, w, c in zip(list(itertools.chain(*got[0])) + got[1], list(itertools.chain(*want[0])) + want[1],
+                           list(itertools.chain(*written[0])) + written[1]):
+            torch.testing.assert_close(g, w, rtol=0, atol=0)
+            assert int(c.max()) <= 1, "a destination element was written twice"
+            assert bool(((c == 1) == (w != 0)).all()), "written elements are exactly the owned ones"
+    return moved, runs, ndesc
+
+
+L = KVLayout  # (tp, pcp, dcp, interleave, block_size)
+CASES = [
+    # the issue's layouts
+    ("gqa", 1, L(2, 1, 2, 1, 4), L(2, 1, 1, 1, 8)),  # P(tp2,dcp2) -> D(tp2,dcp1), block sizes differ
+    ("gqa", 1, L(1, 2, 1, 1, 4), L(2, 1, 2, 1, 4)),  # P(tp1,pcp2) -> D(tp2,dcp2)
+    ("gqa", 1, L(2, 1, 1, 4, 4), L(2, 1, 2, 4, 4)),  # P(tp2,dcp1) -> D(tp2,dcp2), block interleave
+    ("gqa", 1, L(2, 1, 2, 1, 4), L(2, 1, 2, 4, 4)),  # interleave 1 -> block_size
+    ("gqa", 1, L(2, 1, 2, 8, 8), L(2, 1, 2, 1, 4)),  # block_size -> interleave 1, block sizes differ
+    # KV heads split differently on the two sides (TP head segments)
+    ("gqa", 2, L(2, 1, 1, 1, 4), L(1, 1, 1, 1, 8)),  # P one head per rank -> D both heads
+    ("gqa", 2, L(1, 2, 1, 2, 4), L(2, 1, 1, 1, 4)),  # P both heads, PCP -> D one head per rank
+    ("gqa", 2, L(4, 1, 2, 1, 4), L(1, 1, 1, 2, 8)),  # P tp4 dcp2 (each head on 2 ranks) -> D both heads
+    ("gqa", 1, L(2, 2, 2, 2, 4), L(4, 1, 4, 1, 2)),  # PCP x DCP -> wider DCP
+    ("mla", 0, L(2, 1, 2, 1, 4), L(2, 1, 1, 1, 8)),
+    ("mla", 0, L(1, 2, 1, 4, 4), L(2, 1, 2, 4, 4)),
+    ("mla", 0, L(4, 1, 4, 2, 4), L(2, 1, 2, 8, 8)),
+    ("sfa", 0, L(2, 1, 2, 1, 4), L(2, 1, 1, 1, 8)),
+    ("sfa", 0, L(2, 1, 1, 4, 4), L(2, 1, 2, 1, 4)),
+]
+
+
+@pytest.mark.parametrize("kind,kv_heads,src,dst", CASES, ids=[f"{c[0]}-{c[2].describe()}->{c[3].describe()}"
+                                                              .replace(" ", ",") for c in CASES])
+@pytest.mark.parametrize("n", [1, 7, 37])
+def test_plan_matches_brute_force(kind, kv_heads, src, dst, n):
+    geo = _geometry(kind, kv_heads)
+    moved, _, _ = transfer(src, dst, geo, n)
+    assert moved == expected_bytes(geo, dst, n)
+
+
+def test_block_interleave_moves_whole_blocks():
+    """interleave == block_size, same block size and cp size: one run per block (a whole
+    page), against one run per interleave chunk with token interleave."""
+    geo = _geometry("mla", 0)
+    n = 64  # 4 virtual blocks of 16 at cp 2, block 8
+    sb, db = [5, 1, 3, 7], [2, 6, 0, 4]  # scattered pages: runs cannot span blocks
+    same = L(2, 1, 2, 8, 8)
+    p = plan_rank(same, same, geo, n, sb, db, 0)
+    assert [(r.src_slot, r.dst_slot, r.num_tokens) for r in p.runs] == [(b * 8, c * 8, 8) for b, c in zip(sb, db)]
+    tok = L(2, 1, 2, 1, 8)
+    q = plan_rank(tok, tok, geo, n, sb, db, 0)
+    assert len(q.runs) == 4 and all(r.num_tokens == 8 for r in q.runs)  # same layout: pages align too
+    mixed = plan_rank(tok, same, geo, n, sb, db, 0)
+    assert len(mixed.runs) == n // 2 and all(r.num_tokens == 1 for r in mixed.runs)  # token path
+
+
+def test_no_decode_rank_reads_the_whole_request():
+    """Each D rank of a DCP instance reads 1/dcp of the tokens, from the P ranks that hold them."""
+    geo = _geometry("mla", 0)
+    src, dst, n = L(2, 1, 2, 1, 4), L(2, 1, 2, 1, 4), 40
+    for d in range(2):
+        plan = plan_rank(src, dst, geo, n, list(range(5)), list(range(5)), d)
+        assert sum(r.num_tokens for r in plan.runs) == n // 2
+        assert plan.src_ranks() == (d,)  # the P rank of the same cp rank, not a gathering rank
+
+
+def test_replicas_spread_over_sources():
+    """D's TP replicas of a cp rank read from different P replicas."""
+    geo = _geometry("mla", 0)
+    src, dst = L(2, 1, 1, 1, 4), L(2, 1, 1, 1, 4)  # both ranks hold everything on both sides
+    assert [plan_rank(src, dst, geo, 9, [0, 1, 2], [0, 1, 2], d).src_ranks() for d in range(2)] == [(0,), (1,)]
+
+
+def test_mutated_plan_is_caught():
+    """The brute-force check fails on a broken plan: swap two runs' sources."""
+    import cp_compile.kv_transfer.plan as plan_mod
+
+    real = plan_mod._owner
+    plan_mod._owner = lambda pos, layout: (real(pos, layout) + 1) % layout.context_parallel_size
+    try:
+        with pytest.raises(AssertionError):
+            transfer(L(2, 1, 2, 1, 4), L(2, 1, 1, 1, 8), _geometry("mla", 0), 9)
+    finally:
+        plan_mod._owner = real
+
+
+@pytest.mark.parametrize("field,value", [("num_layers", 3), ("num_kv_heads", 4), ("head_dim", 8),
+                                         ("v_head_dim", 8), ("dtype", "torch.bfloat16"), ("kind", "mla")])
+def test_geometry_mismatch_refused(field, value):
+    p = _geometry("gqa", 2)
+    d = KVGeometry(**{**p.__dict__, field: value})
+    with pytest.raises(ConfigError, match=rf"{field}: prefill .*, decode {value!r}".replace("(", r"\(")):
+        check_compatible(p, d)
+    check_compatible(p, p)
+
+
+def test_bad_block_tables_refused():
+    geo = _geometry("mla", 0)
+    lay = L(2, 1, 2, 1, 4)
+    with pytest.raises(ValueError, match="prefill block table has 1 blocks but 9 tokens need 2"):
+        plan_rank(lay, lay, geo, 9, [0], [0, 1], 0)
+    with pytest.raises(ValueError, match="decode block table .* negative"):
+        plan_rank(lay, lay, geo, 9, [0, 1], [0, -1], 0)
+
+
+def test_head_ids_match_kv_cache():
+    geo = _geometry("gqa", 4)
+    for tp in (1, 2, 4, 8):
+        lay = L(tp, 1, 1, 1, 4)
+        assert [geo.kv_heads_of(lay, r) for r in range(tp)] == [tp_kv_head_ids(4, tp, r) for r in range(tp)]
