@@ -16,6 +16,7 @@ import torch
 
 from cp_compile.config import CPConfig
 from cp_compile.kv_cache import KVCache
+from cp_compile.kv_transfer import KVConsumer, KVProducer, KVTransferConfig
 from cp_compile.metadata import BlockAllocator, build_attention_metadata
 
 
@@ -96,3 +97,72 @@ def run_schedule(forward: Callable[..., torch.Tensor], kv_layers: list[tuple[tor
         if on_step is not None:
             on_step(step, meta)
     return results
+
+
+# --------------------------------------------------------------------------- PD disaggregation
+#
+# The serving loop's two roles when prefill and decode run on different instances
+# (`kv_transfer_config`, cp_compile.kv_transfer): a producer instance prefills and
+# exports each request's KV; a consumer instance imports it into its own blocks
+# (any other tp / dcp / interleave / block size) and decodes from the prefill's
+# sampled token. Every rank of an instance runs the same calls on global metadata.
+
+
+def make_kv_role(kv_transfer_config: Any, cfg: CPConfig, cache: KVCache, model: Any, rank: int,
+                 allocator: BlockAllocator, group: Any = None) -> Any:
+    """The `KVProducer` or `KVConsumer` the config's kv_role names, over this rank's cache."""
+    kv = KVTransferConfig.from_dict(kv_transfer_config)
+    spec, attention = model.kv_cache_spec(), model.attention_spec()
+    if kv.is_producer:
+        return KVProducer(kv, cfg, cache, spec, attention, rank)
+    return KVConsumer(kv, cfg, cache, spec, attention, rank, allocator, group=group)
+
+
+def prefill_and_export(forward: Callable[..., torch.Tensor], kv_layers: list[tuple[torch.Tensor, ...]],
+                       allocator: BlockAllocator, prompts: dict[int, list[int]], producer: Any,
+                       padding: int = 0) -> dict[int, torch.Tensor]:
+    """Producer role: prefill every prompt in one batch, export each request (its block
+    table and greedy first token). Returns each request's last-token logits."""
+    rids = sorted(prompts)
+    meta = build_attention_metadata([(0, len(prompts[r])) for r in rids], allocator, req_ids=rids,
+                                    num_padding_tokens=padding, max_blocks_per_req=64)
+    ids = torch.tensor([t for r in rids for t in prompts[r]] + [0] * padding)
+    with torch.no_grad():
+        logits = forward(ids, meta.positions, kv_layers, meta)  # [T, vocab]
+    last = logits[meta.query_start_loc[1:].long() - 1]  # [B, vocab]
+    for r, row in zip(rids, last):
+        producer.export(r, len(prompts[r]), allocator.blocks(r), int(row.argmax()))
+    return {r: row.clone() for r, row in zip(rids, last)}
+
+
+def release_exported(producer: Any, allocator: BlockAllocator, req_ids: list[int]) -> dict[int, str]:
+    """Producer role: wait for the consumer's verdict on each request, then free its blocks."""
+    verdicts = {}
+    for r in req_ids:
+        verdicts[r] = producer.wait_consumed(r)
+        allocator.free(r)
+    return verdicts
+
+
+def import_and_decode(forward: Callable[..., torch.Tensor], kv_layers: list[tuple[torch.Tensor, ...]],
+                      allocator: BlockAllocator, consumer: Any, req_ids: list[int], num_steps: int
+                      ) -> tuple[dict[int, list[int]], list[torch.Tensor], dict[int, Any]]:
+    """Consumer role: import each request's KV, then greedy-decode all of them together
+    for `num_steps` steps from the prefill's first token. Returns (tokens per request:
+    the first token then the decoded ones, last logits per step [B, vocab], imports)."""
+    imported = {r: consumer.import_request(r) for r in req_ids}
+    tokens = {r: [imp.first_token] for r, imp in imported.items()}
+    cached = {r: imp.num_tokens for r, imp in imported.items()}
+    steps = []
+    for _ in range(num_steps):
+        rids = sorted(tokens)
+        meta = build_attention_metadata([(cached[r], 1) for r in rids], allocator, req_ids=rids,
+                                        max_blocks_per_req=64)
+        ids = torch.tensor([tokens[r][-1] for r in rids])
+        with torch.no_grad():
+            logits = forward(ids, meta.positions, kv_layers, meta)  # [B, vocab]: one token per request
+        for r, row in zip(rids, logits):
+            cached[r] += 1
+            tokens[r].append(int(row.argmax()))
+        steps.append(logits.clone())
+    return tokens, steps, imported

@@ -1,6 +1,9 @@
 #!/usr/bin/env bash
 # Make the project's virtual environments; the README's two commands and .ci/run call it.
-#   .venv          the CPU torch 2.13.0, cp-compile (editable) with the test extra (upstream triton)
+#   .venv          the CPU torch 2.13.0, cp-compile (editable) with the test extra (upstream triton),
+#                  and nixl-cu12 (the KV-transfer transport, cp_compile.kv_transfer): --no-deps, since
+#                  its requirements are torch and numpy, both already here; unpinned deps would pull
+#                  a CUDA torch (the `nixl` meta-package pulls CUDA torch and both cu12 / cu13 builds)
 #   .venv-ascend   with --with-ascend: the CPU torch, triton-ascend 3.2.0 + pybind11 and
 #                  cp-compile (editable), for the Triton-Ascend lowering check
 #                  (python -m tools.ascend_check). triton-ascend owns the
@@ -30,6 +33,7 @@ echo "[bootstrap] .venv: torch (CPU), cp-compile[test]" >&2
 "$python" -m venv .venv
 .venv/bin/pip install -q torch==2.13.0
 .venv/bin/pip install -q -c "$pins" -e '.[test]'
+.venv/bin/pip install -q -c "$pins" --no-deps nixl-cu12
 
 if [ "$with_ascend" = 1 ]; then
   echo "[bootstrap] .venv-ascend: torch (CPU), triton-ascend, cp-compile" >&2

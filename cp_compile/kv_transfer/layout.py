@@ -11,11 +11,12 @@ byte moves (`check_compatible`).
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, fields
+from dataclasses import dataclass, fields
 
 import torch
 
-from cp_compile.config import AttentionSpec, ConfigError, CPConfig
+from cp_compile.config import AttentionSpec, CPConfig
+from cp_compile.errors import ConfigError
 from cp_compile.kv_cache import KVCacheSpec, tp_kv_head_ids
 
 
@@ -114,6 +115,3 @@ def check_compatible(prefill: KVGeometry, decode: KVGeometry) -> None:
                           shown, "start the decode instance with the prefill instance's model (layers, KV heads, "
                           "head / latent / indexer dims) and KV-cache dtype")
 
-
-def layout_dict(layout: KVLayout) -> dict:
-    return asdict(layout)

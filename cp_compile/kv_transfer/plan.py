@@ -31,7 +31,7 @@ from typing import Sequence
 import torch
 
 from cp_compile.kv_transfer.layout import KVGeometry, KVLayout
-from cp_compile.ops.layout import local_offset, token_owner
+from cp_compile.ops.layout import local_len, local_offset, token_owner
 
 
 @dataclass(frozen=True)
@@ -60,15 +60,15 @@ class RankPlan:
     runs: tuple[SlotRun, ...]
     dst_blocks: tuple[int, ...]  # D virtual block ids the runs write (checked against ownership)
 
-    def bytes(self, geometry: KVGeometry, dst_layout: KVLayout) -> int:
+    def bytes(self, geometry: KVGeometry) -> int:
         """Bytes the runs move into this rank (all layers)."""
-        return sum(r.num_tokens * _token_bytes(geometry, dst_layout, self.dst_rank, r) for r in self.runs)
+        return sum(r.num_tokens * _token_bytes(geometry, r) for r in self.runs)
 
     def src_ranks(self) -> tuple[int, ...]:
         return tuple(sorted({r.src_rank for r in self.runs}))
 
 
-def _token_bytes(geometry: KVGeometry, dst_layout: KVLayout, dst_rank: int, run: SlotRun) -> int:
+def _token_bytes(geometry: KVGeometry, run: SlotRun) -> int:
     e, layers = geometry.element_size, geometry.num_layers
     if run.cache == "index":
         return geometry.index_dim * e * layers
@@ -94,6 +94,20 @@ def expected_bytes(geometry: KVGeometry, dst: KVLayout, num_tokens: int) -> int:
     if geometry.kind == "sfa":
         total += num_tokens * dst.world_size * geometry.index_dim * e * layers
     return total
+
+
+def expected_rank_bytes(geometry: KVGeometry, dst: KVLayout, num_tokens: int, rank: int) -> int:
+    """The same for one D rank: the tokens its cp rank owns (`local_len`, §5) with its
+    KV heads (or the latent), plus every token of the replicated indexer (SFA)."""
+    e, layers = geometry.element_size, geometry.num_layers
+    mine = int(local_len(torch.tensor(num_tokens), dcp=dst.context_parallel_size, rank=dst.coords(rank).cp_rank,
+                         interleave=dst.cp_kv_cache_interleave_size))
+    if geometry.kind == "gqa":
+        row = len(geometry.kv_heads_of(dst, rank)) * (geometry.head_dim + geometry.v_head_dim)
+    else:
+        row = geometry.latent_dim
+    index = num_tokens * geometry.index_dim if geometry.kind == "sfa" else 0
+    return (mine * row + index) * e * layers
 
 
 def _blocks_needed(num_tokens: int, vbs: int) -> int:

@@ -18,9 +18,9 @@ import pytest
 import torch
 
 from cp_compile.kv_transfer.layout import KVGeometry, KVLayout, check_compatible
-from cp_compile.kv_transfer.plan import expected_bytes, plan_rank
+from cp_compile.kv_transfer.plan import expected_bytes, expected_rank_bytes, plan_rank
 from cp_compile.kv_transfer.regions import check_in_regions, descriptors, regions_of
-from cp_compile.config import ConfigError
+from cp_compile.errors import ConfigError
 from cp_compile.kv_cache import tp_kv_head_ids
 
 HEAD, VHEAD, LATENT, INDEX = 3, 2, 5, 4
@@ -88,6 +88,12 @@ def _blocks(layout: KVLayout, n: int, offset: int) -> list[int]:
     return [offset + 2 * i for i in range(need)][::-1]  # non-contiguous, descending: no accidental identity
 
 
+def _flat(caches) -> list[torch.Tensor]:
+    """A rank's cache tensors in `regions_of` order."""
+    layers, index = caches
+    return list(itertools.chain(*layers)) + index
+
+
 def transfer(src: KVLayout, dst: KVLayout, geo: KVGeometry, n: int):
     """Plan, execute by memmove, check against brute force. Returns (bytes moved, runs, descriptors)."""
     nb = 2 * (-(-n // min(src.virtual_block_size, dst.virtual_block_size))) + 4
@@ -101,6 +107,7 @@ def transfer(src: KVLayout, dst: KVLayout, geo: KVGeometry, n: int):
         written = _caches(geo, dst, d, nb, n, None)  # per-element write counts
         plan = plan_rank(src, dst, geo, n, sb, db, d)
         assert set(plan.dst_blocks) == set(db)
+        assert plan.bytes(geo) == expected_rank_bytes(geo, dst, n, d)
         local = regions_of(*got, geo.kind)
         counts = regions_of(*written, geo.kind)
         runs += len(plan.runs)
@@ -115,11 +122,8 @@ def transfer(src: KVLayout, dst: KVLayout, geo: KVGeometry, n: int):
                 # count writes: local address -> same offset in the counts tensors
                 reg = next(i for i, r in enumerate(local) if r.addr <= la < r.addr + r.nbytes)
                 off = la - local[reg].addr
-                t = (written[0][0] if reg < len(written[0][0]) else written[1][0])
-                flat = list(itertools.chain(*written[0])) + written[1]
-                flat[reg].view(-1)[off // 4: (off + ln) // 4] += 1
-        for g, w, c in zip(list(itertools.chain(*got[0])) + got[1], list(itertools.chain(*want[0])) + want[1],
-                           list(itertools.chain(*written[0])) + written[1]):
+                _flat(written)[reg].view(-1)[off // 4: (off + ln) // 4] += 1  # fp32 elements
+        for g, w, c in zip(_flat(got), _flat(want), _flat(written)):
             torch.testing.assert_close(g, w, rtol=0, atol=0)
             assert int(c.max()) <= 1, "a destination element was written twice"
             assert bool(((c == 1) == (w != 0)).all()), "written elements are exactly the owned ones"

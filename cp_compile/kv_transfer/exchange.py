@@ -1,0 +1,88 @@
+"""What the instances tell each other, through a torch.distributed TCPStore.
+
+Keys (pickled values), under `cpkv/<producer engine_id>/`:
+- `rank/<r>`: `RankInfo` of producer rank r (layout, geometry, cache regions, agent
+  metadata), once at start;
+- `req/<id>/ready/<r>`: `ReadyRequest` from producer rank r once its prefill of the
+  request has written its cache (a consumer waits for every rank's);
+- `req/<id>/consumed`: the consumer's verdict ("ok" or the error), set by consumer
+  rank 0 after every consumer rank finished; the producer frees its blocks then.
+"""
+
+from __future__ import annotations
+
+import pickle
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+from torch.distributed import TCPStore
+
+from cp_compile.kv_transfer.layout import KVGeometry, KVLayout
+from cp_compile.kv_transfer.regions import CacheRegion
+from cp_compile.kv_transfer.transport import KVTransferError
+
+
+@dataclass(frozen=True)
+class RankInfo:
+    engine_id: str
+    rank: int
+    layout: KVLayout
+    geometry: KVGeometry
+    regions: tuple[CacheRegion, ...]
+    agent_metadata: bytes
+
+
+@dataclass(frozen=True)
+class ReadyRequest:
+    req_id: int
+    num_tokens: int  # tokens in the producer's cache (the prompt)
+    block_table: tuple[int, ...]  # producer virtual block ids
+    first_token: int  # the token the prefill sampled
+
+
+class Exchange:
+    def __init__(self, host: str, port: int, engine_id: str, master: bool = False, timeout_s: float = 60.0) -> None:
+        self.engine_id = engine_id
+        self.store = TCPStore(host, port, is_master=master, wait_for_workers=False,
+                              timeout=timedelta(seconds=timeout_s))
+
+    def _key(self, *parts: Any) -> str:
+        return "/".join(["cpkv", self.engine_id, *map(str, parts)])
+
+    def _set(self, key: str, value: Any) -> None:
+        self.store.set(key, pickle.dumps(value))
+
+    def _get(self, key: str, timeout_s: float, what: str) -> Any:
+        try:
+            self.store.wait([key], timedelta(seconds=timeout_s))
+        except Exception as exc:  # torch raises DistStoreError / RuntimeError on timeout
+            raise KVTransferError(f"{what}: nothing at store key {key!r} after {timeout_s:.0f} s "
+                                  f"({type(exc).__name__}). Fix: check that the other instance is up and uses the same "
+                                  f"kv_ip / kv_port and producer engine_id {self.engine_id!r}") from exc
+        return pickle.loads(self.store.get(key))
+
+    def publish_rank(self, info: RankInfo, world_size: int) -> None:
+        self._set(self._key("rank", info.rank), info)
+        if info.rank == 0:
+            self._set(self._key("world_size"), world_size)
+
+    def fetch_ranks(self, timeout_s: float) -> dict[int, RankInfo]:
+        world = self._get(self._key("world_size"), timeout_s, f"producer {self.engine_id!r} world size")
+        return {r: self._get(self._key("rank", r), timeout_s, f"producer rank {r}") for r in range(world)}
+
+    def publish_ready(self, rank: int, ready: ReadyRequest) -> None:
+        self._set(self._key("req", ready.req_id, "ready", rank), ready)
+
+    def fetch_ready(self, req_id: int, world_size: int, timeout_s: float) -> ReadyRequest:
+        got = [self._get(self._key("req", req_id, "ready", r), timeout_s, f"request {req_id} on producer rank {r}")
+               for r in range(world_size)]
+        if any(g != got[0] for g in got[1:]):
+            raise KVTransferError(f"producer ranks disagree on request {req_id}: {got}")
+        return got[0]
+
+    def publish_consumed(self, req_id: int, verdict: str) -> None:
+        self._set(self._key("req", req_id, "consumed"), verdict)
+
+    def wait_consumed(self, req_id: int, timeout_s: float) -> str:
+        return self._get(self._key("req", req_id, "consumed"), timeout_s, f"consumer verdict on request {req_id}")

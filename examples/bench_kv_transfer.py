@@ -1,0 +1,128 @@
+"""KV-transfer throughput (PD disaggregation over NIXL, loopback): a standalone measurement.
+
+Two worlds as in `examples/pd_disagg.py` (P and D, separate process groups), caches at
+a real per-rank shape filled with random values (no model runs: the prefill
+benchmark cannot host a 16k-token prompt on this machine's CPU ranks in reasonable
+time, so the transfer is timed on its own). P exports `--requests` requests of
+`--tokens` tokens; every D rank imports each one (its reads, layer by layer, from
+the P ranks that hold its tokens) and reports bytes and seconds. Prints per-rank and
+aggregate GB/s, bytes against the formula, and writes JSON rows to `--out`.
+
+    python -m examples.bench_kv_transfer --tokens 16384 --layers 8 --shape qwen3-235b-a22b-tp8
+    python -m examples.bench_kv_transfer --tokens 16384 --layers 8 --shape deepseek-r1-tp8 --p-dcp 2 --d-dcp 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import torch
+
+import cp_compile
+from cp_compile.kv_transfer import KVConsumer, KVLayout, KVProducer, expected_bytes
+from cp_compile.kv_transfer.layout import KVGeometry
+from cp_compile.testing.two_worlds import run_two_worlds
+
+SHAPES = {  # per-rank attention of the deployments in examples/bench/shapes.py
+    "qwen3-235b-a22b-tp8": dict(kind="gqa", head_dim=128, num_heads=16, num_kv_heads=1),
+    "deepseek-r1-tp8": dict(kind="mla", latent_dim=512 + 64, num_heads=16),
+}
+
+
+def _specs(shape: str, layers: int):
+    s = SHAPES[shape]
+    if s["kind"] == "gqa":
+        return (cp_compile.KVCacheSpec(layers, "gqa", head_dim=s["head_dim"], v_head_dim=s["head_dim"],
+                                       num_kv_heads_per_rank=1),
+                cp_compile.AttentionSpec("gqa", s["num_heads"], s["num_kv_heads"]))
+    return cp_compile.KVCacheSpec(layers, "mla", latent_dim=s["latent_dim"]), cp_compile.AttentionSpec("mla", 16)
+
+
+def _side(rank: int, cfg: cp_compile.CPConfig, a: argparse.Namespace):
+    state = cp_compile.init_parallel(cfg, device="cpu")
+    spec, attention = _specs(a.shape, a.layers)
+    blocks = a.requests * -(-a.tokens // cfg.virtual_block_size)
+    cache = cp_compile.allocate_kv_cache(cfg, spec, blocks, dtype=getattr(torch, a.dtype), attention=attention)
+    return state, spec, attention, cache, cp_compile.BlockAllocator(blocks, cfg.virtual_block_size)
+
+
+def _kv(role: str, port: int) -> dict:
+    extra = {"transfer_timeout_s": 300.0, "remote_engine_id": "bench-p"} if role == "kv_consumer" else {}
+    return {"kv_role": role, "engine_id": "bench-p" if role == "kv_producer" else "bench-d", "kv_port": port,
+            "kv_connector_extra_config": extra}
+
+
+def prefill_world(rank: int, world: int, port: int, cfg: cp_compile.CPConfig, a: argparse.Namespace) -> dict:
+    state, spec, attention, cache, alloc = _side(rank, cfg, a)
+    g = torch.Generator().manual_seed(rank)
+    for layer in cache.layers:
+        for t in layer:
+            t.copy_(torch.randn(t.shape, generator=g).to(t.dtype))  # stands for a prefill's KV
+    producer = KVProducer(_kv("kv_producer", port), cfg, cache, spec, attention, rank)
+    for r in range(a.requests):
+        producer.export(r, a.tokens, alloc.ensure(r, a.tokens), first_token=0)
+    verdicts = [producer.wait_consumed(r) for r in range(a.requests)]
+    return dict(verdicts=verdicts)
+
+
+def decode_world(rank: int, world: int, port: int, cfg: cp_compile.CPConfig, a: argparse.Namespace) -> dict:
+    state, spec, attention, cache, alloc = _side(rank, cfg, a)
+    consumer = KVConsumer(_kv("kv_consumer", port), cfg, cache, spec, attention, rank, alloc)
+    rows = []
+    for r in range(a.requests):
+        imp = consumer.import_request(r)
+        rows.append(dict(bytes=imp.bytes_moved, seconds=imp.seconds, src_ranks=list(imp.src_ranks)))
+    return dict(rank=rank, rows=rows)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--shape", choices=sorted(SHAPES), default="qwen3-235b-a22b-tp8")
+    ap.add_argument("--tokens", type=int, default=16384)
+    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--requests", type=int, default=3)
+    ap.add_argument("--dtype", default="bfloat16")
+    for side in ("p", "d"):
+        ap.add_argument(f"--{side}-tp", type=int, default=2)
+        ap.add_argument(f"--{side}-dcp", type=int, default=2 if side == "p" else 1)
+        ap.add_argument(f"--{side}-interleave", type=int, default=1)
+        ap.add_argument(f"--{side}-block-size", type=int, default=128)
+    ap.add_argument("--out", default="results/bench_kv_transfer")
+    a = ap.parse_args(argv)
+    p_cfg = cp_compile.CPConfig(tensor_parallel_size=a.p_tp, decode_context_parallel_size=a.p_dcp,
+                                cp_kv_cache_interleave_size=a.p_interleave, block_size=a.p_block_size)
+    d_cfg = cp_compile.CPConfig(tensor_parallel_size=a.d_tp, decode_context_parallel_size=a.d_dcp,
+                                cp_kv_cache_interleave_size=a.d_interleave, block_size=a.d_block_size)
+    p, d = run_two_worlds(prefill_world, a.p_tp, (p_cfg, a), decode_world, a.d_tp, (d_cfg, a), timeout=1200)
+    for out, who in ((p, "prefill"), (d, "decode")):
+        if isinstance(out, BaseException):
+            raise SystemExit(f"{who} instance failed: {out}")
+    spec, attention = _specs(a.shape, a.layers)
+    geo = KVGeometry.of(spec, attention, getattr(torch, a.dtype))
+    formula = expected_bytes(geo, KVLayout.from_config(d_cfg), a.tokens)
+    print(f"{a.shape}, {a.tokens} tokens, {a.layers} layers, {a.dtype}: P(tp{a.p_tp},dcp{a.p_dcp},"
+          f"I{a.p_interleave},bs{a.p_block_size}) -> D(tp{a.d_tp},dcp{a.d_dcp},I{a.d_interleave},"
+          f"bs{a.d_block_size}); formula {formula} B per request")
+    rows = []
+    for r in range(a.requests):
+        per = [o["rows"][r] for o in d]
+        total, slowest = sum(x["bytes"] for x in per), max(x["seconds"] for x in per)
+        rows.append(dict(request=r, bytes=total, formula=formula, seconds=slowest, gb_per_s=total / slowest / 1e9,
+                         per_rank=[dict(rank=o["rank"], **o["rows"][r],
+                                        gb_per_s=o["rows"][r]["bytes"] / o["rows"][r]["seconds"] / 1e9) for o in d]))
+        ranks = ", ".join(f"D{x['rank']} {x['bytes'] / 1e6:.1f} MB {x['seconds'] * 1e3:.1f} ms "
+                          f"({x['gb_per_s']:.2f} GB/s) from P{x['src_ranks']}" for x in rows[-1]["per_rank"])
+        print(f"request {r}: {total / 1e6:.1f} MB (== formula: {total == formula}) in {slowest * 1e3:.1f} ms "
+              f"= {rows[-1]['gb_per_s']:.2f} GB/s aggregate; {ranks}")
+    os.makedirs(a.out, exist_ok=True)
+    with open(os.path.join(a.out, "bench_kv_transfer.json"), "w") as f:
+        json.dump(dict(args=vars(a), rows=rows, time=time.time()), f, indent=1)
+    return 0 if all(r["bytes"] == formula for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,308 @@
+"""PD disaggregation: a prefill instance and a decode instance of different CP layouts.
+
+Two separate process worlds on CPU ranks (gloo), each with its own
+`init_parallel`: the prefill (P) instance prefills the prompts and exports their KV
+(`kv_transfer_config={"kv_role": "kv_producer", ...}`); the decode (D) instance
+imports it over NIXL (UCX, DRAM here) into its own blocks, each D rank reading only
+the tokens and KV heads it owns from the P ranks that hold them, then decodes. The
+same prompts run on one device; the script prints both token streams and exits
+non-zero if they differ.
+
+    python -m examples.pd_disagg --p-tp 2 --p-dcp 2 --d-tp 2 --d-dcp 1
+    python -m examples.pd_disagg --p-tp 1 --p-pcp 2 --d-tp 2 --d-dcp 2 --model mla
+    python -m examples.pd_disagg --p-tp 2 --p-dcp 2 --p-interleave 4 --d-tp 2 --d-dcp 1 --d-block-size 8 --model sfa
+
+Run as a module from the repository root (the spawned ranks import it by name).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import sys
+import time
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import torch
+
+import cp_compile
+from cp_compile.kv_transfer import ImportedRequest, KVGeometry, KVLayout, expected_bytes
+from cp_compile.testing.two_worlds import run_two_worlds
+from examples.serving import (import_and_decode, layer_caches, make_kv_role, prefill_and_export,
+                              release_exported)
+
+NUM_BLOCKS = 24
+
+
+@dataclass(frozen=True)
+class Side:
+    tp: int = 1
+    pcp: int = 1
+    dcp: int = 1
+    interleave: int = 1
+    block_size: int = 4
+
+    def config(self) -> cp_compile.CPConfig:
+        return cp_compile.CPConfig(tensor_parallel_size=self.tp, prefill_context_parallel_size=self.pcp,
+                                   decode_context_parallel_size=self.dcp, cp_kv_cache_interleave_size=self.interleave,
+                                   block_size=self.block_size)
+
+    def describe(self) -> str:
+        s = f"tp{self.tp}" + (f",pcp{self.pcp}" if self.pcp > 1 else "") + f",dcp{self.dcp}"
+        return s + f",I{self.interleave},bs{self.block_size}"
+
+
+@dataclass(frozen=True)
+class Case:
+    kind: str  # "gqa" | "mla" | "sfa"
+    p: Side
+    d: Side
+    num_kv_heads: int = 1
+    prompt_lens: tuple[int, ...] = (13, 6)
+    steps: int = 4
+    fault: str = ""  # "", "mismatch" (D serves another model), "ownership" (D drops the request mid-transfer)
+    timeout_s: float = 30.0
+
+    def name(self) -> str:
+        return f"{self.kind} P({self.p.describe()}) -> D({self.d.describe()})" + (f" [{self.fault}]" if self.fault else "")
+
+
+def hf_model(kind: str, num_kv_heads: int = 1, num_layers: int = 2):
+    from examples.models.tiny import hf_deepseek_sfa, hf_deepseek_v3, hf_qwen3
+
+    if kind == "gqa":
+        return hf_qwen3(num_kv_heads=num_kv_heads, num_heads=4, num_layers=num_layers)
+    if kind == "mla":
+        return hf_deepseek_v3(q_lora_rank=None, num_heads=4, num_layers=num_layers)
+    return hf_deepseek_sfa(num_heads=4, num_layers=num_layers)
+
+
+def prompts_of(case: Case, vocab: int) -> dict[int, list[int]]:
+    g = torch.Generator().manual_seed(sum(case.prompt_lens))
+    return {r: torch.randint(0, vocab, (n,), generator=g).tolist() for r, n in enumerate(case.prompt_lens)}
+
+
+def kv_config(case_index: int, role: str, store_port: int, timeout_s: float) -> dict:
+    engine = f"prefill-{case_index}"
+    cfg = {"kv_role": role, "kv_connector": "NixlConnector", "kv_ip": "127.0.0.1", "kv_port": store_port,
+           "engine_id": engine if role == "kv_producer" else f"decode-{case_index}",
+           "kv_connector_extra_config": {"transfer_timeout_s": timeout_s}}
+    if role == "kv_consumer":
+        cfg["kv_connector_extra_config"]["remote_engine_id"] = engine
+    return cfg
+
+
+def _instance(side: Side, hf_config, state_dict, kind: str):
+    """init_parallel, the TP-sharded example model (compiled with cp_ascend when the
+    cache is sharded), this rank's cache and allocator."""
+    from examples.models.tiny import example_from_config
+
+    cfg = side.config()
+    state = cp_compile.init_parallel(cfg, device="cpu")
+    model = example_from_config(hf_config, state_dict, side.tp, state.tp_rank, state.tp_group)
+    cache = cp_compile.allocate_kv_cache(cfg, model.kv_cache_spec(), NUM_BLOCKS, attention=model.attention_spec())
+    forward = model
+    if cfg.context_parallel_size > 1:
+        forward = cp_compile.compile_model(model, lowering="eager",
+                                           indexer="self_attn.indexer" if kind == "sfa" else None)
+    return cfg, state, model, cache, forward, cp_compile.BlockAllocator(NUM_BLOCKS, cfg.virtual_block_size)
+
+
+def prefill_world(rank: int, world: int, store_port: int, cases: list[Case], models: list[tuple]) -> list[dict]:
+    """The P instance: each case's prompts prefilled and exported, then released."""
+    outs = []
+    for i, (case, (hf_config, sd)) in enumerate(zip(cases, models)):
+        cfg, state, model, cache, forward, alloc = _instance(case.p, hf_config, sd, case.kind)
+        producer = make_kv_role(kv_config(i, "kv_producer", store_port, case.timeout_s), cfg, cache, model, rank,
+                                alloc)
+        producer.exchange.store.set(f"test/{i}/pid/{rank}", str(os.getpid()))
+        prompts = prompts_of(case, hf_config.vocab_size)
+        last = prefill_and_export(forward, layer_caches(cache), alloc, prompts, producer)
+        verdicts = release_exported(producer, alloc, sorted(prompts))
+        outs.append(dict(last=last, verdicts=verdicts, free=alloc.num_free))
+        cp_compile.destroy_parallel()
+        torch._dynamo.reset()
+    return outs
+
+
+def _kill_prefill_rank(store, case_index: int, rank: int) -> None:
+    """Fault injection (tests): SIGKILL producer rank `rank` and wait until it is gone."""
+    pid = int(store.get(f"test/{case_index}/pid/{rank}"))
+    os.kill(pid, signal.SIGKILL)
+    while True:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                if f.read().split(") ", 1)[1].startswith(("Z", "X")):
+                    return
+        except FileNotFoundError:
+            return
+        time.sleep(0.01)
+
+
+def decode_world(rank: int, world: int, store_port: int, cases: list[Case], models: list[tuple]) -> list[dict]:
+    """The D instance: each case's requests imported, then decoded (or the fault's outcome)."""
+    outs = []
+    for i, (case, (hf_config, sd)) in enumerate(zip(cases, models)):
+        cfg, state, model, cache, forward, alloc = _instance(case.d, hf_config, sd, case.kind)
+        consumer = make_kv_role(kv_config(i, "kv_consumer", store_port, case.timeout_s), cfg, cache, model, rank,
+                                alloc)
+        rids = list(range(len(case.prompt_lens)))
+        out: dict[str, Any] = dict(rank=rank)
+        if case.fault:
+            out.update(_decode_fault(case, i, consumer, alloc, rids))
+        else:
+            tokens, steps, imported = import_and_decode(forward, layer_caches(cache), alloc, consumer, rids,
+                                                        case.steps)
+            out.update(tokens=tokens, steps=steps, imported=imported)
+        out["cache_nonzero"] = [int(t.count_nonzero()) for layer in layer_caches(cache) for t in layer]
+        out["free"], out["num_blocks"] = alloc.num_free, NUM_BLOCKS
+        outs.append(out)
+        cp_compile.destroy_parallel()
+        torch._dynamo.reset()
+    return outs
+
+
+def _decode_fault(case: Case, i: int, consumer, alloc, rids: list[int]) -> dict:
+    from cp_compile.kv_transfer import KVOwnershipError, KVTransferError
+
+    t0 = time.monotonic()
+    on_layer = None
+    if case.fault == "kill":
+        def on_layer(layer: int) -> None:
+            if layer == 0:  # every D rank has layer 0, then P rank 1 dies, then layer 1 is read
+                torch.distributed.barrier()
+                if consumer.rank == 0:
+                    _kill_prefill_rank(consumer.exchange.store, i, 1)
+                torch.distributed.barrier()
+    elif case.fault == "ownership":
+        def on_layer(layer: int) -> None:
+            if layer == 0:  # the request is dropped and its blocks go to another one mid-transfer
+                alloc.free(rids[0])
+                alloc.ensure(99, case.prompt_lens[0])
+    try:
+        consumer.import_request(rids[0], on_layer=on_layer)
+        return dict(error=None, seconds=time.monotonic() - t0)
+    except (KVTransferError, cp_compile.ConfigError) as exc:
+        alloc.free(99)
+        return dict(error=f"{type(exc).__name__}: {exc}", ownership=isinstance(exc, KVOwnershipError),
+                    seconds=time.monotonic() - t0)
+
+
+class SameInstanceHandoff:
+    """The single-device run's producer and consumer at once: the KV stays where the
+    prefill wrote it (the reference the PD run is compared with)."""
+
+    def __init__(self) -> None:
+        self.ready: dict[int, tuple[int, int]] = {}
+
+    def export(self, req_id: int, num_tokens: int, block_table: list[int], first_token: int) -> None:
+        self.ready[req_id] = (num_tokens, first_token)
+
+    def import_request(self, req_id: int) -> ImportedRequest:
+        n, first = self.ready[req_id]
+        return ImportedRequest(req_id, n, first, 0, 0.0, ())
+
+
+def reference(case: Case, hf_config, state_dict) -> dict:
+    from examples.models.tiny import example_from_config
+
+    model = example_from_config(hf_config, state_dict)
+    cfg = cp_compile.CPConfig(block_size=8)
+    cache = cp_compile.allocate_kv_cache(cfg, model.kv_cache_spec(), NUM_BLOCKS)
+    alloc = cp_compile.BlockAllocator(NUM_BLOCKS, cfg.virtual_block_size)
+    handoff = SameInstanceHandoff()
+    prompts = prompts_of(case, hf_config.vocab_size)
+    last = prefill_and_export(model, layer_caches(cache), alloc, prompts, handoff)
+    tokens, steps, _ = import_and_decode(model, layer_caches(cache), alloc, handoff, sorted(prompts), case.steps)
+    return dict(last=last, tokens=tokens, steps=steps)
+
+
+def geometry_of(hf_config, state_dict) -> KVGeometry:
+    from examples.models.tiny import example_from_config
+
+    model = example_from_config(hf_config, state_dict)
+    return KVGeometry.of(model.kv_cache_spec(), model.attention_spec(), torch.float32)
+
+
+def compare(case: Case, ref: dict, p_out: list[dict], d_out: list[dict], geometry: KVGeometry) -> dict:
+    """Tokens equal on every D rank, logit differences, bytes vs the formula."""
+    diff = max(float((p["last"][r] - ref["last"][r]).abs().max()) for p in p_out for r in ref["last"])
+    equal = True
+    moved = 0
+    for d in d_out:
+        equal &= d["tokens"] == ref["tokens"]
+        for got, want in zip(d["steps"], ref["steps"]):
+            diff = max(diff, float((got - want).abs().max()))
+        moved += sum(imp.bytes_moved for imp in d["imported"].values())
+    formula = sum(expected_bytes(geometry, KVLayout.from_config(case.d.config()), n) for n in case.prompt_lens)
+    seconds = max(imp.seconds for d in d_out for imp in d["imported"].values())
+    return dict(equal=bool(equal), max_logit_diff=diff, bytes=moved, formula=formula, seconds=seconds,
+                verdicts=p_out[0]["verdicts"])
+
+
+def run_cases(cases: list[Case], timeout: float = 600.0) -> tuple[list, list, list[tuple]]:
+    """Both worlds over `cases` (same P and D world sizes); returns (P results, D results, models)."""
+    hfs = [hf_model(c.kind, c.num_kv_heads) for c in cases]
+    models = [(h.config, {k: v.detach().clone() for k, v in h.state_dict().items()}) for h in hfs]
+    p_world, d_world = cases[0].p.tp * cases[0].p.pcp, cases[0].d.tp * cases[0].d.pcp
+    assert all(c.p.tp * c.p.pcp == p_world and c.d.tp * c.d.pcp == d_world for c in cases)
+    d_models = [_decode_model(c, m) for c, m in zip(cases, models)]
+    p, d = run_two_worlds(prefill_world, p_world, (cases, models), decode_world, d_world, (cases, d_models),
+                          timeout=timeout, peer_grace=3.0)
+    return p, d, models
+
+
+def _decode_model(case: Case, model: tuple) -> tuple:
+    """The model the D instance serves: the same one, except under the "mismatch" fault
+    (one more layer: a different model, refused before any byte moves)."""
+    if case.fault != "mismatch":
+        return model
+    h = hf_model(case.kind, case.num_kv_heads, num_layers=3)
+    return h.config, {k: v.detach().clone() for k, v in h.state_dict().items()}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    for side in ("p", "d"):
+        ap.add_argument(f"--{side}-tp", type=int, default=2)
+        ap.add_argument(f"--{side}-dcp", type=int, default=1)
+        ap.add_argument(f"--{side}-interleave", type=int, default=1)
+        ap.add_argument(f"--{side}-block-size", type=int, default=4)
+    ap.add_argument("--p-pcp", type=int, default=1)
+    ap.add_argument("--model", choices=("gqa", "mla", "sfa"), default="gqa")
+    ap.add_argument("--kv-heads", type=int, default=1, help="GQA KV heads")
+    ap.add_argument("--prompt-lens", type=int, nargs="+", default=[13, 6])
+    ap.add_argument("--steps", type=int, default=6)
+    a = ap.parse_args(argv)
+    case = Case(a.model, Side(a.p_tp, a.p_pcp, a.p_dcp, a.p_interleave, a.p_block_size),
+                Side(a.d_tp, 1, a.d_dcp, a.d_interleave, a.d_block_size), num_kv_heads=a.kv_heads,
+                prompt_lens=tuple(a.prompt_lens), steps=a.steps)
+    print(f"case: {case.name()}  (P world {case.p.tp * case.p.pcp} ranks, D world {case.d.tp} ranks, "
+          f"separate process groups, NIXL UCX over DRAM)")
+    t0 = time.time()
+    p_out, d_out, models = run_cases([case])
+    for out, who in ((p_out, "prefill"), (d_out, "decode")):
+        if isinstance(out, BaseException):
+            raise SystemExit(f"{who} instance failed: {out}")
+    ref = reference(case, *models[0])
+    p_ranks, d_ranks = [o[0] for o in p_out], [o[0] for o in d_out]
+    res = compare(case, ref, p_ranks, d_ranks, geometry_of(*models[0]))
+    for r in sorted(ref["tokens"]):
+        print(f"request {r} ({case.prompt_lens[r]} prompt tokens)")
+        print(f"  single device : {ref['tokens'][r]}")
+        for d in d_ranks:
+            imp = d["imported"][r]
+            print(f"  PD, D rank {d['rank']}  : {d['tokens'][r]}   (read {imp.bytes_moved} B from P ranks "
+                  f"{list(imp.src_ranks)} in {imp.seconds * 1e3:.1f} ms)")
+    print(f"max |logit diff| {res['max_logit_diff']:.2e}; bytes moved {res['bytes']} (formula {res['formula']}); "
+          f"consumer verdicts {res['verdicts']}; {time.time() - t0:.1f} s")
+    ok = res["equal"] and res["bytes"] == res["formula"]
+    print("tokens equal: " + ("yes" if res["equal"] else "NO") + "; bytes == formula: "
+          + ("yes" if res["bytes"] == res["formula"] else "NO"))
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,143 @@
+"""PD disaggregation end to end: two separate process worlds (P and D, each its own
+init_parallel and process groups), NIXL (UCX, DRAM) between them, a TCPStore both
+reach. D's greedy tokens must equal a single-device run over the whole prompt, the
+bytes moved must equal the formula, and the faults must fail the way the connector
+promises. One pair of worlds (2 + 2 ranks) serves the default matrix; the rank-death
+test has its own pair (its P world loses a rank)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from cp_compile.kv_transfer import KVLayout
+from cp_compile.kv_transfer.plan import expected_rank_bytes
+from cp_compile.testing.multirank import RankFailed
+from examples.pd_disagg import Case, Side, compare, geometry_of, reference, run_cases
+
+EXACT = [
+    Case("gqa", Side(2, 1, 2, 1, 4), Side(2, 1, 1, 1, 8)),  # P(tp2,dcp2) -> D(tp2,dcp1), block sizes 4 -> 8
+    Case("gqa", Side(1, 2, 1, 1, 4), Side(2, 1, 2, 1, 4)),  # P(tp1,pcp2) -> D(tp2,dcp2)
+    Case("gqa", Side(2, 1, 1, 4, 4), Side(2, 1, 2, 4, 4)),  # P(tp2,dcp1) -> D(tp2,dcp2), block interleave
+    Case("mla", Side(2, 1, 2, 1, 4), Side(2, 1, 2, 4, 4)),  # interleave 1 -> block_size
+    Case("sfa", Side(2, 1, 2, 4, 4), Side(2, 1, 1, 1, 8)),  # block_size -> 1, block sizes 4 -> 8, indexer
+]
+# Fault cases: P at dcp 1 runs eager (no compile); D never runs its model.
+FAULTS = [
+    Case("gqa", Side(2, 1, 1, 1, 4), Side(2, 1, 2, 1, 4), prompt_lens=(13,), fault="mismatch"),
+    Case("mla", Side(2, 1, 1, 1, 4), Side(2, 1, 1, 1, 8), prompt_lens=(13,), fault="ownership"),
+]
+
+
+# Under `slow` (each group is one pair of worlds): KV heads split differently on the
+# two sides (2 KV heads), the remaining interleave / block-size directions, MLA and SFA
+# from the other layouts, and a one-rank decode instance.
+SLOW = [
+    [Case("gqa", Side(1, 2, 1, 1, 4), Side(2, 1, 1, 2, 8), num_kv_heads=2),  # P both heads -> D one head/rank
+     Case("gqa", Side(2, 1, 2, 4, 4), Side(2, 1, 1, 1, 4)),  # block_size -> interleave 1
+     Case("mla", Side(1, 2, 1, 1, 4), Side(2, 1, 2, 4, 4)),
+     Case("mla", Side(2, 1, 1, 4, 4), Side(2, 1, 2, 1, 8)),
+     Case("sfa", Side(2, 1, 1, 1, 4), Side(2, 1, 2, 4, 4))],
+    [Case("gqa", Side(2, 1, 1, 1, 4), Side(1, 1, 1, 1, 8), num_kv_heads=2),  # P one head/rank -> D both
+     Case("mla", Side(2, 1, 2, 1, 4), Side(1, 1, 1, 4, 4)),
+     Case("sfa", Side(2, 1, 2, 1, 4), Side(1, 1, 1, 1, 8))],
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("group", range(len(SLOW)))
+def test_decode_equals_single_device_sweep(group):
+    cases = SLOW[group]
+    p, d, models = run_cases(cases)
+    for out in (p, d):
+        if isinstance(out, BaseException):
+            raise out
+    bad = []
+    for i, case in enumerate(cases):
+        res = compare(case, reference(case, *models[i]), _per_case(p, i), _per_case(d, i), geometry_of(*models[i]))
+        print(f"\n{case.name()}: tokens equal {res['equal']}, max logit diff {res['max_logit_diff']:.1e}, "
+              f"bytes {res['bytes']} (formula {res['formula']})")
+        if not (res["equal"] and res["max_logit_diff"] < 1e-4 and res["bytes"] == res["formula"]):
+            bad.append(case.name())
+    assert not bad, bad
+
+
+@pytest.fixture(scope="module")
+def matrix():
+    cases = EXACT + FAULTS
+    p, d, models = run_cases(cases)
+    for out, who in ((p, "prefill"), (d, "decode")):
+        if isinstance(out, BaseException):
+            raise out
+    return cases, p, d, models
+
+
+def _per_case(outs, i):
+    return [rank_outs[i] for rank_outs in outs]
+
+
+@pytest.mark.parametrize("i", range(len(EXACT)), ids=[c.name() for c in EXACT])
+def test_decode_equals_single_device(matrix, i):
+    cases, p, d, models = matrix
+    case = cases[i]
+    ref = reference(case, *models[i])
+    res = compare(case, ref, _per_case(p, i), _per_case(d, i), geometry_of(*models[i]))
+    print(f"\n{case.name()}: tokens equal {res['equal']}, max logit diff {res['max_logit_diff']:.1e}, "
+          f"bytes {res['bytes']} (formula {res['formula']})")
+    assert res["equal"], case.name()
+    assert res["max_logit_diff"] < 1e-4
+    assert res["bytes"] == res["formula"]
+    assert set(res["verdicts"].values()) == {"ok"}
+    assert all(o["free"] == 24 for o in _per_case(p, i))  # the producer freed every block after the verdict
+    layout = KVLayout.from_config(case.d.config())
+    for o in _per_case(d, i):  # each D rank read only what it owns (its cp rank's tokens, its heads)
+        want = sum(expected_rank_bytes(geometry_of(*models[i]), layout, n, o["rank"]) for n in case.prompt_lens)
+        assert sum(imp.bytes_moved for imp in o["imported"].values()) == want
+
+
+def test_model_mismatch_refused_before_any_byte(matrix):
+    cases, p, d, models = matrix
+    i = cases.index(FAULTS[0])
+    print(f"\nmismatch, D rank 0: {_per_case(d, i)[0]['error']}")
+    for o in _per_case(d, i):
+        assert "num_layers: prefill 2, decode 3" in o["error"] and o["error"].startswith("ConfigError")
+        assert sum(o["cache_nonzero"]) == 0  # nothing moved
+        assert o["free"] == o["num_blocks"]  # nothing allocated
+    assert _per_case(p, i)[0]["verdicts"][0].startswith("refused: ")
+
+
+def test_transfer_into_dropped_blocks_impossible(matrix):
+    """The request is dropped after layer 0 and its blocks handed to another request:
+    the next layer's reads are refused (KVOwnershipError) on every D rank; layer 1 of
+    the cache is untouched."""
+    cases, p, d, models = matrix
+    i = cases.index(FAULTS[1])
+    print(f"\nownership, D rank 0: {_per_case(d, i)[0]['error']}")
+    for o in _per_case(d, i):
+        assert o["ownership"] and "owns" in o["error"], o["error"]
+        layer0, layer1 = o["cache_nonzero"]
+        assert layer0 > 0 and layer1 == 0
+    assert _per_case(p, i)[0]["verdicts"][0].startswith("failed: ")
+
+
+def test_prefill_rank_death_mid_transfer():
+    """P rank 1 is SIGKILLed once layer 0 arrived. P holds every token on both ranks
+    (dcp 1), so D rank 0 reads from P rank 0 and D rank 1 from P rank 1: D rank 1's
+    read of layer 1 fails with the producer rank named, D rank 0 (whose reads all
+    succeed) fails the request too (the consumer ranks agree), both well within
+    transfer_timeout_s, and both free the request's blocks."""
+    case = Case("gqa", Side(2, 1, 1, 1, 4), Side(2, 1, 1, 1, 8), prompt_lens=(13,), fault="kill", timeout_s=30.0)
+    p, d, _ = run_cases([case])
+    assert isinstance(p, RankFailed) and p.root == 1, p
+    assert not isinstance(d, BaseException), d
+    (d0,), (d1,) = d
+    for o in (d0, d1):
+        print(f"\nrank death, D rank {o['rank']} after {o['seconds']:.2f} s: {o['error']}")
+    assert "the read of layer 1 from producer rank 1" in d1["error"] or \
+        "posting the read of layer 1 from producer rank 1" in d1["error"], d1["error"]
+    assert "another consumer rank's reads failed" in d0["error"], d0["error"]
+    for o in (d0, d1):
+        assert o["error"].startswith("KVTransferError") and "decode blocks were freed" in o["error"]
+        assert o["seconds"] < case.timeout_s
+        assert o["free"] == o["num_blocks"]
+    assert d1["cache_nonzero"][:2] != [0, 0] and d1["cache_nonzero"][2:] == [0, 0]  # layer 0 arrived, 1 did not
