@@ -181,7 +181,10 @@ class KVConsumer(_Role):
                         time.sleep(_POLL_S)
             finally:
                 for _, h in handles:
-                    self.transport.release(h)
+                    try:
+                        self.transport.release(h)
+                    except KVTransferError:  # may still write: the blocks must not be handed out again
+                        self.quarantined.append(req_id)
             if on_layer is not None:
                 on_layer(layer)
         return moved
@@ -210,18 +213,22 @@ class KVConsumer(_Role):
             plan = plan_rank(src_layout, self.layout, self.geometry, ready.num_tokens, ready.block_table,
                              self.allocator.blocks(req_id), self.rank)
             moved = self.read_plan(req_id, plan, deadline, on_layer)
-        except (KVTransferError, ValueError) as exc:
+        except Exception as exc:  # noqa: BLE001 - every failure must reach the agreement below
             error = exc
         seconds = time.perf_counter() - t0
-        ok = torch.tensor([0 if error is not None else 1], dtype=torch.int32)
+        # the consumer ranks agree, on the group's device (gloo: CPU, NCCL / HCCL: the caches')
+        ok = torch.tensor([0 if error is not None else 1], dtype=torch.int32, device=_tensors(self.cache)[0].device)
         if dist.is_initialized():
             dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=self.group)
         if int(ok) == 0:
-            if not isinstance(error, KVOwnershipError):  # blocks owned by someone else are not ours to free
-                self.allocator.free(req_id)
             why = str(error) if error is not None else "another consumer rank's reads failed"
+            if req_id in self.quarantined:  # a read NIXL could not release may still land: keep the blocks
+                fate = "its decode blocks stay reserved (cp_compile KVConsumer.quarantined): a read could not be released"
+            else:
+                self.allocator.free(req_id)  # a no-op when the request was already dropped
+                fate = "its decode blocks were freed"
             msg = f"request {req_id}: KV transfer from {self.kv.remote_engine_id!r} failed on consumer rank " \
-                  f"{self.rank}: {why}. Its decode blocks were freed; the request is not scheduled"
+                  f"{self.rank}: {why}. The request is not scheduled; {fate}"
             if self.rank == 0:
                 self.exchange.publish_consumed(req_id, f"failed: {msg}")
             raise (type(error) if isinstance(error, KVTransferError) else KVTransferError)(msg) from error
