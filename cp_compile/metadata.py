@@ -339,6 +339,21 @@ class BlockAllocator:
             raise RuntimeError("free() inside a transaction cannot be undone; free requests between batches")
         self._free.extend(reversed(self._tables.pop(req_id, [])))
 
+    def truncate(self, req_id: int, num_tokens: int) -> list[int]:
+        """Shrink request `req_id` to the blocks `num_tokens` tokens need; returns the
+        block ids given back (speculative decoding: the blocks that held only rejected
+        draft tokens). Tokens past `num_tokens` in a kept block are stale, and a step
+        writes every position it attends that is not cached, so they are never read."""
+        _check_count("num_tokens", num_tokens, 0)
+        if self._undo is not None:
+            raise RuntimeError("truncate() inside a transaction cannot be undone; truncate between batches")
+        table = self._tables.get(req_id, [])
+        keep = -(-num_tokens // self.block_tokens)
+        freed = table[keep:]
+        del table[keep:]
+        self._free.extend(reversed(freed))
+        return freed
+
     def transaction(self) -> "_Transaction":
         """`with allocator.transaction(): ...` — an exception inside undoes every `ensure`."""
         return _Transaction(self)

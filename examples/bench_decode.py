@@ -16,6 +16,8 @@ tables. Progress goes to stderr. From the repo root:
     python examples/bench_decode.py --tp 2 --dcp 1,2 --context 256,1024,4096 --batch 1,4
     python examples/bench_decode.py --shape qwen3-235b-a22b-tp8 --dcp 2 --merge ag_rs,a2a --context 32768 --batch 8
     python -m examples.bench_decode ...           (the same)
+    python examples/bench_decode.py --model mla --tp 2 --dcp 2 --spec-tokens 2 --context 64 --batch 2
+                                                  (speculative decoding on vs off: examples/bench/spec.py)
     torchrun --nproc-per-node=2 examples/bench_decode.py --tp 2 --dcp 1,2
 
 Without torchrun the script spawns its own gloo ranks (`run_on_ranks`); under
@@ -44,6 +46,8 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
     """Run the sweep, write JSON + PNG (rank 0), print the table; returns the rows."""
     args = parse_args(argv, description=__doc__.split("\n\n")[0])
     t0 = time.perf_counter()
+    if args.spec_tokens:
+        return _spec_main(args, t0)
     rows, writer = run(args, run_world, decode_source)
     if not writer:
         return rows
@@ -64,6 +68,25 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
         print("WARNING: a graph was compiled during timed steps; raise --warmup", flush=True)
     written = ", ".join(str(p) for p in (json_path, png_path, bars_path) if p is not None)
     print(f"wrote {written}", flush=True)
+    return rows
+
+
+def _spec_main(args: Any, t0: float) -> list[dict[str, Any]]:
+    """`--spec-tokens k`: speculation on vs off per DCP world, one JSON file and a table."""
+    from examples.bench.spec import format_spec_table, spec_source, spec_world
+
+    rows, writer = run(args, spec_world, spec_source, post=lambda r: r)
+    if not writer:
+        return rows
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    path = write_json(rows, out, "bench_decode_spec.json")
+    print(f"\n{args.model} tp={args.tp} dcp={list(args.dcp)} spec_tokens={args.spec_tokens} proposer={args.proposer} "
+          f"lowering={args.lowering} steps={args.steps} ({time.perf_counter() - t0:.0f} s)")
+    print(format_spec_table(rows) + "\n")
+    if any(r["recompiled_in_timed_steps"] for r in rows):
+        print("WARNING: a graph was compiled during timed steps", flush=True)
+    print(f"wrote {path}", flush=True)
     return rows
 
 

@@ -12,6 +12,14 @@ against the dcp = 1 baseline.
     python -m examples.quickstart --tp 4 --dcp 4 --model mla
     python -m examples.quickstart --model sfa  # DeepSeek-V3.2-style sparse MLA (needs dcp == tp)
     python -m examples.quickstart --tp 1 --dcp 1 --pcp 2   # PCP: prefill tokens split over 2 ranks
+    python -m examples.quickstart --spec-tokens 3           # speculative decoding (GQA + draft model)
+    python -m examples.quickstart --model mla --spec-tokens 2 --pcp 2   # MTP, pcp 2 + dcp 2 (4 ranks)
+
+With `--spec-tokens k` the ranks instead generate greedily with speculative decoding
+(`cp_compile.spec_decode`: k drafts per request from the proposer, one verify step of
+k + 1 tokens per request on the sharded cache, rejected tokens' blocks given back)
+and the script checks the tokens against the single-device run without speculation,
+printing the acceptance rate, tokens per step and the graphs compiled per batch kind.
 
 With `--pcp P` the world is tp * P ranks: prefill steps run a token-sharded graph
 (each PCP rank computes its head-tail share of the new tokens), decode steps a
@@ -36,6 +44,7 @@ from examples.models.deepseek_mla import DeepseekMLAConfig, DeepseekMLAModel
 from examples.models.deepseek_sfa import DeepseekSFAConfig, DeepseekSFAModel
 from examples.models.qwen3 import Qwen3Config, Qwen3Model
 from examples.models.tiny import VOCAB, example_from_config, hf_deepseek_sfa, hf_deepseek_v3, hf_qwen3
+from examples import spec
 from examples.serving import layer_caches, run_schedule, tiny_schedule
 
 BLOCK = 4
@@ -89,6 +98,56 @@ def _rank_main(rank: int, world: int, kind: str, dcp: int, steps: int, hf_config
                 graphs=len(pms))
 
 
+SPEC_NEW_TOKENS = 12
+SPEC_BLOCKS = 40
+
+
+def _spec_prompts() -> dict[int, list[int]]:
+    g = torch.Generator().manual_seed(0)
+    return {r: torch.randint(0, VOCAB, (n,), generator=g).tolist() for r, n in {0: 7, 1: 3, 2: 12}.items()}
+
+
+def _spec_rank(rank: int, world: int, tp: int, dcp: int, pcp: int, k: int, proposer: str, hf_config, sd,
+               draft_hf) -> dict:
+    cfg = cp_compile.CPConfig(tensor_parallel_size=tp, decode_context_parallel_size=dcp,
+                              prefill_context_parallel_size=pcp, block_size=BLOCK)
+    state = cp_compile.init_parallel(cfg, device="cpu")
+    models = spec.build(cfg, hf_config, sd, proposer, k, SPEC_BLOCKS, state.tp_rank, state.tp_group,
+                        lowering="inductor", draft_lowering="inductor", draft_hf=draft_hf, max_blocks_per_req=10)
+    t0 = time.perf_counter()
+    res = spec.decoder(models, cfg, SPEC_BLOCKS, max_blocks_per_req=10).generate(_spec_prompts(), SPEC_NEW_TOKENS)
+    kinds = {m: {str(kind): [str(c.batch_kind) for c in b.contexts] for kind, b in comp.backends.items()}
+             for m, comp in models.compiled.items()}
+    return dict(tokens=res.tokens, rate=res.stats.acceptance_rate, tps=res.stats.tokens_per_step,
+                steps=res.stats.steps, graphs=models.graphs(), kinds=kinds, seconds=time.perf_counter() - t0)
+
+
+def _spec_main(args: argparse.Namespace, hf, sd: dict) -> int:
+    proposer = spec.default_proposer(hf.config.model_type)
+    sd, dcfg, dsd = spec.proposer_weights(proposer, hf.config, sd)
+    draft_hf = None if dcfg is None else (dcfg, dsd)
+    world = args.tp * args.pcp
+    print(f"model={args.model} tp={args.tp} dcp={args.dcp} pcp={args.pcp} speculative decoding: k={args.spec_tokens} "
+          f"draft tokens per request from {proposer!r}; spawning {world} gloo ranks, compiling with Inductor...")
+    per_rank = run_on_ranks(_spec_rank, world, args.tp, args.dcp, args.pcp, args.spec_tokens, proposer, hf.config,
+                            sd, draft_hf, timeout=1800)
+    ref_cfg = cp_compile.CPConfig(block_size=BLOCK * args.dcp * args.pcp)
+    ref = spec.decoder(spec.build(ref_cfg, hf.config, sd, None, 0, SPEC_BLOCKS, max_blocks_per_req=10), ref_cfg,
+                       SPEC_BLOCKS, max_blocks_per_req=10).generate(_spec_prompts(), SPEC_NEW_TOKENS)
+    ok = all(r["tokens"] == ref.tokens for r in per_rank)
+    print("\nrequest  single-device greedy, no speculation        speculative (rank 0)")
+    for rid, want in ref.tokens.items():
+        got = per_rank[0]["tokens"][rid]
+        print(f"{rid:7d}  {str(want):40s}  {str(got):40s} {'ok' if got == want else 'MISMATCH'}")
+    r0 = per_rank[0]
+    print(f"\nacceptance rate {r0['rate']:.2f}, tokens per request and target step {r0['tps']:.2f} "
+          f"({r0['steps']} verify steps for {SPEC_NEW_TOKENS} tokens per request)")
+    print(f"graphs compiled per model and batch kind (rank 0): {r0['graphs']}")
+    print(f"\nspeculative decoding {'MATCHES' if ok else 'DOES NOT MATCH'} the single-device greedy run without "
+          f"speculation (rank 0 wall time {r0['seconds']:.1f} s incl. compile)")
+    return 0 if ok else 1
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", choices=["qwen3", "mla", "sfa"], default="qwen3")
@@ -96,7 +155,12 @@ def main() -> int:
     ap.add_argument("--dcp", type=int, default=2)
     ap.add_argument("--pcp", type=int, default=1, help="prefill context parallel size (world = tp * pcp)")
     ap.add_argument("--steps", type=int, default=8, help="prefill + decode steps")
+    ap.add_argument("--spec-tokens", type=int, default=0,
+                    help="> 0: speculative decoding with k draft tokens per request (MTP for mla / sfa, a tiny "
+                         "draft model for qwen3)")
     args = ap.parse_args()
+    if args.spec_tokens < 0:
+        ap.error(f"--spec-tokens must be >= 0, got {args.spec_tokens}")
     if args.model == "sfa" and args.pcp > 1:
         ap.error("--model sfa runs at --pcp 1 (PCP covers GQA and MLA)")
     if args.model == "sfa" and args.dcp not in (1, args.tp):
@@ -111,6 +175,8 @@ def main() -> int:
     else:
         hf = hf_deepseek_sfa("deepseek_v32", num_heads=heads)
     sd = {k: v.detach().clone() for k, v in hf.state_dict().items()}
+    if args.spec_tokens:
+        return _spec_main(args, hf, sd)
     print(f"cp_ascend registered as a torch.compile backend: {'cp_ascend' in torch._dynamo.list_backends()}")
     n = args.dcp * args.pcp  # ranks the KV cache is sharded over
     world = args.tp * args.pcp

@@ -33,6 +33,8 @@ class BenchArgs:
     compile_probe: bool = True  # compile time of cp_ascend vs the plain lowering, per DCP world
     kv_budget_gib: float = 16.0  # KV bytes per rank for the largest-context figure
     repeat: int = 1  # passes over the worlds, every other one in reverse order (ABBA)
+    spec_tokens: int = 0  # > 0: speculative decoding on vs off per DCP world (examples/bench/spec.py)
+    proposer: str = "none"  # the proposer of --spec-tokens (examples/spec.py PROPOSERS)
 
     @property
     def ranks(self) -> int:
@@ -154,6 +156,12 @@ def build_parser(description: str, bench: str = "decode") -> argparse.ArgumentPa
                    help="passes over the worlds, every other pass in reverse order, so that a slow spell of a "
                         "shared machine hits dcp = 1 and dcp = N alike; steps of all passes are pooled")
     if bench == "decode":
+        p.add_argument("--spec-tokens", type=int, default=0,
+                       help="> 0: speculative decoding with this many draft tokens per request, on vs off side by "
+                            "side in each DCP world (acceptance, tokens per step, TPOT; --shape tiny)")
+        p.add_argument("--proposer", choices=("mtp", "draft", "layer_skip"), default=None,
+                       help="--spec-tokens proposer: mtp (MLA / SFA, default), draft (GQA, default) or "
+                            "layer_skip (GQA: the target's first layer and head)")
         p.add_argument("--kv-budget-gib", type=float, default=16.0,
                        help="KV bytes per rank for the largest context that fits (real layer count of the shape)")
     return p
@@ -188,8 +196,22 @@ def parse_args(argv: Sequence[str] | None = None, description: str = "") -> Benc
     a = p.parse_args(argv)
     if a.kv_budget_gib <= 0:
         p.error("--kv-budget-gib must be > 0")
-    return BenchArgs(**_shared_fields(p, a), context=tuple(sorted(set(a.context))),  # type: ignore[arg-type]
-                     compile_probe=a.compile_probe, kv_budget_gib=a.kv_budget_gib)
+    shared = _shared_fields(p, a)
+    proposer = "none"
+    if a.spec_tokens < 0:
+        p.error(f"--spec-tokens must be >= 0, got {a.spec_tokens}")
+    if a.spec_tokens > 0:
+        if a.shape != "tiny":
+            p.error("--spec-tokens runs on --shape tiny (the proposers load the target's HF-named weights)")
+        proposer = a.proposer or ("draft" if shared["model"] == "qwen3" else "mtp")
+        if (proposer == "mtp") == (shared["model"] == "qwen3"):
+            p.error(f"--proposer {proposer} does not fit --model {shared['model']}: mtp for mla / sfa, "
+                    f"draft or layer_skip for qwen3")
+    elif a.proposer is not None:
+        p.error("--proposer needs --spec-tokens k (k > 0)")
+    return BenchArgs(**shared, context=tuple(sorted(set(a.context))),  # type: ignore[arg-type]
+                     compile_probe=a.compile_probe, kv_budget_gib=a.kv_budget_gib, spec_tokens=a.spec_tokens,
+                     proposer=proposer)
 
 
 def parse_prefill_args(argv: Sequence[str] | None = None, description: str = "") -> PrefillArgs:

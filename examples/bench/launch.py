@@ -78,15 +78,17 @@ def run_torchrun(args: BenchArgs, world_fn: WorldFn, make_source: Callable[[Benc
     return rows
 
 
-def run(args: BenchArgs, world_fn: WorldFn, make_source: Callable[[BenchArgs], Any]
+def run(args: BenchArgs, world_fn: WorldFn, make_source: Callable[[BenchArgs], Any],
+        post: Callable[[list[dict[str, Any]]], list[dict[str, Any]]] = merge_repeats
         ) -> tuple[list[dict[str, Any]], bool]:
     """Run every world; (rows, whether this process should write the outputs).
 
     Under torchrun (env RANK set) only rank 0 writes; spawned worlds return rank 0's rows.
+    `post` pools the rows of `--repeat` passes (rows of another shape bring their own).
     """
     if "RANK" in os.environ:
         rows = run_torchrun(args, world_fn, make_source)
         rank = dist.get_rank()
         dist.destroy_process_group()
-        return merge_repeats(rows), rank == 0
-    return merge_repeats(run_spawned(args, world_fn, make_source(args))), True
+        return post(rows), rank == 0
+    return post(run_spawned(args, world_fn, make_source(args))), True

@@ -261,8 +261,10 @@ class StateDictReader:
     def has(self, name: str) -> bool:
         return name in self._sd
 
-    def check_all_used(self, ignore_suffixes: tuple[str, ...] = ("rotary_emb.inv_freq",)) -> None:
-        left = sorted(k for k in self._sd if k not in self._used and not k.endswith(ignore_suffixes))
+    def check_all_used(self, ignore_suffixes: tuple[str, ...] = ("rotary_emb.inv_freq",),
+                       ignore_prefixes: tuple[str, ...] = ()) -> None:
+        left = sorted(k for k in self._sd if k not in self._used and not k.endswith(ignore_suffixes)
+                      and not k.startswith(ignore_prefixes))
         if left:
             raise ValueError(f"checkpoint tensors not used by the model: {left[:8]}{' ...' if len(left) > 8 else ''}")
 
@@ -325,6 +327,11 @@ class CausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[tuple[torch.Tensor, ...]], meta: Any) -> torch.Tensor:
         """input_ids [T] int64, positions [T] int64 -> logits [T, vocab] fp32."""
+        return self.logits(self.hidden_states(input_ids, positions, kv_caches, meta))
+
+    def hidden_states(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                      kv_caches: list[tuple[torch.Tensor, ...]], meta: Any) -> torch.Tensor:
+        """The final-normed hidden states [T, hidden] (lm_head's input; an MTP layer's too)."""
         if not torch.compiler.is_compiling():
             # Eager: refuse bad metadata before the first layer writes its cache. A
             # compiled forward validates at its entry, outside the graph (decorator).
@@ -333,9 +340,11 @@ class CausalLM(nn.Module):
         cos, sin = self.rotary(positions)  # [T, rotary_dim/2] each
         for i, layer in enumerate(self.layers):
             h = layer(h, cos, sin, kv_caches[i], meta)
-        h = self.norm(h)
+        return self.norm(h)
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor:  # [T, hidden] -> [T, vocab] fp32
         w = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(h, w).float()  # [T, vocab]
+        return F.linear(h, w).float()
 
     def load_hf_state_dict(self, hf_state_dict: Mapping[str, torch.Tensor]) -> None:
         """Load an HF *ForCausalLM state dict, slicing this rank's TP shards (strict)."""
@@ -348,7 +357,9 @@ class CausalLM(nn.Module):
             load_replicated(self.lm_head.weight, sd.take("lm_head.weight"), "lm_head.weight")
         else:
             sd.get("lm_head.weight")  # tied: HF may or may not list it; it is the embedding
-        sd.check_all_used()
+        # DeepSeek-V3 checkpoints append their MTP layers as model.layers.{num_layers}.*
+        # (examples.models.deepseek_mtp loads them); the causal LM does not use them.
+        sd.check_all_used(ignore_prefixes=(f"model.layers.{len(self.layers)}.",))
 
 
 def load_hf_state_dict(model: CausalLM, hf_state_dict: Mapping[str, torch.Tensor],
