@@ -14,6 +14,7 @@ the same verdict before any collective: no rank waits on a peer that refused.
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass, fields
 from typing import Any, Mapping, Sequence
 
@@ -485,6 +486,12 @@ def validate_forward_args(arguments: Mapping[str, Any], dcp: int | None = None) 
                        and all(isinstance(layer, (list, tuple)) and layer
                                and all(isinstance(c, torch.Tensor) for c in layer) for layer in v)), None)
     if meta is None or not caches:
+        # Never silently nothing (issue 19): the step runs unchecked, say so.
+        missing = " and ".join(n for n, v in (("AttentionMetadata", meta), ("kv_caches", caches)) if not v)
+        warnings.warn(f"validate_forward_args: forward got no {missing} argument (arguments: "
+                      f"{sorted(arguments)}), so this step's metadata is not checked against the caches. Fix: pass "
+                      "them as arguments of forward (kv_caches: a list of per-layer tuples of tensors), or set "
+                      "validate_inputs = False on the compiled entry to skip checking on purpose", stacklevel=2)
         return
     ids = arguments.get("input_ids")
     validate_step(meta, caches, dcp=dcp, num_tokens=ids.shape[0] if isinstance(ids, torch.Tensor) else None)

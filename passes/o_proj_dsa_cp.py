@@ -26,6 +26,7 @@ is created, and the module's parameters are not touched.
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import torch
@@ -165,12 +166,32 @@ class OProjDSACPPass(CPPass):
         stop = {m.wait for m in matches}
         return [m for m in matches if _reads_attention(m.linear, stop)]
 
+    def _nothing_to_rewrite(self, gm: fx.GraphModule) -> None:
+        """Enabled (enable_dsa_cp, prefill graph) and no o_proj found: never a silent
+        no-op (issue 19). Row-parallel linears that are all judged not to be the o_proj
+        mean inference failed on this model: a ConfigError asking for the role. A graph
+        without any row-parallel linear has no TP o_proj to rewrite: a warning."""
+        linears = find_row_parallel(gm, self.tp.group_name)
+        if linears:
+            raise ConfigError(
+                "the o_proj pass finds the attention's o_proj under enable_dsa_cp",
+                f"{len(linears)} row-parallel linear(s) in this prefill graph, none reading an attention result, "
+                f"and no o_proj role declared ({self.ctx.describe()})",
+                "declare it: @cp_module(o_proj='self_attn.o_proj') or compile_model(..., o_proj='self_attn.o_proj') "
+                "(the path of the attention's output projection), or compile with enable_dsa_cp=False")
+        warnings.warn("o_proj_dsa_cp: enable_dsa_cp is on but this prefill graph has no row-parallel linear "
+                      "(F.linear or cp::w8a8_*_linear followed by a TP all-reduce): nothing to rewrite; the "
+                      "attention's o_proj, if any, stays TP-sharded", stacklevel=2)
+
     def __call__(self, gm: fx.GraphModule) -> int:
         graph = gm.graph
         tracer = FakeTracer.for_graph(gm, "the o_proj pass")
         wrap = tracer.wrap
         count = 0
-        for m in self.select(gm):
+        selected = self.select(gm)
+        if not selected:
+            self._nothing_to_rewrite(gm)
+        for m in selected:
             params = {k: wrap(v) for k, v in m.args.items() if k not in ("x", "groups")}
             with graph.inserting_before(m.linear):
                 out = o_proj_compose.o_proj_full_weight(m.kind, wrap(m.args["x"]), params, self.tp,

@@ -184,9 +184,19 @@ class Engine:
         n = len(prompts)
         max_new = [max_new_tokens] * n if isinstance(max_new_tokens, int) else list(max_new_tokens)
         arrivals = list(arrivals) if arrivals is not None else [0] * n
+        vocab = getattr(self.model.config, "vocab_size", None)
         for i, p in enumerate(prompts):
             if not p:
                 raise ValueError(f"prompt {i} is empty; give at least one token")
+            if isinstance(max_new[i], bool) or not isinstance(max_new[i], int) or max_new[i] < 1:
+                # HF generate refuses it too; one token would come back otherwise (issue 19).
+                raise ValueError(f"prompt {i}: max_new_tokens={max_new[i]!r} must be an integer >= 1. Fix: ask "
+                                 "for at least one new token")
+            bad = [(j, t) for j, t in enumerate(p) if not 0 <= int(t) < (vocab or int(t) + 1)]
+            if bad:
+                j, t = bad[0]
+                raise ValueError(f"prompt {i}: token {t} at position {j} is outside the vocabulary "
+                                 f"[0, {vocab}). Fix: tokenize with this model's tokenizer")
             if len(p) + max_new[i] > self.max_model_len:
                 raise ValueError(f"prompt {i}: {len(p)} tokens + max_new_tokens={max_new[i]} > max_model_len="
                                  f"{self.max_model_len}. Fix: more num_blocks, a larger dcp, or fewer tokens")

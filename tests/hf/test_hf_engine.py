@@ -190,3 +190,19 @@ def test_request_beyond_capacity_refused_before_any_step():
     with pytest.raises(ValueError, match="max_model_len=12. Fix"):
         engine.generate([[1, 2, 3, 4, 5]], max_new_tokens=8)
     assert engine.steps == 0 and engine.num_graphs == 0
+
+
+def test_front_end_inputs_refused_before_any_step():
+    """Issue 19: max_new_tokens=0 returned one token (HF raises); a token id >= vocab size
+    failed as `IndexError: index out of range in self`, naming neither prompt nor token."""
+    hf = tiny_hf("llama")
+    engine = cp_compile.hf.Engine(hf, cp_compile.CPConfig(block_size=BLOCK), num_blocks=3, lowering="eager")
+    with pytest.raises(ValueError, match=r"prompt 0: max_new_tokens=0 must be an integer >= 1"):
+        engine.generate([[1, 2]], max_new_tokens=0)
+    vocab = hf.config.vocab_size
+    with pytest.raises(ValueError, match=rf"prompt 1: token {vocab} at position 2 is outside the vocabulary "
+                                         rf"\[0, {vocab}\)"):
+        engine.generate([[1, 2], [3, 4, vocab]], max_new_tokens=2)
+    with pytest.raises(ValueError, match="prompt 0: token -1 at position 0"):
+        engine.generate([[-1]], max_new_tokens=1)
+    assert engine.steps == 0 and engine.num_graphs == 0
