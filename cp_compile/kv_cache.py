@@ -160,4 +160,11 @@ def allocate_kv_cache(cfg: CPConfig, spec: KVCacheSpec, num_blocks: int,
                                               device=device))
         else:
             raise ValueError(f"unknown cache kind {spec.kind!r}; use 'gqa', 'mla' or 'sfa'")
+    if cfg.context_parallel_size > 1:
+        # The cache knows its layout (issue 19): a single-device attention op run over
+        # it eagerly would read and write global slots in a 1/N shard. validate_step(...,
+        # single_device_ops=True) refuses that; views of these tensors lose the tag.
+        for layer in layers:
+            for t in layer:
+                t.cp_context_shards = cfg.context_parallel_size
     return KVCache(layers=layers, block_size=bs, num_blocks=num_blocks, replicated=replicated)

@@ -21,7 +21,7 @@ from typing import Any, Mapping, Sequence
 import torch
 
 from cp_compile.config import DECODE_KINDS, BatchKind
-from cp_compile.errors import CapacityError, MetadataError
+from cp_compile.errors import CapacityError, ConfigError, MetadataError
 from cp_compile.parallel_state import parallel_state_or_none
 
 __all__ = ["AttentionMetadata", "BatchKind", "DECODE_KINDS", "BlockAllocator", "CapacityError", "MetadataError", "batch_kind",
@@ -260,16 +260,35 @@ def _cache_geometry(kv_caches: Sequence[Sequence[torch.Tensor]]) -> tuple[int, i
     return num_blocks, pages.pop(), device
 
 
+def _refuse_sharded_caches(kv_caches: Sequence[Sequence[torch.Tensor]]) -> None:
+    """No single-device attention op over a DCP / PCP-sharded cache (issue 19); the
+    cache knows its layout (`allocate_kv_cache` tags the tensors of a sharded cache)."""
+    for i, layer in enumerate(kv_caches):
+        for c in (layer if isinstance(layer, (list, tuple)) else (layer,)):
+            n = getattr(c, "cp_context_shards", 1)
+            if n > 1:
+                raise ConfigError(
+                    "a single-device attention op never runs over a DCP / PCP-sharded cache",
+                    f"layer {i}'s cache is this rank's 1/{n} shard (allocate_kv_cache at pcp * dcp = {n}) but the "
+                    "step runs the single-device ops (uncompiled forward, or a backend other than cp_ascend)",
+                    "compile the model with cp_compile.compile_model / @cp_compile.cp_module (the cp_ascend "
+                    "passes rewrite its attention into DCP / PCP ops), or run it at pcp * dcp = 1")
+
+
 def validate_step(meta: AttentionMetadata, kv_caches: Sequence[Sequence[torch.Tensor]], dcp: int | None = None,
-                  num_tokens: int | None = None) -> None:
+                  num_tokens: int | None = None, single_device_ops: bool = False) -> None:
     """Validate one step's metadata against this rank's caches before anything is written.
 
     kv_caches: one tuple of cache tensors per layer, each [num_blocks, block_size, ...]
     (this rank's shard). dcp: ranks a virtual block is spread over; defaults to the
     initialised parallel state's pcp * dcp (1 without one). Run on every rank: the
     verdict depends only on global data, so all ranks
-    refuse the same step before any collective.
+    refuse the same step before any collective. single_device_ops: the step runs the
+    single-device attention ops as written (an eager forward, a backend other than
+    cp_ascend): a DCP / PCP-sharded cache is then refused (ConfigError).
     """
+    if single_device_ops:
+        _refuse_sharded_caches(kv_caches)
     if dcp is None:
         state = parallel_state_or_none()
         dcp = state.cfg.context_parallel_size if state is not None else 1
@@ -494,4 +513,5 @@ def validate_forward_args(arguments: Mapping[str, Any], dcp: int | None = None) 
                       "validate_inputs = False on the compiled entry to skip checking on purpose", stacklevel=2)
         return
     ids = arguments.get("input_ids")
-    validate_step(meta, caches, dcp=dcp, num_tokens=ids.shape[0] if isinstance(ids, torch.Tensor) else None)
+    validate_step(meta, caches, dcp=dcp, num_tokens=ids.shape[0] if isinstance(ids, torch.Tensor) else None,
+                  single_device_ops=dcp == 1)

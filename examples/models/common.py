@@ -335,7 +335,8 @@ class CausalLM(nn.Module):
         if not torch.compiler.is_compiling():
             # Eager: refuse bad metadata before the first layer writes its cache. A
             # compiled forward validates at its entry, outside the graph (decorator).
-            validate_step(meta, kv_caches, num_tokens=input_ids.shape[0])
+            # An eager forward runs the single-device ops: refused over a sharded cache.
+            validate_step(meta, kv_caches, num_tokens=input_ids.shape[0], single_device_ops=True)
         h = self.embed_tokens(input_ids)  # [T, hidden]
         cos, sin = self.rotary(positions)  # [T, rotary_dim/2] each
         for i, layer in enumerate(self.layers):

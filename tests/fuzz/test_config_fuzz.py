@@ -203,7 +203,7 @@ def fuzz(seeds: list[int], world: int) -> dict[str, int]:
 
 
 CP_FUZZ_RERUN = "rerun: CP_FUZZ_SEEDS="
-FAST_SEEDS = [3, 4, 11, 16, 25, 30]  # PCP GQA 4 KV heads per rank, DCP GQA, DSA-CP, DCP MLA, SFA at pcp 2 (refused), PCP MLA
+FAST_SEEDS = [10, 4, 11, 16, 25, 30]  # PCP GQA 2 KV heads per rank (decode steps), DCP GQA, DSA-CP, DCP MLA, SFA at pcp 2 (refused), PCP MLA
 
 
 def _seeds(default: list[int]) -> list[int]:
