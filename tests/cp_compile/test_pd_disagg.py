@@ -8,7 +8,6 @@ test has its own pair (its P world loses a rank)."""
 from __future__ import annotations
 
 import pytest
-import torch
 
 from cp_compile.kv_transfer import KVLayout
 from cp_compile.kv_transfer.plan import expected_rank_bytes
