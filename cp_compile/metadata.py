@@ -493,8 +493,8 @@ def validate_forward_args(arguments: Mapping[str, Any], dcp: int | None = None) 
     """`validate_step` for a model forward's bound arguments (the compiled entry).
 
     Finds the `AttentionMetadata` argument, the KV caches (`kv_caches`, else the first
-    list of per-layer tuples of tensors) and the token count (`input_ids`); does
-    nothing when the forward takes no metadata or caches. `dcp` as for `validate_step`
+    list of per-layer tuples of tensors) and the token count (`input_ids`); warns
+    (and checks nothing) when the forward takes no metadata or caches. `dcp` as for `validate_step`
     (the compiled entry passes 1 for a backend other than cp_ascend:
     `decorator.validation_dcp`).
     """
