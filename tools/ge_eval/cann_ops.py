@@ -101,6 +101,9 @@ def fused_infer_attention_score(ctx: Ctx, ins, a):
     ctx.findings.assume("FusedInferAttentionScore GQA: query head h reads kv head h // (num_heads / "
                         "num_key_value_heads) (the page says GQA, not the mapping)")
     # Queries per batch: [S_b, H, D].
+    want_rank = {"BSND": 4, "TND": 3}.get(layout)
+    if want_rank is not None and q.dim() != want_rank:
+        raise ctx.fail(f"input_layout {layout} needs a rank-{want_rank} query, got {tuple(q.shape)}")
     if layout == "BSND":
         B, S, N, D = q.shape
         qs = [q[b] for b in range(B)]
