@@ -2,7 +2,8 @@
 
 Public API: `CPConfig`, `ConfigError`, `AttentionSpec`, `init_parallel`,
 `destroy_parallel`, `get_parallel_state`, `allocate_kv_cache`,
-`build_attention_metadata`, `BlockAllocator`. Custom ops live in `cp_compile.ops`.
+`build_attention_metadata`, `BlockAllocator`; the offline front end `LLM`, `SamplingParams`
+(cp_compile/entrypoints/, docs/hf.md); `cp-compile serve` (cp_compile/entrypoints/server.py). Custom ops live in `cp_compile.ops`.
 """
 
 from cp_compile.config import AttentionSpec, ConfigError, CPConfig
@@ -12,10 +13,21 @@ from cp_compile.metadata import (AttentionMetadata, BlockAllocator, CapacityErro
 from cp_compile.parallel_state import ParallelState, destroy_parallel, get_parallel_state, init_parallel
 from cp_compile.backend import CpAscendBackend, backend
 from cp_compile.decorator import compile_model, cp_module
+from cp_compile.sampling import RequestError, SamplingParams
 
 __all__ = [
     "AttentionMetadata", "AttentionSpec", "BlockAllocator", "CPConfig", "CapacityError", "ConfigError",
     "KVCache", "KVCacheSpec", "ParallelState", "allocate_kv_cache", "build_attention_metadata",
     "destroy_parallel", "get_parallel_state", "init_parallel", "CpAscendBackend", "backend", "compile_model",
-    "cp_module", "MetadataError", "validate_step",
+    "cp_module", "MetadataError", "validate_step", "LLM", "RequestOutput", "CompletionOutput", "SamplingParams",
+    "RequestError",
 ]
+
+
+def __getattr__(name: str):
+    # The offline front end imports transformers; plain `import cp_compile` does not.
+    if name in ("LLM", "RequestOutput", "CompletionOutput"):
+        from cp_compile.entrypoints import llm
+
+        return getattr(llm, name)
+    raise AttributeError(f"module 'cp_compile' has no attribute {name!r}")

@@ -13,8 +13,6 @@ dynamic and never specialised on size 1 (`compile_model`'s one mechanism,
 from __future__ import annotations
 
 import math
-from collections import deque
-from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 import torch
@@ -24,12 +22,24 @@ from cp_compile.config import ConfigError, CPConfig
 from cp_compile.decorator import compile_model
 from cp_compile.hf.attention import GQA_NAME, MLA_NAME, register
 from cp_compile.hf.cache import PagedCache
+from cp_compile.hf.moe import EXPERTS_IMPLEMENTATION, is_moe_block
+from cp_compile.hf.scheduler import Scheduler, StepPlan
+from cp_compile.hf.sfa import route_sfa_layers
+from cp_compile.hf.scheduler import Sequence as SchedSequence
 from cp_compile.hf.support import attention_spec, check_supported, head_dim
 from cp_compile.hf.tp import shard_model
 from cp_compile.kv_cache import KVCacheSpec, allocate_kv_cache, tp_kv_head_ids
 from cp_compile.lowering import Lowering
 from cp_compile.metadata import BlockAllocator, build_attention_metadata
 from cp_compile.parallel_state import parallel_state_or_none
+
+def _sizes(cfg: CPConfig) -> tuple[int, int, int]:
+    return (cfg.tensor_parallel_size, cfg.decode_context_parallel_size, cfg.prefill_context_parallel_size)
+
+
+def _fmt(sizes: tuple[int, int, int]) -> str:
+    return "tensor_parallel_size={}, decode_context_parallel_size={}, prefill_context_parallel_size={}".format(*sizes)
+
 
 class _HFStep(nn.Module):
     """forward(input_ids[T], positions[T], kv_caches, meta) -> logits[T, vocab] over the HF model."""
@@ -46,26 +56,13 @@ class _HFStep(nn.Module):
         return out.logits[0]  # [T, vocab]
 
 
-@dataclass
-class _Request:
-    rid: int
-    tokens: list[int]
-    max_new_tokens: int
-    prompt_len: int
-    cached: int = 0
-    logits: list[torch.Tensor] = field(default_factory=list)
-
-    @property
-    def generated(self) -> list[int]:
-        return self.tokens[self.prompt_len:]
-
-
 def kv_cache_spec(config: Any, tp: int, tp_rank: int) -> KVCacheSpec:
     """This TP rank's per-layer cache geometry, from the HF config."""
     spec = attention_spec(config)
-    if spec.kind == "mla":
-        return KVCacheSpec(num_layers=config.num_hidden_layers, kind="mla",
-                           latent_dim=config.kv_lora_rank + config.qk_rope_head_dim)
+    if spec.kind in ("mla", "sfa"):
+        return KVCacheSpec(num_layers=config.num_hidden_layers, kind=spec.kind,
+                           latent_dim=config.kv_lora_rank + config.qk_rope_head_dim,
+                           index_dim=config.index_head_dim if spec.kind == "sfa" else 0)
     ids = tp_kv_head_ids(spec.num_kv_heads, tp, tp_rank)
     d = head_dim(config)
     return KVCacheSpec(num_layers=config.num_hidden_layers, kind="gqa", head_dim=d, v_head_dim=d,
@@ -89,37 +86,39 @@ class Engine:
         self.kind = check_supported(model.config)
         self.spec = attention_spec(model.config)
         config.validate_for(self.spec)
-        if config.pcp > 1:
-            # The example models run PCP (compile_model shards prefill tokens); the Engine's
-            # scheduler, allocator and cache view are built for virtual blocks of block * dcp.
-            raise ConfigError("the HF Engine runs prefill_context_parallel_size == 1",
-                              f"prefill_context_parallel_size={config.pcp}",
-                              "use prefill_context_parallel_size=1 with the Engine, or run PCP through "
-                              "cp_compile.compile_model on an example model (examples/quickstart.py --pcp)")
         state = parallel_state_or_none()
-        if (config.tp > 1 or config.dcp > 1) and state is None:
-            raise ConfigError("init_parallel before Engine at tp > 1 or dcp > 1",
-                              f"tensor_parallel_size={config.tp}, decode_context_parallel_size={config.dcp}",
+        sizes = _sizes(config)
+        if config.world_size * config.decode_context_parallel_size > 1 and state is None:
+            raise ConfigError("init_parallel before Engine at tp, dcp or pcp > 1", _fmt(sizes),
                               "call cp_compile.init_parallel(config) on every rank first")
-        if state is not None and (state.cfg.tp, state.cfg.dcp) != (config.tp, config.dcp):
+        if state is not None and _sizes(state.cfg) != sizes:
             raise ConfigError("Engine config == init_parallel config",
-                              f"Engine tp={config.tp} dcp={config.dcp}, init_parallel tp={state.cfg.tp} "
-                              f"dcp={state.cfg.dcp}", "pass the CPConfig given to init_parallel")
+                              f"Engine {_fmt(sizes)}; init_parallel {_fmt(_sizes(state.cfg))}",
+                              "pass the CPConfig given to init_parallel")
         self.config = config
         self.rank = state.rank if state is not None else 0
         tp_rank = state.tp_rank if state is not None else 0
-        self.plan = shard_model(model, config.tp, tp_rank, state.tp_group if state is not None else None)
+        if any(is_moe_block(layer.mlp) for layer in model.model.layers):
+            # HF's default expert loop has data-dependent shapes (graph breaks, recompiles).
+            model.config._experts_implementation = EXPERTS_IMPLEMENTATION
+        self.plan = shard_model(model, config.tensor_parallel_size, tp_rank, state.tp_group if state is not None else None)
         register()
-        model.config._attn_implementation = MLA_NAME if self.kind == "mla" else GQA_NAME
+        if self.kind == "sfa":
+            route_sfa_layers(model)  # the layers' forward makes the indexer + sparse MLA op calls (sfa.py)
+        model.config._attn_implementation = GQA_NAME if self.kind == "gqa" else MLA_NAME
         self.model = model.eval()
         first = next(model.parameters())
         dtype = first.dtype
         # Caches, metadata and inputs live where the model does (a CUDA / NPU model
         # gets device caches and one host-to-device copy of each step's metadata).
         self.device = first.device
-        self.cache = allocate_kv_cache(config, kv_cache_spec(model.config, config.tp, tp_rank), num_blocks,
+        self.cache = allocate_kv_cache(config, kv_cache_spec(model.config, config.tensor_parallel_size, tp_rank), num_blocks,
                                        dtype=dtype, device=self.device, attention=self.spec)
+        # Per layer: the sharded cache tensors, then SFA's replicated indexer cache.
+        self.layer_caches = ([layer + (index,) for layer, index in zip(self.cache.layers, self.cache.replicated)]
+                             if self.cache.replicated else self.cache.layers)
         self.num_blocks = num_blocks
+        self.alloc = BlockAllocator(num_blocks, config.virtual_block_size)  # lives as long as the engine
         vbs = config.virtual_block_size
         cap = num_blocks * vbs
         self.max_model_len = min(max_model_len or cap, cap)
@@ -142,45 +141,61 @@ class Engine:
     # ---- figures ------------------------------------------------------------------
     @property
     def num_graphs(self) -> int:
-        """Graphs compiled so far (1 after warm-up means no recompiles)."""
-        return len(self.compiled.backend.pass_managers)
+        """Graphs compiled so far: 1 after warm-up means no recompiles; 2 (decode, prefill)
+        where the config compiles one graph per batch kind (PCP, DSA-CP)."""
+        backends = list(self.compiled.backends.values()) or [self.compiled.backend]
+        return sum(len(b.pass_managers) for b in backends)
 
     def capacity(self) -> dict[str, int]:
         """KV capacity: tokens this rank stores, tokens the DCP group serves, bytes on
         this rank, and what this rank would hold for the same tokens at dcp = 1."""
         bytes_rank = self.cache.sharded_bytes
-        return dict(tokens_per_rank=self.cache.tokens_per_rank,
-                    tokens_per_group=self.cache.tokens_per_rank * self.config.dcp,
-                    kv_bytes_per_rank=bytes_rank, kv_bytes_per_rank_dcp1=bytes_rank * self.config.dcp,
-                    dcp=self.config.dcp)
+        n = self.config.context_parallel_size  # pcp * dcp ranks share each token range
+        return dict(tokens_per_rank=self.cache.tokens_per_rank, tokens_per_group=self.cache.tokens_per_rank * n,
+                    kv_bytes_per_rank=bytes_rank, kv_bytes_per_rank_dcp1=bytes_rank * n,
+                    dcp=self.config.decode_context_parallel_size, pcp=self.config.prefill_context_parallel_size,
+                    index_bytes_per_rank=self.cache.replicated_bytes)  # SFA's replicated indexer cache
 
     # ---- serving ------------------------------------------------------------------
-    def _step(self, batch: list[_Request], alloc: BlockAllocator) -> list[torch.Tensor]:
-        input_ids, meta = self._inputs(batch, alloc)
+    def execute(self, plan: StepPlan) -> list[torch.Tensor]:
+        """Run one step: free `plan.free`'s blocks, then one forward over `plan.items`;
+        returns each item's last-token logits [vocab] (fp32). Every rank runs the same
+        plans in the same order (its allocator state is then the same everywhere)."""
+        for rid in plan.free:
+            self.alloc.free(rid)
+        if not plan.items:
+            return []
+        input_ids, meta = self._inputs(plan.items)
         strict = self.forbid_recompiles and self.steps >= self.warmup_steps
         with torch.no_grad(), torch.compiler.set_stance("fail_on_recompile" if strict else "default"):
-            logits = self.compiled(input_ids, meta.positions, self.cache.layers, meta)  # [T, vocab]
+            logits = self.compiled(input_ids, meta.positions, self.layer_caches, meta)  # [T, vocab]
         self.steps += 1
-        last = meta.query_start_loc[1:len(batch) + 1].long() - 1
+        last = meta.query_start_loc[1:len(plan.items) + 1].long() - 1
         return list(logits[last].float())
 
-    def _inputs(self, batch: list[_Request], alloc: BlockAllocator) -> tuple[torch.Tensor, Any]:
+    def _inputs(self, items: list[tuple[int, int, list[int]]]) -> tuple[torch.Tensor, Any]:
         """(input_ids [T], metadata) of one step, on the model's device."""
-        reqs = [(r.cached, len(r.tokens) - r.cached) for r in batch]
-        rids = [r.rid for r in batch]
-        ids = [t for r in batch for t in r.tokens[r.cached:]]
-        meta = build_attention_metadata(reqs, alloc, req_ids=rids, max_blocks_per_req=self.block_table_width,
+        reqs = [(cached, len(new)) for _, cached, new in items]
+        rids = [rid for rid, _, _ in items]
+        ids = [t for _, _, new in items for t in new]
+        meta = build_attention_metadata(reqs, self.alloc, req_ids=rids, max_blocks_per_req=self.block_table_width,
                                         device=self.device)
         return torch.tensor(ids, dtype=torch.long, device=self.device), meta
 
+    def scheduler(self) -> Scheduler:
+        """A scheduler sized for this engine's cache."""
+        return Scheduler(self.num_blocks, self.config.virtual_block_size, self.max_batch)
+
     def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int | Sequence[int] = 32,
                  arrivals: Sequence[int] | None = None) -> list[list[int]]:
-        """Greedy-decode each prompt; returns the generated token ids per prompt.
+        """Greedy-decode each prompt (every rank calls this with the same arguments);
+        returns the generated token ids per prompt.
 
-        Requests join as soon as a batch slot and their whole KV budget
-        (prompt + max_new_tokens) are free, and leave when done (max_new_tokens or
-        EOS). `arrivals[i]`: the step before which prompt i may not join (to exercise
-        joins mid-run); default all at step 0."""
+        Continuous batching (`scheduler.py`): requests join as soon as a batch slot and
+        their whole KV budget (prompt + max_new_tokens) are free, and leave when done
+        (max_new_tokens or EOS). `arrivals[i]`: the step before which prompt i may not
+        join (to exercise joins mid-run); default all at step 0. For sampling, text
+        and ranks started for you, use `cp_compile.LLM`."""
         n = len(prompts)
         max_new = [max_new_tokens] * n if isinstance(max_new_tokens, int) else list(max_new_tokens)
         arrivals = list(arrivals) if arrivals is not None else [0] * n
@@ -200,12 +215,11 @@ class Engine:
             if len(p) + max_new[i] > self.max_model_len:
                 raise ValueError(f"prompt {i}: {len(p)} tokens + max_new_tokens={max_new[i]} > max_model_len="
                                  f"{self.max_model_len}. Fix: more num_blocks, a larger dcp, or fewer tokens")
-        vbs = self.config.virtual_block_size
-        alloc = BlockAllocator(self.num_blocks, vbs)
-        waiting = deque(sorted(range(n), key=lambda i: arrivals[i]))
-        running: list[_Request] = []
-        done: dict[int, _Request] = {}
-        reserved = 0  # blocks promised to running requests (their full length)
+        sched = self.scheduler()
+        eos = frozenset(self.eos)
+        seqs = [SchedSequence(i, list(p), max_new[i], eos, payload=[]) for i, p in enumerate(prompts)]
+        for i in sorted(range(n), key=lambda i: arrivals[i]):
+            sched.add(seqs[i])
         total = sum(max_new)
         bar = None
         show = self.progress if self.progress is not None else total >= 256
@@ -214,40 +228,23 @@ class Engine:
 
             bar = tqdm(total=total, desc="cp_compile.hf generate", unit="tok")
         step = 0
-        self.last_logits = {}
-        while waiting or running:
-            while waiting and arrivals[waiting[0]] <= step and len(running) < self.max_batch:
-                i = waiting[0]
-                need = math.ceil((len(prompts[i]) + max_new[i]) / vbs)
-                if reserved + need > self.num_blocks:
-                    break
-                waiting.popleft()
-                reserved += need
-                running.append(_Request(i, list(prompts[i]), max_new[i], len(prompts[i])))
-            if not running:  # nothing admitted yet: the next arrival is in the future
-                step += 1
+        while sched.has_work():
+            plan = sched.plan(may_join=lambda seq: arrivals[seq.rid] <= step)
+            step += 1
+            if plan is None:  # nothing admitted yet: the next arrival is in the future
                 continue
-            last = self._step(running, alloc)
-            for r, lg in zip(running, last):
-                r.cached = len(r.tokens)
-                tok = int(lg.argmax())
-                r.tokens.append(tok)
+            running = list(sched.running)
+            last = self.execute(plan)
+            if not last:
+                continue
+            for seq, lg in zip(running, last):
                 if self.record_logits:
-                    r.logits.append(lg)
+                    seq.payload.append(lg)
+            sched.commit([int(lg.argmax()) for lg in last])
             if bar is not None:
                 bar.update(len(running))
-            still = []
-            for r in running:
-                if len(r.generated) >= r.max_new_tokens or r.tokens[-1] in self.eos:
-                    alloc.free(r.rid)
-                    reserved -= math.ceil((r.prompt_len + r.max_new_tokens) / vbs)
-                    done[r.rid] = r
-                else:
-                    still.append(r)
-            running = still
-            step += 1
+        self.execute(StepPlan([], sched.drain_free()))  # the last leavers' blocks
         if bar is not None:
             bar.close()
-        if self.record_logits:
-            self.last_logits = {i: done[i].logits for i in range(n)}
-        return [done[i].generated for i in range(n)]
+        self.last_logits = {i: seqs[i].payload for i in range(n)} if self.record_logits else {}
+        return [seqs[i].output for i in range(n)]

@@ -15,8 +15,10 @@ from cp_compile.config import AttentionSpec, ConfigError
 # model_type -> attention kind served. GQA: one K and one V head set per layer;
 # MLA: DeepSeek-V3-style latent attention (kv_b_proj absorbed at run time).
 SUPPORTED: dict[str, str] = {
-    "qwen3": "gqa", "qwen2": "gqa", "llama": "gqa", "mistral": "gqa",
-    "deepseek_v3": "mla",
+    "qwen3": "gqa", "qwen2": "gqa", "llama": "gqa", "mistral": "gqa", "qwen3_moe": "gqa",
+    "deepseek_v3": "mla", "deepseek_v2": "mla",
+    # SFA: MLA + lightning indexer (DeepSeek Sparse Attention), routed by cp_compile/hf/sfa.py.
+    "deepseek_v32": "sfa", "glm_moe_dsa": "sfa",
 }
 
 
@@ -39,7 +41,8 @@ def check_supported(config: Any) -> str:
         raise _refuse("encoder-decoder attention", f"model_type={mt!r}, is_encoder_decoder=True",
                       "serve a decoder-only causal LM (cross-attention has no paged causal cache)")
     layer_types = list(getattr(config, "layer_types", None) or [])
-    linear = sorted({t for t in layer_types if t not in ("full_attention", "sliding_attention")})
+    full = ("full_attention", "sliding_attention") + (("indexed_attention",) if SUPPORTED.get(mt) == "sfa" else ())
+    linear = sorted({t for t in layer_types if t not in full})
     if linear or getattr(config, "linear_num_key_heads", None) is not None:
         raise _refuse("linear / hybrid attention", f"model_type={mt!r}, layer_types include {linear or 'linear'}",
                       "serve a model whose every layer is full softmax attention (no linear / state-space layers)")
@@ -62,21 +65,23 @@ def check_supported(config: Any) -> str:
         raise _refuse("architecture", f"model_type={mt!r}",
                       f"use one of {sorted(SUPPORTED)} (their attention modules call cache.update before the "
                       "attention function, which is how the paged cache reaches the op)")
-    if mt == "deepseek_v3":
-        n_routed = getattr(config, "n_routed_experts", None)
-        if n_routed and getattr(config, "first_k_dense_replace", 0) < config.num_hidden_layers:
-            raise _refuse("mixture-of-experts layers under TP", f"first_k_dense_replace="
-                          f"{config.first_k_dense_replace} < num_hidden_layers={config.num_hidden_layers}",
-                          "set first_k_dense_replace=num_hidden_layers (dense layers); MoE expert sharding is "
-                          "not built")
+    if SUPPORTED[mt] == "sfa":
+        shared = [i for i, t in enumerate(getattr(config, "indexer_types", None) or []) if t != "full"]
+        if shared:
+            raise _refuse("indexer shared across layers", f"model_type={mt!r}, indexer_types[{shared}] != 'full'",
+                          "serve a checkpoint whose every layer runs its own indexer (indexer_types all 'full'); "
+                          "cross-layer top-k reuse is not routed")
+        if getattr(config, "q_lora_rank", None) is None:
+            raise _refuse("DSA indexer without q_lora", f"model_type={mt!r}, q_lora_rank=None",
+                          "serve a checkpoint with q_lora_rank set (the indexer reads q_a_layernorm's output)")
     return SUPPORTED[mt]
 
 
 def attention_spec(config: Any) -> AttentionSpec:
     """The `AttentionSpec` the DCP rules and passes need, from an HF config."""
     kind = check_supported(config)
-    if kind == "mla":
-        return AttentionSpec("mla", config.num_attention_heads)
+    if kind in ("mla", "sfa"):
+        return AttentionSpec(kind, config.num_attention_heads, has_indexer=kind == "sfa")
     kv = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
     return AttentionSpec("gqa", config.num_attention_heads, kv)
 

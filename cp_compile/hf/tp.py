@@ -11,6 +11,7 @@ config, shards in place:
 | `kv_b_proj` (MLA) | column-parallel by heads; `kv_a_proj_with_mqa` (the latent) replicated |
 | `o_proj`, `down_proj` | row-parallel, then a functional all-reduce over the TP group (visible to the passes) |
 | `gate_proj`, `up_proj` | column-parallel |
+| MoE blocks (`experts` + `gate` [+ `shared_experts`]) | every expert sharded by its intermediate dim, router replicated, one all-reduce of the block output (`moe.py`) |
 | embeddings, norms, `lm_head` | replicated |
 
 The KV heads a rank holds are `cp_compile.kv_cache.tp_kv_head_ids`, the same
@@ -27,6 +28,7 @@ import torch.distributed._functional_collectives as funcol
 from torch import nn
 
 from cp_compile.config import ConfigError
+from cp_compile.hf.moe import is_moe_block, shard_moe_block
 from cp_compile.hf.support import check_supported, head_dim
 from cp_compile.kv_cache import tp_kv_head_ids
 
@@ -108,7 +110,7 @@ def shard_model(model: nn.Module, tp: int, tp_rank: int, tp_group: dist.ProcessG
     plan: dict[str, Any] = {"tp": tp, "q_heads": tuple(q_heads)}
     for layer in model.model.layers:
         attn = layer.self_attn
-        if kind == "gqa":
+        if kind == "gqa":  # (sfa: MLA heads below; the indexer is replicated)
             hkv = getattr(cfg, "num_key_value_heads", None) or hq
             if tp > hkv and tp % hkv:
                 raise ConfigError("tp % num_key_value_heads == 0 when tp > num_key_value_heads",
@@ -133,6 +135,10 @@ def shard_model(model: nn.Module, tp: int, tp_rank: int, tp_group: dist.ProcessG
         if hasattr(attn, "num_heads"):
             attn.num_heads = len(q_heads)
         mlp = layer.mlp
+        if is_moe_block(mlp):  # routed (+ shared) experts: cp_compile/hf/moe.py
+            layer.mlp = shard_moe_block(mlp, tp, tp_rank, tp_group)
+            plan["moe_layers"] = plan.get("moe_layers", 0) + 1
+            continue
         idx = torch.arange(inter.start, inter.stop)
         _rows(mlp.gate_proj, idx)
         _rows(mlp.up_proj, idx)

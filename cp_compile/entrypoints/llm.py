@@ -1,0 +1,232 @@
+"""`cp_compile.LLM`: the seeds' offline API over a local checkpoint directory.
+
+    from cp_compile import LLM, SamplingParams
+    llm = LLM(model="/path/to/ckpt", tensor_parallel_size=2, decode_context_parallel_size=2,
+              prefill_context_parallel_size=2)
+    outputs = llm.generate(["Hello, my name is"], SamplingParams(temperature=0.8, top_p=0.95))
+    print(outputs[0].outputs[0].text)
+
+The directory is what `save_pretrained` writes (config.json, safetensors, the
+tokenizer files); the model runs through `cp_compile.hf.Engine` (no model code of
+ours). Ranks: world 1 runs in this process; a larger world spawns CPU gloo worker
+processes (`executors.SpawnedExecutor`) and tears them down on `close()` / exit.
+Under torchrun (RANK / WORLD_SIZE set) this process is one rank: every rank runs the
+script, its own engine and driver on the same requests, and rank 0's sampled tokens
+are broadcast to the others each step (one sampler). Outputs are shaped like vLLM's `RequestOutput`.
+`lowering` defaults to $CP_COMPILE_LOWERING, else "auto" (Inductor on CPU).
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence as Seq
+
+from cp_compile.config import ConfigError
+from cp_compile.entrypoints.driver import Driver
+from cp_compile.entrypoints.executors import EngineArgs, LocalExecutor, SpawnedExecutor, build_engine
+from cp_compile.hf.scheduler import Sequence
+from cp_compile.sampling import SamplingParams
+
+
+@dataclass
+class CompletionOutput:
+    index: int
+    text: str
+    token_ids: list[int]
+    cumulative_logprob: float | None = None
+    logprobs: Any = None
+    finish_reason: str | None = None  # "stop" (EOS, stop token or string), "length", "abort"
+    stop_reason: int | str | None = None
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput] = field(default_factory=list)
+    finished: bool = False
+
+
+class TextState:
+    """Incremental detokenisation and stop strings for one request."""
+
+    def __init__(self, tokenizer: Any, stop: list[str]) -> None:
+        self.tokenizer = tokenizer
+        self.stop = stop
+        self.text = ""
+        self.stop_reason: str | None = None
+
+    def update(self, output_ids: list[int]) -> str | None:
+        if self.tokenizer is None:
+            return None
+        text = self.tokenizer.decode(output_ids, skip_special_tokens=True)
+        for s in self.stop:
+            at = text.find(s)
+            if at >= 0:
+                self.text, self.stop_reason = text[:at], s
+                return "stop"
+        self.text = text
+        return None
+
+
+def _broadcast_from_rank0(tokens: list[int]) -> list[int]:
+    import torch.distributed as dist
+
+    box = [tokens]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def load_tokenizer(path: str) -> Any:
+    """The checkpoint's own tokenizer, or None when the directory has none (token ids only)."""
+    names = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+    if not any(os.path.exists(os.path.join(path, n)) for n in names):
+        return None
+    import transformers
+
+    return transformers.AutoTokenizer.from_pretrained(path)
+
+
+class LLM:
+    """Offline generation (vLLM's `LLM` names; see module doc)."""
+
+    def __init__(self, model: str, tensor_parallel_size: int = 1, decode_context_parallel_size: int = 1,
+                 prefill_context_parallel_size: int = 1, cp_kv_cache_interleave_size: int = 1, block_size: int = 16,
+                 dtype: str = "float32", max_model_len: int | None = None, enable_dsa_cp: bool = False,
+                 max_num_seqs: int = 8, num_kv_blocks: int | None = None, seed: int = 0, lowering: str | None = None,
+                 tokenizer: str | None = None, **unsupported: Any) -> None:
+        if unsupported:
+            raise TypeError(f"LLM: unsupported arguments {sorted(unsupported)}; cp_compile.LLM takes model, "
+                            "tensor_parallel_size, decode_context_parallel_size, prefill_context_parallel_size, "
+                            "cp_kv_cache_interleave_size, block_size, dtype, max_model_len, enable_dsa_cp, "
+                            "max_num_seqs, num_kv_blocks, seed, lowering, tokenizer")
+        if not os.path.isdir(model):
+            raise ValueError(f"model={model!r}: not a local directory. Fix: pass the directory save_pretrained "
+                             "wrote (config.json + *.safetensors); nothing is downloaded")
+        self.args = EngineArgs(model=model, tensor_parallel_size=tensor_parallel_size,
+                               decode_context_parallel_size=decode_context_parallel_size,
+                               prefill_context_parallel_size=prefill_context_parallel_size,
+                               cp_kv_cache_interleave_size=cp_kv_cache_interleave_size, block_size=block_size,
+                               dtype=dtype, max_model_len=max_model_len, enable_dsa_cp=enable_dsa_cp,
+                               max_num_seqs=max_num_seqs, num_kv_blocks=num_kv_blocks,
+                               lowering=lowering or os.environ.get("CP_COMPILE_LOWERING", "auto"))
+        self.args.validate()  # an unservable model or bad sizes fail here, before any process starts
+        self.tokenizer = load_tokenizer(tokenizer or model)
+        share = None
+        if "RANK" in os.environ and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+            # Launched by torchrun: this process is one rank; every rank runs this script
+            # (SPMD), rank 0's sampled tokens are broadcast to the others.
+            world = int(os.environ["WORLD_SIZE"])
+            if world != self.args.world_size:
+                raise ConfigError("torchrun world == tensor_parallel_size * prefill_context_parallel_size",
+                                  f"WORLD_SIZE={world}, tensor_parallel_size={tensor_parallel_size}, "
+                                  f"prefill_context_parallel_size={prefill_context_parallel_size}",
+                                  f"launch with --nproc-per-node {self.args.world_size}")
+            self.executor: Any = LocalExecutor(build_engine(self.args))
+            share = _broadcast_from_rank0
+        elif self.args.world_size == 1 and decode_context_parallel_size == 1:
+            self.executor = LocalExecutor(build_engine(self.args))
+        else:
+            self.executor = SpawnedExecutor(self.args)
+        self.driver = Driver(self.executor, self.executor.limits, seed=seed, share_tokens=share)
+        self._closed = False
+        self._count = 0
+        atexit.register(self.close)
+
+    @property
+    def kv_capacity(self) -> list[dict[str, int]]:
+        """Per rank: tokens stored, tokens per context-parallel group, KV bytes, and the bytes at dcp = pcp = 1."""
+        return self.executor.capacity
+
+    def get_tokenizer(self) -> Any:
+        return self.tokenizer
+
+    def encode(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError(f"prompt {prompt[:20]!r}: the model directory has no tokenizer. Fix: pass token "
+                                 "ids, or save a tokenizer into the directory")
+            return list(self.tokenizer(prompt)["input_ids"])
+        return list(prompt)
+
+    def submit(self, prompt: str | list[int], params: SamplingParams,
+               on_update: Callable[[Sequence, TextState], None] | None = None) -> tuple[Sequence, TextState]:
+        """Add one request to the running batch (the server's entry); raises RequestError."""
+        ids = self.encode(prompt)
+        text = TextState(self.tokenizer, list(params.stop or []))
+
+        def on_token(seq: Sequence) -> str | None:
+            reason = text.update(seq.output)
+            if on_update is not None:
+                on_update(seq, text)
+            return reason
+
+        seq = self.driver.add(ids, params, on_token)
+        return seq, text
+
+    def generate(self, prompts: str | Seq[str] | Seq[list[int]], sampling_params: SamplingParams | Seq[SamplingParams]
+                 | None = None, use_tqdm: bool = True) -> list[RequestOutput]:
+        """Generate for every prompt (text or token ids) with continuous batching;
+        every request is checked before any runs."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]  # type: ignore[list-item]
+        params = sampling_params if sampling_params is not None else SamplingParams()
+        plist = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
+        if len(plist) != len(prompts):
+            raise ValueError(f"{len(plist)} sampling_params for {len(prompts)} prompts; give one or one per prompt")
+        encoded = [self.encode(p) for p in prompts]
+        for i, (ids, sp) in enumerate(zip(encoded, plist)):
+            try:
+                self.driver.check(ids, sp)
+            except ValueError as e:
+                e.args = (f"prompt {i}: {e}",)
+                raise
+        subs = [self.submit(ids, sp) for ids, sp in zip(encoded, plist)]
+        bar = None
+        if use_tqdm:
+            from tqdm.auto import tqdm
+
+            bar = tqdm(total=len(subs), desc="Processed prompts", unit="req")
+        done = 0
+
+        def progress(_: list[Sequence]) -> None:
+            nonlocal done
+            now = sum(s.finish_reason is not None for s, _ in subs)
+            if bar is not None:
+                bar.update(now - done)
+            done = now
+
+        self.driver.run_until_done(progress)
+        if bar is not None:
+            bar.close()
+        outs = []
+        for (seq, text), prompt in zip(subs, prompts):
+            self._count += 1
+            stop_reason = text.stop_reason if text.stop_reason is not None else (
+                seq.output[-1] if seq.finish_reason == "stop" and seq.output else None)
+            outs.append(RequestOutput(
+                request_id=str(self._count - 1), prompt=prompt if isinstance(prompt, str) else None,
+                prompt_token_ids=list(seq.prompt), finished=True,
+                outputs=[CompletionOutput(0, text.text, list(seq.output), finish_reason=seq.finish_reason,
+                                          stop_reason=stop_reason)]))
+        return outs
+
+    def close(self) -> None:
+        """Tear the ranks down (also at exit)."""
+        if getattr(self, "_closed", True):
+            return
+        self._closed = True
+        self.executor.close()
+        if self.driver.share_tokens is not None:
+            import cp_compile
+
+            cp_compile.destroy_parallel()
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()

@@ -1,0 +1,123 @@
+"""Sampling: `SamplingParams` (vLLM's names) and the one sampler every front end uses.
+
+    params = SamplingParams(temperature=0.8, top_p=0.95, max_tokens=64, seed=0)
+    tok = Sampler().sample(last_logits, params, generator)     # last_logits [vocab]
+
+Filtering is HF's logits processors, in HF's order: temperature (logits / t), then
+top-k (keep logits >= the k-th largest: ties at the cut stay), then top-p (sort
+ascending, drop the tokens whose cumulative probability is <= 1 - top_p, always keep
+the most likely one). `filter_logits` returns the filtered logits (-inf where
+dropped), so a test can compare it with `transformers`' warpers on the same logits.
+
+temperature == 0 is greedy: `int(logits.argmax())`, the same call as the greedy
+engine path (bitwise the same token; no filtering, no generator touched).
+
+Every rank samples the same token because only one sampler runs: the driver's
+(cp_compile.llm.driver), on the logits rank 0 returns; the token reaches every rank
+in the next step's plan. A seeded request owns a `torch.Generator` seeded with
+`seed`, so its tokens do not depend on what else is in the batch.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+
+class RequestError(ValueError):
+    """A request the engine cannot serve, refused before it joins: `field` names the
+    request field at fault (the server's HTTP 400 carries it)."""
+
+    def __init__(self, field_name: str, value: object, rule: str) -> None:
+        shown = value if not isinstance(value, (list, tuple)) or len(value) <= 8 else f"[{len(value)} items]"
+        super().__init__(f"{field_name}={shown!r}: {rule}")
+        self.field = field_name
+
+
+class SamplingError(RequestError):
+    """A bad sampling value."""
+
+
+@dataclass
+class SamplingParams:
+    """vLLM's `SamplingParams` subset: temperature 0 is greedy; top_k -1 / 0 and
+    top_p 1 switch those filters off; `stop` strings end the text (not included);
+    `ignore_eos` keeps generating past EOS."""
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    max_tokens: int | None = 16
+    seed: int | None = None
+    stop: list[str] | str | None = None
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = list(self.stop or [])
+        self.validate()
+
+    def validate(self, vocab_size: int | None = None) -> None:
+        t = self.temperature
+        if not isinstance(t, (int, float)) or isinstance(t, bool) or not math.isfinite(t) or t < 0:
+            raise SamplingError("temperature", t, "must be a finite number >= 0 (0 = greedy)")
+        p = self.top_p
+        if not isinstance(p, (int, float)) or isinstance(p, bool) or not (0 < p <= 1):
+            raise SamplingError("top_p", p, "must be in (0, 1] (1 = off)")
+        k = self.top_k
+        if not isinstance(k, int) or isinstance(k, bool) or (k < 1 and k not in (0, -1)):
+            raise SamplingError("top_k", k, "must be -1 or 0 (off) or an integer >= 1")
+        if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool)
+                                            or self.max_tokens < 1):
+            raise SamplingError("max_tokens", self.max_tokens, "must be an integer >= 1")
+        if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)):
+            raise SamplingError("seed", self.seed, "must be an integer or None")
+        if any(not isinstance(s, str) or not s for s in self.stop):
+            raise SamplingError("stop", self.stop, "must be non-empty strings")
+        if vocab_size is not None:
+            bad = [i for i in self.stop_token_ids if not 0 <= i < vocab_size]
+            if bad:
+                raise SamplingError("stop_token_ids", bad, f"ids must be in [0, {vocab_size})")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+def filter_logits(logits: torch.Tensor, temperature: float, top_k: int = -1, top_p: float = 1.0) -> torch.Tensor:
+    """[..., vocab] -> the same, scaled by 1 / temperature, -inf where top-k / top-p drop
+    (HF's TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper in that order)."""
+    x = logits.float() / temperature
+    if top_k > 0 and top_k < x.shape[-1]:
+        kth = torch.topk(x, top_k, dim=-1).values[..., -1:]
+        x = x.masked_fill(x < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_x, order = torch.sort(x, dim=-1, descending=False)
+        cum = sorted_x.softmax(dim=-1).cumsum(dim=-1)
+        drop_sorted = cum <= (1 - top_p)
+        drop_sorted[..., -1:] = False  # keep at least the most likely token
+        drop = drop_sorted.scatter(-1, order, drop_sorted)
+        x = x.masked_fill(drop, float("-inf"))
+    return x
+
+
+class Sampler:
+    """Turns one request's last-token logits into its next token."""
+
+    def sample(self, logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:
+        if params.greedy:
+            return int(logits.argmax())  # the greedy engine path, bitwise
+        probs = filter_logits(logits, params.temperature, params.top_k, params.top_p).softmax(-1)
+        return int(torch.multinomial(probs, 1, generator=generator))
+
+    @staticmethod
+    def generator_for(params: SamplingParams, fallback: torch.Generator) -> torch.Generator | None:
+        """A request's own generator: seeded by `seed`, else from the driver's stream."""
+        if params.greedy:
+            return None
+        seed = params.seed if params.seed is not None else int(torch.randint(0, 2**62, (1,), generator=fallback))
+        return torch.Generator().manual_seed(seed)

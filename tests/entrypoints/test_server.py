@@ -1,0 +1,175 @@
+"""`cp-compile serve` over loopback with the real `openai` client.
+
+The server runs as its own process (`python -m cp_compile.entrypoints.cli serve`,
+the console script's `main`), world 1, eager lowering. Checked: concurrent
+streaming requests (completions and chat) batched together, their tokens equal to
+the offline `LLM` on the same directory (greedy and seeded sampling); `/v1/models`
+names the directory; bad requests get HTTP 400 naming the field and the server
+keeps serving; a client that disconnects mid-stream has its KV blocks freed.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from importlib import metadata
+
+import pytest
+
+openai = pytest.importorskip("openai")
+
+from cp_compile import LLM, SamplingParams  # noqa: E402
+from examples.models.tiny_seed import save_checkpoint, tiny_seed_model  # noqa: E402
+
+PROMPTS = ["the a of to and", "in is it", "long make thing see him two has look", "you that was for on"]
+MAX_LEN = 64
+KV_BLOCKS = 15  # of 4 tokens: 60 tokens per request < MAX_LEN
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory) -> str:
+    return save_checkpoint(tiny_seed_model("deepseek_v2_lite"), str(tmp_path_factory.mktemp("srv") / "ckpt"))
+
+
+@pytest.fixture(scope="module")
+def server(ckpt):
+    port = _port()
+    proc = subprocess.Popen([sys.executable, "-m", "cp_compile.entrypoints.cli", "serve", ckpt, "--host", "127.0.0.1",
+                             "--port", str(port), "--block-size", "4", "--max-model-len", str(MAX_LEN),
+                             "--max-num-seqs", "4", "--lowering", "eager", "--num-kv-blocks", str(KV_BLOCKS)])
+    base = f"http://127.0.0.1:{port}"
+    deadline = time.time() + 600
+    while True:
+        try:
+            urllib.request.urlopen(base + "/health", timeout=2)
+            break
+        except OSError:
+            if proc.poll() is not None or time.time() > deadline:
+                proc.kill()
+                raise RuntimeError(f"server did not start (exit {proc.poll()})")
+            time.sleep(0.5)
+    yield base
+    proc.terminate()
+    proc.wait(timeout=60)
+
+
+def _client(base: str) -> "openai.OpenAI":
+    return openai.OpenAI(base_url=base + "/v1", api_key="none", max_retries=0, timeout=300)
+
+
+def _stats(base: str) -> dict:
+    return json.load(urllib.request.urlopen(base + "/v1/cp_compile/stats"))
+
+
+def test_console_script_is_declared():
+    eps = [e for e in metadata.entry_points(group="console_scripts") if e.name == "cp-compile"]
+    assert eps and eps[0].value == "cp_compile.entrypoints.cli:main"
+
+
+def test_models_lists_the_directory(server, ckpt):
+    models = _client(server).models.list()
+    assert [m.id for m in models.data] == [ckpt]
+
+
+def _stream_completion(base: str, model: str, prompt: str, **kw) -> tuple[str, list[int], str]:
+    text, ids, reason = "", [], None
+    for chunk in _client(base).completions.create(model=model, prompt=prompt, stream=True,
+                                                  extra_body={"return_token_ids": True}, **kw):
+        c = chunk.choices[0]
+        text += c.text
+        reason = c.finish_reason or reason
+        ids = getattr(c, "token_ids", None) or (c.model_extra or {}).get("token_ids") or ids
+    return text, ids, reason
+
+
+def test_concurrent_streams_equal_the_offline_api(server, ckpt):
+    greedy = dict(temperature=0, max_tokens=10)
+    sampled = dict(temperature=0.8, top_p=0.95, max_tokens=10, seed=7)
+    kinds = [greedy, sampled, greedy, sampled]
+    t0 = time.time()
+    with cf.ThreadPoolExecutor(8) as pool:
+        futs = [pool.submit(_stream_completion, server, ckpt, p, **kw) for p, kw in zip(PROMPTS, kinds)]
+        chat = pool.submit(lambda: "".join(
+            (c.choices[0].delta.content or "") for c in _client(server).chat.completions.create(
+                model=ckpt, messages=[{"role": "user", "content": PROMPTS[0]}], stream=True, temperature=0,
+                max_tokens=10)))
+        got = [f.result() for f in futs]
+        chat_text = chat.result()
+    wall = time.time() - t0
+    stats = _stats(server)
+    with LLM(model=ckpt, block_size=4, lowering="eager", max_model_len=MAX_LEN, max_num_seqs=4) as llm:
+        want = llm.generate(PROMPTS, [SamplingParams(**kw) for kw in kinds], use_tqdm=False)
+    for (text, ids, reason), w in zip(got, want):
+        assert ids == w.outputs[0].token_ids and text == w.outputs[0].text and reason == "length"
+    assert chat_text == want[0].outputs[0].text  # no chat template: the content is the prompt
+    assert stats["max_batch_seen"] >= 2  # requests were batched together (continuous batching)
+    print(f"\nSERVER {len(futs) + 1} concurrent streaming requests (4 completions + 1 chat), "
+          f"max batch {stats['max_batch_seen']}, {stats['steps']} steps, wall {wall:.1f} s; tokens equal offline")
+
+
+def test_non_streaming_completion_and_chat(server, ckpt):
+    c = _client(server)
+    r = c.completions.create(model=ckpt, prompt=PROMPTS[1], temperature=0, max_tokens=6)
+    assert r.choices[0].finish_reason == "length" and r.usage.completion_tokens == 6
+    r2 = c.chat.completions.create(model=ckpt, messages=[{"role": "user", "content": PROMPTS[1]}], temperature=0,
+                                   max_tokens=6)
+    assert r2.choices[0].message.content == r.choices[0].text
+
+
+BAD = [
+    (dict(prompt="the " * (MAX_LEN + 5), max_tokens=4), "prompt"),  # longer than the model's max_model_len
+    (dict(prompt="the " * 61, max_tokens=1), "prompt"),  # within max_model_len, beyond the KV capacity (60)
+    (dict(prompt="the a", max_tokens=MAX_LEN), "max_tokens"),  # prompt + max_tokens > max_model_len
+    (dict(prompt="the a", max_tokens=60), "max_tokens"),  # prompt + max_tokens > the KV capacity
+    (dict(prompt="the a", max_tokens=0), "max_tokens"),
+    (dict(prompt="the a", max_tokens=-1), "max_tokens"),
+    (dict(prompt="the a", temperature=-1), "temperature"),
+    (dict(prompt="the a", top_p=1.5), "top_p"),
+    (dict(prompt="the a", extra_body={"top_k": -5}), "top_k"),
+    (dict(prompt=[1, 2, 10_000]), "prompt"),
+]
+
+
+@pytest.mark.parametrize("kw,field", BAD + [({"prompt": "the a", "model": "gpt-4"}, "model")],
+                         ids=[f"{f}-{i}" for i, (_, f) in enumerate(BAD)] + ["model"])
+def test_bad_requests_get_400_naming_the_field_and_the_server_keeps_serving(server, ckpt, kw, field):
+    kw = dict(kw)
+    model = kw.pop("model", ckpt)
+    with pytest.raises(openai.BadRequestError) as e:
+        _client(server).completions.create(model=model, **kw)
+    assert e.value.status_code == 400
+    body = e.value.body if isinstance(e.value.body, dict) else {}
+    err = body.get("error", body)
+    assert err["param"] == field and field in err["message"], err
+    ok = _client(server).completions.create(model=ckpt, prompt="the a", max_tokens=2, temperature=0)
+    assert len(ok.choices[0].text.split()) == 2
+
+
+def test_disconnected_stream_frees_its_kv_blocks(server, ckpt):
+    free_before = _stats(server)["free_blocks"]
+    stream = _client(server).completions.create(model=ckpt, prompt=PROMPTS[2], stream=True, temperature=0,
+                                                max_tokens=40)
+    next(iter(stream))  # the request is running
+    assert _stats(server)["reserved_blocks"] > 0
+    stream.close()  # the client goes away mid-generation
+    deadline = time.time() + 60
+    while time.time() < deadline:
+        s = _stats(server)
+        if s["reserved_blocks"] == 0 and s["running"] == 0 and s["free_blocks"] == free_before:
+            break
+        time.sleep(0.2)
+    assert s["reserved_blocks"] == 0 and s["running"] == 0 and s["free_blocks"] == free_before, s
+    ok = _client(server).completions.create(model=ckpt, prompt="the a", max_tokens=2, temperature=0)
+    assert ok.choices[0].finish_reason == "length"

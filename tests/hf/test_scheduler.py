@@ -1,0 +1,48 @@
+"""The host-side scheduler: admission by whole KV budget, joins beside decodes,
+leaving at max_tokens / EOS, aborts freeing blocks through the next plan."""
+
+from __future__ import annotations
+
+import pytest
+
+from cp_compile.hf.scheduler import Scheduler, Sequence
+
+
+def test_admission_join_leave_and_abort_free_blocks():
+    s = Scheduler(num_blocks=6, virtual_block_size=4, max_batch=4)
+    a = Sequence(0, [1, 2, 3], max_tokens=5)  # 8 tokens -> 2 blocks
+    b = Sequence(1, [4] * 9, max_tokens=3)  # 12 tokens -> 3 blocks
+    c = Sequence(2, [5, 6], max_tokens=6)  # 8 tokens -> 2 blocks: does not fit beside a and b
+    for q in (a, b, c):
+        s.add(q)
+    plan = s.plan()
+    assert [i[0] for i in plan.items] == [0, 1] and s.reserved == 5 and list(s.waiting) == [c]
+    assert plan.items[0] == (0, 0, [1, 2, 3])  # prefill: the whole prompt
+    s.commit([7, 8])
+    plan = s.plan()
+    assert plan.items == [(0, 3, [7]), (1, 9, [8])]  # decodes: one token each
+    assert s.abort(1)  # the client went away
+    plan = s.plan()  # its blocks are freed by this plan; c joins in the same step
+    assert plan.free == [1] and [i[0] for i in plan.items] == [0, 2] and s.reserved == 4
+    assert plan.items[1] == (2, 0, [5, 6])  # a prefill beside a decode
+    done = s.commit([9, 10])
+    assert done == [] and b.finish_reason == "abort"
+
+
+def test_eos_and_length_finish():
+    s = Scheduler(num_blocks=10, virtual_block_size=4, max_batch=4)
+    a = Sequence(0, [1], max_tokens=3, eos=frozenset({2}))
+    b = Sequence(1, [1], max_tokens=2)
+    s.add(a), s.add(b)
+    s.plan()
+    assert s.commit([5, 5]) == []
+    s.plan()
+    done = s.commit([2, 6])  # a hits EOS, b its length
+    assert {q.rid: q.finish_reason for q in done} == {0: "stop", 1: "length"}
+    assert a.output == [5, 2] and s.reserved == 0 and s.plan().free == [0, 1]
+
+
+def test_request_beyond_the_cache_refused_at_add():
+    s = Scheduler(num_blocks=2, virtual_block_size=4, max_batch=4)  # 8 tokens
+    with pytest.raises(ValueError, match="need 3 KV blocks"):
+        s.add(Sequence(0, [1] * 6, max_tokens=4))
