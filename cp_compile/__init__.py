@@ -14,6 +14,8 @@ from cp_compile.parallel_state import ParallelState, destroy_parallel, get_paral
 from cp_compile.backend import CpAscendBackend, backend
 from cp_compile.decorator import compile_model, cp_module
 from cp_compile.sampling import RequestError, SamplingParams
+# The front ends (transformers is imported only when a model is loaded).
+from cp_compile.entrypoints.llm import LLM, CompletionOutput, RequestOutput
 
 __all__ = [
     "AttentionMetadata", "AttentionSpec", "BlockAllocator", "CPConfig", "CapacityError", "ConfigError",
@@ -23,11 +25,3 @@ __all__ = [
     "RequestError",
 ]
 
-
-def __getattr__(name: str):
-    # The offline front end imports transformers; plain `import cp_compile` does not.
-    if name in ("LLM", "RequestOutput", "CompletionOutput"):
-        from cp_compile.entrypoints import llm
-
-        return getattr(llm, name)
-    raise AttributeError(f"module 'cp_compile' has no attribute {name!r}")

@@ -9,6 +9,9 @@ from __future__ import annotations
 import argparse
 import sys
 
+from cp_compile.entrypoints.llm import LLM
+from cp_compile.entrypoints.server import serve
+
 
 def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="cp-compile", description="cp-compile front ends")
@@ -36,9 +39,6 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    from cp_compile.entrypoints.llm import LLM
-    from cp_compile.entrypoints.server import serve
-
     llm = LLM(model=args.model, tensor_parallel_size=args.tensor_parallel_size,
               decode_context_parallel_size=args.decode_context_parallel_size,
               prefill_context_parallel_size=args.prefill_context_parallel_size,

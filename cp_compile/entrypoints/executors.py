@@ -30,8 +30,12 @@ from typing import Any
 
 import torch
 
+from cp_compile.config import CPConfig
 from cp_compile.entrypoints.driver import Limits
+from cp_compile.hf.engine import Engine
 from cp_compile.hf.scheduler import StepPlan
+from cp_compile.hf.support import attention_spec
+from cp_compile.parallel_state import init_parallel
 
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
            "float16": torch.float16, "fp16": torch.float16, "half": torch.float16}
@@ -57,9 +61,7 @@ class EngineArgs:
     def world_size(self) -> int:
         return self.tensor_parallel_size * self.prefill_context_parallel_size
 
-    def cp_config(self) -> Any:
-        from cp_compile.config import CPConfig
-
+    def cp_config(self) -> CPConfig:
         return CPConfig(tensor_parallel_size=self.tensor_parallel_size,
                         decode_context_parallel_size=self.decode_context_parallel_size,
                         prefill_context_parallel_size=self.prefill_context_parallel_size,
@@ -71,10 +73,8 @@ class EngineArgs:
         the sizes fit its attention (CPConfig.validate_for), and the dtype is known."""
         import transformers
 
-        import cp_compile.hf
-
         hf_config = transformers.AutoConfig.from_pretrained(self.model)
-        self.cp_config().validate_for(cp_compile.hf.attention_spec(hf_config))
+        self.cp_config().validate_for(attention_spec(hf_config))
         self.torch_dtype()
 
     def torch_dtype(self) -> torch.dtype:
@@ -95,17 +95,14 @@ def build_engine(args: EngineArgs, init: bool = True) -> Any:
     """On one rank (after the env:// rendezvous when world > 1): the model and its engine."""
     import transformers
 
-    import cp_compile
-    import cp_compile.hf
-
     cfg = args.cp_config()
     if init and (args.world_size > 1 or args.decode_context_parallel_size > 1):
-        cp_compile.init_parallel(cfg, device=args.device)
+        init_parallel(cfg, device=args.device)
     model = transformers.AutoModelForCausalLM.from_pretrained(args.model, dtype=args.torch_dtype()).eval()
     max_len = _max_model_len(args, model.config)
     vbs = cfg.virtual_block_size
     blocks = args.num_kv_blocks or (-(-max_len // vbs)) * args.max_num_seqs + 1
-    engine = cp_compile.hf.Engine(model, cfg, num_blocks=blocks, max_batch=args.max_num_seqs,
+    engine = Engine(model, cfg, num_blocks=blocks, max_batch=args.max_num_seqs,
                                   max_model_len=max_len, lowering=args.lowering, progress=False)
     engine.model_max_len = max_len  # the Engine clamps max_model_len to its KV capacity; the driver names both
     return engine

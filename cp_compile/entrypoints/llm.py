@@ -27,6 +27,7 @@ from cp_compile.config import ConfigError
 from cp_compile.entrypoints.driver import Driver
 from cp_compile.entrypoints.executors import EngineArgs, LocalExecutor, SpawnedExecutor, build_engine
 from cp_compile.hf.scheduler import Sequence
+from cp_compile.parallel_state import destroy_parallel
 from cp_compile.sampling import SamplingParams
 
 
@@ -221,9 +222,7 @@ class LLM:
         self._closed = True
         self.executor.close()
         if self.driver.share_tokens is not None:
-            import cp_compile
-
-            cp_compile.destroy_parallel()
+            destroy_parallel()
 
     def __enter__(self) -> "LLM":
         return self

@@ -13,7 +13,8 @@ import traceback
 
 from multiprocessing.connection import Client
 
-from cp_compile.entrypoints.executors import EngineArgs, recv_obj, send_obj, build_engine, limits_of
+from cp_compile.entrypoints.executors import EngineArgs, build_engine, limits_of, recv_obj, send_obj
+from cp_compile.parallel_state import destroy_parallel
 
 
 def main() -> None:
@@ -43,10 +44,8 @@ def main() -> None:
         raise SystemExit(1)
     finally:
         if engine is not None:
-            import cp_compile
-
             try:
-                cp_compile.destroy_parallel()
+                destroy_parallel()
             except Exception:  # noqa: BLE001 - world 1 has no parallel state
                 pass
         conn.close()
