@@ -50,7 +50,17 @@ from examples.models.common import (
     load_replicated,
     shard,
 )
-from examples.models.quant import row_parallel_o_proj
+from examples.models.quant import W8A8ColumnLinear, row_parallel_o_proj
+
+
+def _load_replicated_linear(lin: nn.Module, sd: StateDictReader, name: str) -> None:
+    """A replicated projection: float nn.Linear (weight and bias as they are) or W8A8 (quantised)."""
+    if isinstance(lin, W8A8ColumnLinear):
+        lin.load_full(sd.take(f"{name}.weight"), sd.get(f"{name}.bias"), name=name)
+        return
+    load_replicated(lin.weight, sd.take(f"{name}.weight"), f"{name}.weight")
+    if lin.bias is not None:
+        load_replicated(lin.bias, sd.take(f"{name}.bias"), f"{name}.bias")
 
 
 @dataclass
@@ -76,6 +86,10 @@ class DeepseekMLAConfig:
     # o_proj as a W8A8 row-parallel linear (examples.models.quant.W8A8Config), quantised
     # from the checkpoint's float weight at load; None: the float RowParallelLinear.
     o_proj_quant: Any = None
+    # The MLA projections (q_a / q_b or q_proj, kv_a_proj_with_mqa) as W8A8 dynamic
+    # linears (examples.models.quant.W8A8ColumnLinear), quantised at load; any truthy
+    # value turns them on (per-token dynamic activations is the only scheme built).
+    mla_quant: Any = None
 
     def __post_init__(self) -> None:
         check_config_fields(self, ("vocab_size", "hidden_size", "num_layers", "num_heads", "kv_lora_rank",
@@ -137,13 +151,18 @@ class MLAAttention(nn.Module):
                                                  cfg.kv_lora_rank, cfg.v_head_dim)
         self.scale = cfg.qk_head_dim ** -0.5
         H, bias = cfg.num_heads, cfg.attention_bias
-        if cfg.q_lora_rank is None:
-            self.q_proj = ColumnParallelLinear(cfg.hidden_size, H * cfg.qk_head_dim, tp_size, tp_rank)
+        col = ColumnParallelLinear if cfg.mla_quant is None else W8A8ColumnLinear
+        if cfg.mla_quant is None:
+            replicated = lambda i, o: nn.Linear(i, o, bias=bias)  # noqa: E731
         else:
-            self.q_a_proj = nn.Linear(cfg.hidden_size, cfg.q_lora_rank, bias=bias)  # replicated
+            replicated = lambda i, o: W8A8ColumnLinear(i, o, bias=bias)  # noqa: E731
+        if cfg.q_lora_rank is None:
+            self.q_proj = col(cfg.hidden_size, H * cfg.qk_head_dim, tp_size, tp_rank)
+        else:
+            self.q_a_proj = replicated(cfg.hidden_size, cfg.q_lora_rank)
             self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, cfg.latent_norm_eps)
-            self.q_b_proj = ColumnParallelLinear(cfg.q_lora_rank, H * cfg.qk_head_dim, tp_size, tp_rank)
-        self.kv_a_proj_with_mqa = nn.Linear(cfg.hidden_size, self.L + self.rope, bias=bias)  # replicated
+            self.q_b_proj = col(cfg.q_lora_rank, H * cfg.qk_head_dim, tp_size, tp_rank)
+        self.kv_a_proj_with_mqa = replicated(cfg.hidden_size, self.L + self.rope)
         self.kv_a_layernorm = RMSNorm(self.L, cfg.latent_norm_eps)
         # kv_b_proj split per (local) head into the absorbed matrices.
         self.w_uk = nn.Parameter(torch.empty(self.num_heads, self.nope, self.L))  # [H, nope, L]
@@ -195,15 +214,10 @@ class MLAAttention(nn.Module):
         if cfg.q_lora_rank is None:
             self.q_proj.load_full(sd.take(f"{prefix}.q_proj.weight"), name=f"{prefix}.q_proj")
         else:
-            load_replicated(self.q_a_proj.weight, sd.take(f"{prefix}.q_a_proj.weight"), f"{prefix}.q_a_proj.weight")
-            if self.q_a_proj.bias is not None:
-                load_replicated(self.q_a_proj.bias, sd.take(f"{prefix}.q_a_proj.bias"), f"{prefix}.q_a_proj.bias")
+            _load_replicated_linear(self.q_a_proj, sd, f"{prefix}.q_a_proj")
             load_norm(self.q_a_layernorm, sd, f"{prefix}.q_a_layernorm.weight")
             self.q_b_proj.load_full(sd.take(f"{prefix}.q_b_proj.weight"), name=f"{prefix}.q_b_proj")
-        name = f"{prefix}.kv_a_proj_with_mqa"
-        load_replicated(self.kv_a_proj_with_mqa.weight, sd.take(f"{name}.weight"), f"{name}.weight")
-        if self.kv_a_proj_with_mqa.bias is not None:
-            load_replicated(self.kv_a_proj_with_mqa.bias, sd.take(f"{name}.bias"), f"{name}.bias")
+        _load_replicated_linear(self.kv_a_proj_with_mqa, sd, f"{prefix}.kv_a_proj_with_mqa")
         load_norm(self.kv_a_layernorm, sd, f"{prefix}.kv_a_layernorm.weight")
         kv_b = sd.take(f"{prefix}.kv_b_proj.weight")  # [H * (nope + v), L]
         kv_b = kv_b.view(cfg.num_heads, self.nope + self.dv, self.L)

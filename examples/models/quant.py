@@ -158,3 +158,45 @@ def row_parallel_o_proj(in_features: int, out_features: int, tp_size: int, tp_ra
     if quant is None:
         return RowParallelLinear(in_features, out_features, tp_size, tp_rank, bias, tp_group)
     return W8A8RowParallelLinear(in_features, out_features, tp_size, tp_rank, bias, tp_group, quant)
+
+
+class W8A8ColumnLinear(nn.Module):
+    """y_local = w8a8_dynamic_linear(x, W_local): the MLA projections (q_a / q_b / q_proj /
+    kv_a_proj_with_mqa) as W8A8 dynamic linears, output dim sharded (tp_size 1: replicated).
+
+    The full float weight [out, in] is quantised per output channel (each channel's
+    scale depends only on its own row, so a shard quantises as the full weight does)
+    and rank r keeps output channels [r*n, (r+1)*n) as a K-major int8 [in, n].
+    Activations are quantised per token over the whole input (one group): every
+    rank sees the full input of a column-parallel linear.
+    """
+
+    def __init__(self, in_features: int, out_features: int, tp_size: int = 1, tp_rank: int = 0,
+                 bias: bool = False) -> None:
+        super().__init__()
+        if bias:
+            raise ValueError("W8A8ColumnLinear: biased MLA projections are not built (attention_bias=True); "
+                             "use the float projections (mla_quant=None)")
+        if out_features % tp_size:
+            raise ValueError(f"W8A8ColumnLinear: out_features={out_features} not divisible by tp_size={tp_size}")
+        self.tp_size, self.tp_rank = tp_size, tp_rank
+        n = out_features // tp_size
+
+        def frozen(t: torch.Tensor) -> nn.Parameter:
+            return nn.Parameter(t, requires_grad=False)
+
+        self.weight = frozen(torch.zeros(in_features, n, dtype=torch.int8))  # [in, out/tp]
+        self.weight_scale = frozen(torch.ones(n))  # [out/tp]
+        self.weight_offset = frozen(torch.zeros(n, dtype=torch.int32))  # [out/tp]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, in] -> [T, out/tp]
+        return torch.ops.cp.w8a8_dynamic_linear(x, self.weight, self.weight_scale, self.weight_offset, 1)
+
+    def load_full(self, weight: torch.Tensor, bias: torch.Tensor | None = None, name: str = "") -> None:
+        """Quantise the full float weight [out, in] and keep this rank's output channels."""
+        if bias is not None:
+            raise ValueError(f"{name}: W8A8ColumnLinear has no bias, the checkpoint has one")
+        w_q, w_s = quantize_weight(weight)  # [out, in] int8, [out]
+        _copy_param(self.weight, shard(w_q, 0, self.tp_size, self.tp_rank).t(), name + ".weight")
+        _copy_param(self.weight_scale, shard(w_s, 0, self.tp_size, self.tp_rank), name + ".weight_scale")
+        _copy_param(self.weight_offset, torch.zeros_like(self.weight_offset), name + ".weight_offset")

@@ -1,0 +1,139 @@
+"""`cp::mla_preprocess` (ops/mla_preprocess.py): opcheck, and the op against the
+example model's own unfused MLA projections (`MLAAttention.project`), bit for bit on
+CPU (the reference runs the model's steps in the model's order), float and W8A8,
+with and without q-LoRA, in every rope layout; the cache write; bad arguments refused."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+import cp_compile.ops  # noqa: F401
+from cp_compile.ops import mla_preprocess_reference as ref
+from examples.models.common import RotaryEmbedding
+from examples.models.deepseek_mla import DeepseekMLAConfig, MLAAttention
+
+cp = torch.ops.cp
+T, NB, BS = 5, 4, 4
+CFG = DeepseekMLAConfig(vocab_size=32, hidden_size=32, num_layers=1, num_heads=4, q_lora_rank=12, kv_lora_rank=16,
+                        qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8, intermediate_size=16,
+                        latent_norm_eps=1e-2)
+
+
+def _layer(q_lora: int | None, interleave: bool, quant: bool, seed: int = 0) -> MLAAttention:
+    cfg = dataclasses.replace(CFG, q_lora_rank=q_lora, rope_interleave=interleave, mla_quant=True if quant else None)
+    attn = MLAAttention(cfg, 1, 0, None)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in attn.named_parameters():
+            if p.dtype == torch.int8:
+                p.copy_(torch.randint(-127, 128, p.shape, generator=g, dtype=torch.int8))
+            elif name.endswith("weight_scale"):
+                p.copy_(torch.rand(p.shape, generator=g) * 0.01 + 1e-3)
+            elif name.endswith("weight_offset"):
+                pass
+            elif p.dim() == 1:
+                p.copy_(1.0 + 0.2 * torch.randn(p.shape, generator=g))
+            else:
+                p.copy_(torch.randn(p.shape, generator=g) / p.shape[-1] ** 0.5)
+    return attn
+
+
+def _lin(mod):
+    """(weight, scale, offset) of a float or W8A8 projection, as the op takes them."""
+    if mod.weight.dtype == torch.int8:
+        return mod.weight, mod.weight_scale, mod.weight_offset
+    return mod.weight, None, None
+
+
+def op_args(attn: MLAAttention, x, cos, sin, cache=None, slots=None):
+    if attn.cfg.q_lora_rank is None:
+        qa, qa_norm, qb = (None, None, None), None, _lin(attn.q_proj)
+    else:
+        qa, qa_norm, qb = _lin(attn.q_a_proj), attn.q_a_layernorm.weight, _lin(attn.q_b_proj)
+    mode = "interleave" if attn.cfg.rope_interleave else "neox"
+    return (x, *qa, qa_norm, *qb, *_lin(attn.kv_a_proj_with_mqa), attn.kv_a_layernorm.weight, attn.w_uk, cos, sin,
+            cache, slots, attn.cfg.latent_norm_eps, attn.cfg.latent_norm_eps, mode)
+
+
+def _inputs(seed: int = 1):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(T, CFG.hidden_size, generator=g)
+    cos, sin = RotaryEmbedding(CFG.qk_rope_head_dim, 10000.0)(torch.tensor([0, 1, 2, 7, 3]))
+    return x, cos, sin
+
+
+CASES = [(12, True, False), (None, True, False), (12, False, False), (12, True, True), (None, False, True)]
+
+
+@pytest.mark.parametrize("q_lora,interleave,quant", CASES)
+def test_op_equals_the_unfused_projections_bitwise(q_lora, interleave, quant):
+    attn = _layer(q_lora, interleave, quant)
+    x, cos, sin = _inputs()
+    with torch.no_grad():
+        want = attn.project(x, cos, sin)  # q_abs, q_pe, kv_c, k_pe, q_resid (None without q-LoRA)
+        got = cp.mla_preprocess(*op_args(attn, x, cos, sin))
+    for name, w, o in zip(("q_abs", "q_pe", "kv_c", "k_pe"), want[:4], got[:4]):
+        assert torch.equal(w, o), name
+    if q_lora is None:
+        assert got[4].shape == (T, 0)
+    else:
+        assert torch.equal(want[4], got[4])
+
+
+def test_cache_write_and_padding_slot():
+    attn = _layer(12, True, False)
+    x, cos, sin = _inputs()
+    cache = torch.full((NB, BS, CFG.latent_dim), 7.0)
+    slots = torch.tensor([0, 1, 5, -1, 9])
+    _, _, kv_c, k_pe, _ = cp.mla_preprocess(*op_args(attn, x, cos, sin, cache, slots))
+    flat = cache.view(-1, CFG.latent_dim)
+    latent = torch.cat([kv_c, k_pe], -1)
+    for t, s in enumerate(slots.tolist()):
+        if s >= 0:
+            assert torch.equal(flat[s], latent[t])
+    untouched = [i for i in range(NB * BS) if i not in (0, 1, 5, 9)]
+    assert torch.all(flat[untouched] == 7.0)
+
+
+@pytest.mark.parametrize("q_lora,interleave,quant", [CASES[0], CASES[4]])
+def test_opcheck(q_lora, interleave, quant):
+    attn = _layer(q_lora, interleave, quant)
+    x, cos, sin = _inputs()
+    cache = torch.zeros(NB, BS, CFG.latent_dim)
+    args = [a.detach().clone() if isinstance(a, torch.Tensor) else a
+            for a in op_args(attn, x, cos, sin, cache, torch.tensor([0, 1, 5, -1, 9]))]
+    torch.library.opcheck(cp.mla_preprocess, tuple(args))
+    args[15] = args[16] = None  # no cache write
+    torch.library.opcheck(cp.mla_preprocess, tuple(args))
+
+
+def test_rope_layouts_agree_on_scores():
+    """The three layouts permute the rope dims the same way for q and k, so q . k agrees."""
+    g = torch.Generator().manual_seed(3)
+    q, k = torch.randn(T, 2, 8, generator=g), torch.randn(T, 1, 8, generator=g)
+    cos, sin = RotaryEmbedding(8, 10000.0)(torch.arange(T))
+    inter = (ref.rope(q, cos, sin, "interleave") * ref.rope(k, cos, sin, "interleave")).sum(-1)
+    split = (ref.rope(q, cos, sin, "interleave_split") * ref.rope(k, cos, sin, "interleave_split")).sum(-1)
+    torch.testing.assert_close(inter, split, rtol=1e-6, atol=1e-6)
+
+
+def test_bad_arguments_are_refused_before_the_write():
+    attn = _layer(12, True, False)
+    x, cos, sin = _inputs()
+    cache = torch.full((NB, BS, CFG.latent_dim), 7.0)
+    args = list(op_args(attn, x, cos, sin, cache, torch.tensor([0, 1, 2, 3, 4])))
+    bad_mode = args[:-1] + ["yarn"]
+    with pytest.raises(ValueError, match="rope_mode='yarn'"):
+        cp.mla_preprocess(*bad_mode)
+    bad_norm = list(args)
+    bad_norm[11] = torch.ones(3)
+    with pytest.raises(ValueError, match="kv_norm"):
+        cp.mla_preprocess(*bad_norm)
+    no_slots = list(args)
+    no_slots[16] = None
+    with pytest.raises(ValueError, match="slot_mapping"):
+        cp.mla_preprocess(*no_slots)
+    assert torch.all(cache == 7.0)
