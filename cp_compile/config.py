@@ -77,6 +77,11 @@ class CPConfig:
     # How decode partial outputs are merged: "ag_rs" (all-gather LSE, rescale,
     # reduce-scatter) or "a2a" (one all-to-all of [out | lse] + local combine).
     dcp_merge: Literal["ag_rs", "a2a"] = "ag_rs"
+    # MLAPO: the `mla_preprocess` pass fuses each MLA layer's pre-attention subgraph
+    # (projections, norms, rope, W_UK absorption, latent cache write) into
+    # cp::mla_preprocess. Off by default: exact everywhere, but faster only where the
+    # fused kernel beats what the lowering already fuses (docs/mla_preprocess.md).
+    enable_mla_preprocess: bool = False
 
     @property
     def graph_per_batch_kind(self) -> bool:
@@ -93,7 +98,7 @@ class CPConfig:
             if not _is_int(v) or v < 1:
                 raise ConfigError(f"{name} >= 1", f"{name}={v!r} ({type(v).__name__})",
                                   f"set {name} to a positive integer (int, not bool or float)")
-        for name in ("enable_dsa_cp", "kv_transfer"):
+        for name in ("enable_dsa_cp", "kv_transfer", "enable_mla_preprocess"):
             v = getattr(self, name)
             if not isinstance(v, bool):
                 raise ConfigError(f"{name} is a bool", f"{name}={v!r} ({type(v).__name__})",

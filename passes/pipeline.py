@@ -4,6 +4,8 @@ Each pass sees the output of the previous one; `PassManager.for_context` keeps t
 ones whose `is_enabled(ctx)` holds. A new pass goes into `PIPELINE` at the place
 its inputs exist (docs/architecture.md, "Adding a pass").
 
+  -  mla_preprocess             (enable_mla_preprocess) each MLA layer's pre-attention subgraph ->
+                                cp::mla_preprocess, on the single-device graph (first: later passes read its outputs)
   0. pcp_attention              (pcp > 1, prefill graphs) GQA / MLA attention -> PCP compositions on this
                                 rank's tokens; per-token outputs all-gathered back to global order
   1. dcp_attention              (dcp > 1; at pcp > 1 decode graphs, over the pcp * dcp cache ranks)
@@ -13,6 +15,7 @@ its inputs exist (docs/architecture.md, "Adding a pass").
                                 MLA -> token-sharded rows over TP (a2a); decode graphs keep the TP layout
   4. o_proj_dsa_cp              (enable_dsa_cp, prefill graph, tp > 1, dcp = 1) row-parallel o_proj ->
                                 full (gathered) weight on this rank's token shard + output all-gather
+  -  mla_preprocess_cache_write (enable_mla_preprocess) the latent write of the op's own output -> into the op
   5. unsharded_attention_check  (dcp > 1 or pcp > 1) no single-device attention op survives
 """
 
@@ -23,6 +26,6 @@ from cp_compile.passes.rewrites import REWRITES
 from cp_compile.passes.unsharded_attention import UnshardedAttentionCheck
 
 PIPELINE: tuple[type[CPPass], ...] = (
-    *REWRITES,  # 0-4, in order (passes/rewrites.py)
+    *REWRITES,  # in order (passes/rewrites.py)
     UnshardedAttentionCheck,  # always last: it checks what every other pass left
 )
