@@ -3,7 +3,8 @@
 One module per op family: `cache` (metadata localisation, cache writes),
 `attention` (paged attention with LSE, single-device GQA / MLA, varlen causal),
 `merge` (LSE merges), `sparse` (lightning indexer, sparse MLA, the SFA DCP ops), `dsa_cp`
-(the DSA-CP token-shard indexer and sparse MLA), `quant` (the W8A8 linears). The mapping of each
+(the DSA-CP token-shard indexer and sparse MLA), `quant` (the W8A8 linears), `mla_preprocess`
+(MLAPO, primitives: why not CANN's MlaProlog is in its docstring). The mapping of each
 op to CANN operators, and why, is in docs/torchair.md and each module's docstring.
 
 Importing this package imports no torchair; `register_converters()` does, lazily
@@ -17,7 +18,7 @@ from __future__ import annotations
 
 import importlib
 
-MODULES = ("cache", "attention", "merge", "sparse", "dsa_cp", "quant")
+MODULES = ("cache", "attention", "merge", "sparse", "dsa_cp", "quant", "mla_preprocess")
 
 # Every cp:: op the project defines -> the GE op types its converter emits (the
 # check compares this with the ops registered in the `cp` namespace and with what
@@ -40,6 +41,7 @@ GE_OPS = {
     "cp::sparse_mla_rows_attention": ("Cumsum", "SparseFlashAttention", "SelectV2"),
     "cp::w8a8_dynamic_linear": ("ReduceMaxD", "Round", "QuantBatchMatmulV3", "ReduceSumD"),
     "cp::w8a8_static_linear": ("Round", "QuantBatchMatmulV3", "ReduceSumD"),
+    "cp::mla_preprocess": ("MatMulV2", "Rsqrt", "BatchMatMulV2", "ScatterNdUpdate"),
 }
 
 _registered = False

@@ -1,0 +1,171 @@
+"""The `mla_preprocess` pass (MLAPO) at model level: fused == unfused.
+
+Each world compiles the same TP-sharded example model twice, with
+`enable_mla_preprocess` off and on, runs the same greedy schedule (prefill, decodes,
+a request joining mid-way beside decodes, one leaving, padding tokens) through both,
+and requires, on every rank: equal last-token logits (fp32 1e-5; W8A8 bit for bit
+under aot_eager, where both graphs run the same int32 reference kernels) and equal
+greedy tokens; no recompile after the warm-up steps; and every MLA layer of every
+graph rewritten (the pass's count == num_layers), with the latent cache write
+folded into the op where the graph writes the op's own latent.
+
+Default suite: one-device structure (example MLA float / W8A8, SFA, HF DeepSeek-V3
+through `cp_compile.hf`) and tp = dcp = 2. `slow`: dcp 4, pcp 2, DSA-CP, SFA DCP,
+W8A8 under DCP, Inductor (docs/mla_preprocess.md lists the run).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+import cp_compile
+from cp_compile.testing.multirank import run_on_ranks
+from examples.models.deepseek_mla import DeepseekMLAConfig, DeepseekMLAModel
+from examples.models.deepseek_sfa import DeepseekSFAConfig, DeepseekSFAModel
+from examples.models.tiny import VOCAB, hf_deepseek_sfa, hf_deepseek_v3
+from examples.serving import layer_caches, run_schedule, tiny_schedule
+
+BLOCK = 4
+NUM_BLOCKS = 12
+STEPS = 6
+WARMUP = 2
+LAYERS = 2
+
+
+def build(hf_config, state_dict, tp: int = 1, tp_rank: int = 0, tp_group=None, quant: bool = False):
+    """The example model of `hf_config` (MLA or SFA), W8A8 MLA projections when `quant`."""
+    sfa = hf_config.model_type in ("deepseek_v32", "glm_moe_dsa")
+    cfg = (DeepseekSFAConfig if sfa else DeepseekMLAConfig).from_hf(hf_config)
+    cfg = dataclasses.replace(cfg, mla_quant=True if quant else None)
+    model = (DeepseekSFAModel if sfa else DeepseekMLAModel)(cfg, tp, tp_rank, tp_group)
+    model.load_hf_state_dict(state_dict)
+    return model.eval()
+
+
+def _count(hist: dict[str, int], name: str) -> int:
+    return hist.get(name, 0) + hist.get(name + ".default", 0)
+
+
+def run_pair(rank: int, world: int, hf_config, state_dict, cfg_kwargs: dict, quant: bool,
+             lowering: str) -> dict:
+    """Off, then on: logits per step, pass records per graph."""
+    out = {}
+    for on in (False, True):
+        cfg = cp_compile.CPConfig(block_size=BLOCK, enable_mla_preprocess=on, **cfg_kwargs)
+        state = cp_compile.init_parallel(cfg, device="cpu") if world > 1 else None
+        model = build(hf_config, state_dict, cfg.tensor_parallel_size, state.tp_rank if state else 0,
+                      state.tp_group if state else None, quant)
+        cache = cp_compile.allocate_kv_cache(cfg, model.kv_cache_spec(), NUM_BLOCKS, attention=model.attention_spec())
+        torch._dynamo.reset()
+        compiled = cp_compile.compile_model(model, lowering=lowering, config=None if state else cfg)
+
+        def stance(step: int, meta) -> None:
+            if step == WARMUP - 1:
+                torch.compiler.set_stance("fail_on_recompile")
+
+        try:
+            res = run_schedule(compiled, layer_caches(cache), cfg, NUM_BLOCKS,
+                               tiny_schedule(VOCAB, num_steps=STEPS), on_step=stance)
+        finally:
+            torch.compiler.set_stance("default")
+        graphs = [[(h.name, h.rewrites, h.before, h.after) for h in pm.history]
+                  for b in compiled.backends.values() for pm in b.pass_managers]
+        out[on] = dict(logits=[r.last_logits for r in res], tokens=[r.next_tokens for r in res], graphs=graphs)
+        if state is not None:
+            cp_compile.destroy_parallel()
+    return out
+
+
+def check_pair(res: dict, quant: bool, lowering: str, folded: bool = True) -> list[dict]:
+    off, on = res[False], res[True]
+    assert on["tokens"] == off["tokens"]
+    for a, b in zip(on["logits"], off["logits"]):
+        if quant and lowering == "aot_eager":
+            assert torch.equal(a, b)
+        else:
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    records = []
+    for graph in on["graphs"]:
+        rec = {name: (n, before, after) for name, n, before, after in graph}
+        n, before, after = rec["mla_preprocess"]
+        assert n == LAYERS, f"{n} of {LAYERS} MLA layers rewritten"
+        assert _count(after, "cp.mla_preprocess") == LAYERS
+        writes = rec["mla_preprocess_cache_write"][0]
+        records.append(dict(rewrites=n, writes_folded=writes, ops_before=sum(before.values()),
+                            ops_after=sum(rec["mla_preprocess"][2].values())))
+        if folded:
+            assert writes == LAYERS
+    for graph in off["graphs"]:
+        assert all(name != "mla_preprocess" for name, *_ in graph)
+    return records
+
+
+# ----------------------------------------------------------------------------- one device
+
+
+@pytest.mark.parametrize("kind,quant", [("mla", False), ("mla", True), pytest.param("sfa", False, marks=pytest.mark.slow)])
+def test_one_device_fused_equals_unfused(kind, quant):
+    hf = hf_deepseek_v3(q_lora_rank=24, num_layers=LAYERS) if kind == "mla" else hf_deepseek_sfa(num_layers=LAYERS)
+    res = run_pair(0, 1, hf.config, hf.state_dict(), {}, quant, "aot_eager")
+    check_pair(res, quant, "aot_eager")
+
+
+def test_hf_deepseek_v3_every_layer_rewritten():
+    """An unmodified HF DeepSeek-V3 through cp_compile.hf: its own projections, HF rope
+    (interleaved pairs split into halves), the head layout, the dead per-head K."""
+    from cp_compile.hf.engine import Engine
+
+    hf = hf_deepseek_v3(q_lora_rank=24, num_layers=LAYERS)
+    prompts = [[1, 2, 3, 4, 5], [6, 7, 8]]
+    outs = {}
+    for on in (False, True):
+        torch._dynamo.reset()
+        engine = Engine(hf, cp_compile.CPConfig(block_size=BLOCK, enable_mla_preprocess=on), num_blocks=NUM_BLOCKS,
+                        lowering="aot_eager", progress=False)
+        outs[on] = engine.generate(prompts, max_new_tokens=4)
+        hist = [(h.name, h.rewrites) for b in engine.compiled.backends.values() for pm in b.pass_managers
+                for h in pm.history]
+        if on:
+            assert ("mla_preprocess", LAYERS) in hist and ("mla_preprocess_cache_write", LAYERS) in hist
+    assert outs[True] == outs[False]
+
+
+# ----------------------------------------------------------------------------- gloo ranks
+
+
+def _mla_hf():
+    return hf_deepseek_v3(q_lora_rank=24, num_layers=LAYERS, num_heads=8)
+
+
+def _run(world: int, cfg_kwargs: dict, quant: bool = False, lowering: str = "aot_eager", kind: str = "mla",
+         folded: bool = True) -> list[dict]:
+    hf = _mla_hf() if kind == "mla" else hf_deepseek_sfa(num_layers=LAYERS, num_heads=8)
+    per_rank = run_on_ranks(run_pair, world, hf.config, hf.state_dict(), cfg_kwargs, quant, lowering, timeout=900)
+    return [check_pair(r, quant, lowering, folded) for r in per_rank]
+
+
+def test_dcp2_fused_equals_unfused():
+    _run(2, dict(tensor_parallel_size=2, decode_context_parallel_size=2))
+
+
+SLOW = [
+    ("dcp1_tp2", 2, dict(tensor_parallel_size=2), False, "aot_eager", "mla", True),
+    ("dcp4", 4, dict(tensor_parallel_size=4, decode_context_parallel_size=4), False, "aot_eager", "mla", True),
+    ("dcp2_w8a8", 2, dict(tensor_parallel_size=2, decode_context_parallel_size=2), True, "aot_eager", "mla", True),
+    ("dcp2_inductor", 2, dict(tensor_parallel_size=2, decode_context_parallel_size=2), False, "inductor", "mla",
+     True),
+    # PCP prefill graphs write the PCP-gathered latents: the write stays there (decode graphs fold it).
+    ("pcp2", 2, dict(prefill_context_parallel_size=2), False, "aot_eager", "mla", False),
+    ("sfa_dcp2", 2, dict(tensor_parallel_size=2, decode_context_parallel_size=2), False, "aot_eager", "sfa", True),
+    ("dsa_cp_tp2", 2, dict(tensor_parallel_size=2, enable_dsa_cp=True), False, "aot_eager", "sfa", True),
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name,world,cfg_kwargs,quant,lowering,kind,folded", SLOW, ids=[s[0] for s in SLOW])
+def test_matrix(name, world, cfg_kwargs, quant, lowering, kind, folded):
+    records = _run(world, cfg_kwargs, quant, lowering, kind, folded)
+    print(f"\nMLAPO {name}: per rank, per graph {records}")
