@@ -25,6 +25,8 @@ function the unfused W8A8 graph runs (`quant_reference.w8a8_dynamic_linear`).
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor
@@ -34,13 +36,15 @@ from cp_compile.ops import quant_reference, reference
 ROPE_MODES = ("interleave", "interleave_split", "neox")
 
 
-def linear(x: Tensor, weight: Tensor, scale: Tensor | None, offset: Tensor | None) -> Tensor:
-    """x [T, in] -> [T, out]: float `F.linear` (weight [out, in]) or W8A8 dynamic (int8 weight [in, out])."""
+def linear(x: Tensor, weight: Tensor, scale: Tensor | None, offset: Tensor | None,
+           w8a8: Callable[..., Tensor] = quant_reference.w8a8_dynamic_linear) -> Tensor:
+    """x [T, in] -> [T, out]: float `F.linear` (weight [out, in]) or W8A8 dynamic (int8 weight [in, out])
+    through `w8a8` (the reference; a device's W8A8 kernel on an accelerator)."""
     if weight.dtype == torch.int8:
         if scale is None or offset is None:
             raise ValueError("mla_preprocess: an int8 weight needs its weight scale and offset "
                              "(W8A8 dynamic: per-output-channel scale fp32 [out], offset int32 [out])")
-        return quant_reference.w8a8_dynamic_linear(x, weight, scale, offset, 1)
+        return w8a8(x, weight, scale, offset, 1)
     return F.linear(x, weight)
 
 
@@ -72,28 +76,32 @@ def mla_preprocess(x: Tensor, q_a_weight: Tensor | None, q_a_scale: Tensor | Non
                    q_b_offset: Tensor | None, kv_a_weight: Tensor, kv_a_scale: Tensor | None,
                    kv_a_offset: Tensor | None, kv_norm: Tensor, w_uk: Tensor, cos: Tensor, sin: Tensor,
                    kv_cache: Tensor | None, slot_mapping: Tensor | None, q_eps: float, kv_eps: float,
-                   rope_mode: str) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+                   rope_mode: str, w8a8: Callable[..., Tensor] = quant_reference.w8a8_dynamic_linear,
+                   write: Callable[[Tensor, Tensor, Tensor], None] | None = None
+                   ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """-> (q_abs [T, H, L], q_pe [T, H, R], kv_c [T, L], k_pe [T, R], q_resid [T, q_lora] or [T, 0]).
 
     x [T, D]; w_uk [H, nope, L] (this rank's heads); with `kv_cache` [NB, BS, L+R]
-    the latent [kv_c | k_pe] is written at `slot_mapping` (-1 skips).
+    the latent [kv_c | k_pe] is written at `slot_mapping` (-1 skips). `w8a8` / `write`:
+    the W8A8 linear and the cache write to use (defaults: the references).
     """
+    lin = lambda a, w, s, o: linear(a, w, s, o, w8a8)  # noqa: E731
     T = x.shape[0]
     H, nope, L = w_uk.shape
     if q_a_weight is not None:
-        q_resid = rms_norm(linear(x, q_a_weight, q_a_scale, q_a_offset), q_a_norm, q_eps)  # [T, q_lora]
-        q = linear(q_resid, q_b_weight, q_b_scale, q_b_offset)
+        q_resid = rms_norm(lin(x, q_a_weight, q_a_scale, q_a_offset), q_a_norm, q_eps)  # [T, q_lora]
+        q = lin(q_resid, q_b_weight, q_b_scale, q_b_offset)
     else:
         q_resid = x.new_zeros(T, 0)
-        q = linear(x, q_b_weight, q_b_scale, q_b_offset)
+        q = lin(x, q_b_weight, q_b_scale, q_b_offset)
     q = q.view(T, H, -1)  # [T, H, nope + R]
     R = q.shape[-1] - nope
     q_nope, q_pe = torch.split(q, [nope, R], dim=-1)
-    kv_c, k_pe = torch.split(linear(x, kv_a_weight, kv_a_scale, kv_a_offset), [L, R], dim=-1)  # [T, L], [T, R]
+    kv_c, k_pe = torch.split(lin(x, kv_a_weight, kv_a_scale, kv_a_offset), [L, R], dim=-1)  # [T, L], [T, R]
     kv_c = rms_norm(kv_c, kv_norm, kv_eps)
     q_pe = rope(q_pe, cos, sin, rope_mode)  # [T, H, R]
     k_pe = rope(k_pe[:, None, :], cos, sin, rope_mode)[:, 0]  # [T, R]
     q_abs = torch.einsum("thn,hnl->thl", q_nope, w_uk)  # [T, H, L]
     if kv_cache is not None:
-        reference.write_cache(kv_cache, torch.cat([kv_c, k_pe], dim=-1), slot_mapping)
+        (write or reference.write_cache)(kv_cache, torch.cat([kv_c, k_pe], dim=-1), slot_mapping)
     return q_abs.contiguous(), q_pe.contiguous(), kv_c.contiguous(), k_pe.contiguous(), q_resid

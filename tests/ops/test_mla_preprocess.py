@@ -137,3 +137,41 @@ def test_bad_arguments_are_refused_before_the_write():
     with pytest.raises(ValueError, match="slot_mapping"):
         cp.mla_preprocess(*no_slots)
     assert torch.all(cache == 7.0)
+
+
+_DEVICE_KERNEL_CHECK = r"""
+import torch, sys
+sys.path.insert(0, ".")
+from cp_compile.ops.kernels import registry
+from tests.ops.test_mla_preprocess import _layer, _inputs, op_args, NB, BS, CFG
+from cp_compile.ops.kernels._common import interpreter_active
+assert interpreter_active()
+for q_lora, quant in ((12, False), (None, True)):
+    attn = _layer(q_lora, True, quant)
+    x, cos, sin = _inputs()
+    slots = torch.tensor([0, 1, 5, -1, 9])
+    c_ref, c_dev = torch.zeros(NB, BS, CFG.latent_dim), torch.zeros(NB, BS, CFG.latent_dim)
+    with torch.no_grad():
+        want = torch.ops.cp.mla_preprocess(*op_args(attn, x, cos, sin, c_ref, slots))
+        got = registry._mla_preprocess(*op_args(attn, x, cos, sin, c_dev, slots))
+    for w, g in zip(want, got):
+        torch.testing.assert_close(g, w, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(c_dev, c_ref, rtol=1e-6, atol=1e-6)
+    assert c_ref.abs().sum() > 0
+print("DEVICE_KERNEL_OK")
+"""
+
+
+def test_device_kernel_under_the_triton_interpreter():
+    """The accelerator kernel (library GEMMs, the Triton int8 GEMM for W8A8, torch norm / rope,
+    the Triton cache write) on CPU tensors under TRITON_INTERPRET=1 == the reference."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    root = Path(__file__).resolve().parents[2]
+    proc = subprocess.run([sys.executable, "-c", _DEVICE_KERNEL_CHECK], cwd=root, env=env, capture_output=True,
+                          text=True, timeout=600)
+    assert "DEVICE_KERNEL_OK" in proc.stdout, proc.stdout + proc.stderr[-3000:]
