@@ -10,6 +10,7 @@ torch tensors and returns new tensors; CPU tensors run only under TRITON_INTERPR
 - `local_slot_mapping_triton`  (localize_slots.py)
 - `paged_prefill_attention_lse_triton`  (paged_prefill.py: query-tiled prefill over a paged cache)
 - `cache_write_triton`  (cache_write.py)
+- `mla_preprocess_tail_triton`, `mla_preprocess_device`  (mla_preprocess_tail.py: MLAPO norm + rope + cache write)
 - `varlen_attention_lse_triton`  (varlen_attention.py: flash-style prefill)
 - `sparse_mla_rows_triton`  (sparse_mla.py)
 - `index_scores_triton`, `indexer_topk_rows`  (lightning_indexer.py)
@@ -50,6 +51,8 @@ _LAUNCHERS = {
     "lightning_indexer_topk_rows_device": "lightning_indexer",
     "int8_matmul_triton": "int8_matmul",
     "w8a8_dynamic_linear_device": "int8_matmul",
+    "mla_preprocess_tail_triton": "mla_preprocess_tail",
+    "mla_preprocess_device": "mla_preprocess_tail",
     "w8a8_static_linear_device": "int8_matmul",
 }
 

@@ -93,22 +93,6 @@ def _sparse_indices(topk_indices, dcp, rank, interleave, block_size):
                                           block_size=block_size)
 
 
-def _mla_preprocess(x, q_a_weight, q_a_scale, q_a_offset, q_a_norm, q_b_weight, q_b_scale, q_b_offset, kv_a_weight,
-                    kv_a_scale, kv_a_offset, kv_norm, w_uk, cos, sin, kv_cache, slot_mapping, q_eps, kv_eps,
-                    rope_mode):
-    # Library GEMMs (W8A8: the Triton int8 GEMM), vectorised torch norm / rope (no host
-    # reads), the Triton paged cache write. Not one fused kernel (docs/mla_preprocess.md).
-    from cp_compile.ops import mla_preprocess as mla, mla_preprocess_reference as mla_ref
-
-    mla.check_args(x, q_a_weight, q_a_norm, q_b_weight, kv_a_weight, kv_norm, w_uk, cos, kv_cache, slot_mapping,
-                   rope_mode)
-    return mla_ref.mla_preprocess(x, q_a_weight, q_a_scale, q_a_offset, q_a_norm, q_b_weight, q_b_scale,
-                                  q_b_offset, kv_a_weight, kv_a_scale, kv_a_offset, kv_norm, w_uk, cos, sin,
-                                  kv_cache, slot_mapping, q_eps, kv_eps, rope_mode,
-                                  w8a8=kernels.w8a8_dynamic_linear_device,
-                                  write=lambda cache, new, slots: kernels.cache_write_device(new, cache, slots))
-
-
 DEVICE_KERNELS = {
     "cp::paged_attention_lse": _paged_attention_lse,
     "cp::mla_partial_attention": _mla_partial_attention,
@@ -127,7 +111,7 @@ DEVICE_KERNELS = {
     "cp::dcp_sparse_indices": _sparse_indices,
     "cp::w8a8_dynamic_linear": _lazy("w8a8_dynamic_linear_device"),
     "cp::w8a8_static_linear": _lazy("w8a8_static_linear_device"),
-    "cp::mla_preprocess": _mla_preprocess,
+    "cp::mla_preprocess": _lazy("mla_preprocess_device"),
 }
 
 

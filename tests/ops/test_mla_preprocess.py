@@ -146,18 +146,30 @@ from cp_compile.ops.kernels import registry
 from tests.ops.test_mla_preprocess import _layer, _inputs, op_args, NB, BS, CFG
 from cp_compile.ops.kernels._common import interpreter_active
 assert interpreter_active()
-for q_lora, quant in ((12, False), (None, True)):
-    attn = _layer(q_lora, True, quant)
+from cp_compile.ops.kernels import mla_preprocess_tail_triton
+for q_lora, quant, inter in ((12, False, True), (None, False, False)):
+    attn = _layer(q_lora, inter, quant)
     x, cos, sin = _inputs()
     slots = torch.tensor([0, 1, 5, -1, 9])
     c_ref, c_dev = torch.zeros(NB, BS, CFG.latent_dim), torch.zeros(NB, BS, CFG.latent_dim)
     with torch.no_grad():
         want = torch.ops.cp.mla_preprocess(*op_args(attn, x, cos, sin, c_ref, slots))
-        got = registry._mla_preprocess(*op_args(attn, x, cos, sin, c_dev, slots))
+        got = registry.DEVICE_KERNELS["cp::mla_preprocess"](*op_args(attn, x, cos, sin, c_dev, slots))
     for w, g in zip(want, got):
         torch.testing.assert_close(g, w, rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(c_dev, c_ref, rtol=1e-6, atol=1e-6)
     assert c_ref.abs().sum() > 0
+# The tail alone in every rope layout, several tokens per program (persistent grid), no cache.
+g = torch.Generator().manual_seed(5)
+kv, q = torch.randn(7, 20, generator=g), torch.randn(7, 3, 10, generator=g)
+w = torch.rand(16, generator=g) + 0.5
+cos, sin = torch.rand(7, 2, generator=g), torch.rand(7, 2, generator=g)
+from cp_compile.ops import mla_preprocess_reference as ref
+for mode in ref.ROPE_MODES:
+    kv_c, k_pe, q_pe = mla_preprocess_tail_triton(kv, q, w, cos, sin, 1e-2, mode, 6, num_programs=2)
+    torch.testing.assert_close(kv_c, ref.rms_norm(kv[:, :16], w, 1e-2), rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(k_pe, ref.rope(kv[:, None, 16:], cos, sin, mode)[:, 0], rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(q_pe, ref.rope(q[..., 6:], cos, sin, mode), rtol=1e-6, atol=1e-6)
 print("DEVICE_KERNEL_OK")
 """
 
