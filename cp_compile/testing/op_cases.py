@@ -91,6 +91,13 @@ def op_cases(device: torch.device | str = "cpu", dtype: torch.dtype = torch.floa
                                     torch.tensor([1, -2], dtype=torch.int32, device=device),
                                     torch.randint(-50, 50, (2, 16), generator=gen, dtype=torch.int32).to(device),
                                     torch.rand(2, 16, generator=gen).to(device) / 1000), ()),
+        # MLAPO (issue 27): q-LoRA 12 from hidden 32, H heads of nope 8 + rope R, latent L, cache write.
+        "cp::mla_preprocess": ((x, rnd(12, 32) / 6, None, None, 1 + rnd(12) / 5, rnd(H * (8 + R), 12) / 4, None, None,
+                                rnd(L + R, 32) / 6, None, None, 1 + rnd(L) / 5, rnd(H, 8, L) / 3,
+                                torch.rand(T, R // 2, generator=gen).to(device),
+                                torch.rand(T, R // 2, generator=gen).to(device),
+                                torch.zeros(NB, BS, L + R, dtype=dtype, device=device), slots, 1e-6, 1e-6,
+                                "interleave"), (15,)),
     }
 
 
