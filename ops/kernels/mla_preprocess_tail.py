@@ -22,23 +22,29 @@ import torch
 import triton
 import triton.language as tl
 
+from cp_compile.ops import mla_preprocess as mla
+from cp_compile.ops import mla_preprocess_reference as ref
 from cp_compile.ops.kernels._common import LoweringDeclaration, grid_size, kernel_for, next_pow2, require_int32_offsets
+from cp_compile.ops.kernels.int8_matmul import w8a8_dynamic_linear_device
 
 _PAIRS = {"interleave": (True, False), "interleave_split": (True, True), "neox": (False, True)}
 
 
 @triton.jit
-def _rope_offsets(i, HALF: tl.constexpr, PAIRS: tl.constexpr, SPLIT_OUT: tl.constexpr):
-    """(input a, input b, output a, output b) offsets of rotation pair i."""
+def _rope(x, c, s, HALF: tl.constexpr, PAIRS: tl.constexpr, SPLIT_OUT: tl.constexpr):
+    """Rotate rows x [M, 2 * HALF] by c / s [1, HALF] -> [M, 2 * HALF] in the layout of
+    (PAIRS, SPLIT_OUT). Contiguous loads and stores only: pairs are split by a reshape,
+    not by stride-2 addressing (which Triton-Ascend does not lower)."""
+    M: tl.constexpr = x.shape[0]
     if PAIRS:
-        a, b = 2 * i, 2 * i + 1
+        x1, x2 = tl.split(tl.reshape(x, (M, HALF, 2)))
     else:
-        a, b = i, i + HALF
+        x1, x2 = tl.split(tl.permute(tl.reshape(x, (M, 2, HALF)), (0, 2, 1)))
+    r1 = x1 * c - x2 * s
+    r2 = x2 * c + x1 * s
     if SPLIT_OUT:
-        oa, ob = i, i + HALF
-    else:
-        oa, ob = 2 * i, 2 * i + 1
-    return a, b, oa, ob
+        return tl.reshape(tl.permute(tl.join(r1, r2), (0, 2, 1)), (M, 2 * HALF))
+    return tl.reshape(tl.join(r1, r2), (M, 2 * HALF))
 
 
 @triton.jit
@@ -47,17 +53,16 @@ def _mla_tail_kernel(
     T, H, L, eps, block_size,
     s_kv, s_qt, s_qh, s_cos, s_cb, s_cs,
     NOPE: tl.constexpr, HALF: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_H: tl.constexpr,
-    BLOCK_HALF: tl.constexpr, PAIRS: tl.constexpr, SPLIT_OUT: tl.constexpr, WRITE: tl.constexpr,
+    PAIRS: tl.constexpr, SPLIT_OUT: tl.constexpr, WRITE: tl.constexpr,
 ):
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
     cl = tl.arange(0, BLOCK_L)
-    ci = tl.arange(0, BLOCK_HALF)
+    ci = tl.arange(0, HALF)
+    cr = tl.arange(0, 2 * HALF)
     ch = tl.arange(0, BLOCK_H)
     ml = cl < L
-    mi = ci < HALF
-    R = 2 * HALF
-    a, b, oa, ob = _rope_offsets(ci, HALF, PAIRS, SPLIT_OUT)
+    R: tl.constexpr = 2 * HALF
     for t in range(pid, T, nprog):
         # RMSNorm of the latent in fp32, output in the output's dtype.
         x = tl.load(kv_ptr + t * s_kv + cl, mask=ml, other=0.0).to(tl.float32)
@@ -67,21 +72,15 @@ def _mla_tail_kernel(
         kv_c = (w * normed).to(kvc_ptr.dtype.element_ty)
         tl.store(kvc_ptr + t * L + cl, kv_c, mask=ml)
         # Rope: cos / sin in the activation dtype, as the reference.
-        c = tl.load(cos_ptr + t * s_cos + ci, mask=mi, other=0.0).to(kv_ptr.dtype.element_ty)
-        s = tl.load(sin_ptr + t * s_cos + ci, mask=mi, other=0.0).to(kv_ptr.dtype.element_ty)
-        k1 = tl.load(kv_ptr + t * s_kv + L + a, mask=mi, other=0.0)
-        k2 = tl.load(kv_ptr + t * s_kv + L + b, mask=mi, other=0.0)
-        r1 = (k1 * c - k2 * s).to(kpe_ptr.dtype.element_ty)
-        r2 = (k2 * c + k1 * s).to(kpe_ptr.dtype.element_ty)
-        tl.store(kpe_ptr + t * R + oa, r1, mask=mi)
-        tl.store(kpe_ptr + t * R + ob, r2, mask=mi)
-        mh = (ch[:, None] < H) & mi[None, :]
-        qrow = q_ptr + t * s_qt + ch[:, None] * s_qh + NOPE
-        q1 = tl.load(qrow + a[None, :], mask=mh, other=0.0)
-        q2 = tl.load(qrow + b[None, :], mask=mh, other=0.0)
-        out = qpe_ptr + (t * H + ch[:, None]) * R
-        tl.store(out + oa[None, :], (q1 * c[None, :] - q2 * s[None, :]).to(qpe_ptr.dtype.element_ty), mask=mh)
-        tl.store(out + ob[None, :], (q2 * c[None, :] + q1 * s[None, :]).to(qpe_ptr.dtype.element_ty), mask=mh)
+        c = tl.load(cos_ptr + t * s_cos + ci).to(kv_ptr.dtype.element_ty)[None, :]
+        s = tl.load(sin_ptr + t * s_cos + ci).to(kv_ptr.dtype.element_ty)[None, :]
+        k = tl.load(kv_ptr + t * s_kv + L + cr)[None, :]  # [1, R]
+        k_pe = _rope(k, c, s, HALF, PAIRS, SPLIT_OUT).to(kpe_ptr.dtype.element_ty)  # [1, R]
+        tl.store(kpe_ptr + t * R + cr[None, :], k_pe)
+        mh = (ch[:, None] < H) & (cr[None, :] < R)
+        q = tl.load(q_ptr + t * s_qt + ch[:, None] * s_qh + NOPE + cr[None, :], mask=mh, other=0.0)  # [BH, R]
+        q_pe = _rope(q, c, s, HALF, PAIRS, SPLIT_OUT).to(qpe_ptr.dtype.element_ty)
+        tl.store(qpe_ptr + (t * H + ch[:, None]) * R + cr[None, :], q_pe, mask=mh)
         if WRITE:
             slot = tl.load(slot_ptr + t)
             keep = slot >= 0
@@ -89,9 +88,8 @@ def _mla_tail_kernel(
             row = cache_ptr + (s32 // block_size) * s_cb + (s32 % block_size) * s_cs
             # a skipped token masks every column (as the cache-write kernel)
             tl.store(row + cl, kv_c.to(cache_ptr.dtype.element_ty), mask=cl < tl.where(keep, L, 0))
-            mr = ci < tl.where(keep, HALF, 0)
-            tl.store(row + L + oa, r1.to(cache_ptr.dtype.element_ty), mask=mr)
-            tl.store(row + L + ob, r2.to(cache_ptr.dtype.element_ty), mask=mr)
+            tl.store(row + L + cr[None, :], k_pe.to(cache_ptr.dtype.element_ty),
+                     mask=cr[None, :] < tl.where(keep, R, 0))
 
 
 def mla_preprocess_tail_triton(kv: torch.Tensor, q: torch.Tensor, kv_norm: torch.Tensor, cos: torch.Tensor,
@@ -104,7 +102,7 @@ def mla_preprocess_tail_triton(kv: torch.Tensor, q: torch.Tensor, kv_norm: torch
     L = kv_norm.shape[0]
     half = cos.shape[-1]
     R = 2 * half
-    if kv.shape[-1] != L + R or q.shape[-1] != nope + R or rope_mode not in _PAIRS:
+    if kv.shape[-1] != L + R or q.shape[-1] != nope + R or rope_mode not in _PAIRS or half != next_pow2(half):
         raise ValueError(f"mla tail: kv {tuple(kv.shape)}, q {tuple(q.shape)}, L={L}, R={R}, mode={rope_mode!r}")
     kv, cos, sin = kv.contiguous(), cos.contiguous(), sin.contiguous()
     if q.stride(-1) != 1:
@@ -126,8 +124,8 @@ def mla_preprocess_tail_triton(kv: torch.Tensor, q: torch.Tensor, kv_norm: torch
         T, H, L, float(eps), cache.shape[1] if write else 1,
         kv.stride(0), q.stride(0), q.stride(1), cos.stride(0),
         cache.stride(0) if write else 0, cache.stride(1) if write else 0,
-        NOPE=nope, HALF=half, BLOCK_L=next_pow2(L), BLOCK_H=next_pow2(H), BLOCK_HALF=next_pow2(half),
-        PAIRS=pairs, SPLIT_OUT=split, WRITE=write,
+        NOPE=nope, HALF=half, BLOCK_L=next_pow2(L), BLOCK_H=next_pow2(H), PAIRS=pairs, SPLIT_OUT=split,
+        WRITE=write,
     )
     return kv_c, k_pe, q_pe
 
@@ -150,7 +148,7 @@ LOWERING = LoweringDeclaration(
     examples=_lowering_examples,
     int64={"_mla_tail_kernel": "slot values are int64 data (vLLM's slot mapping dtype); cast to int32 once "
                                "after the -1 test, no int64 addressing"},
-    helpers=("_rope_offsets",),
+    helpers=("_rope",),
 )
 
 
@@ -159,10 +157,6 @@ def mla_preprocess_device(x, q_a_weight, q_a_scale, q_a_offset, q_a_norm, q_b_we
                           q_eps, kv_eps, rope_mode):
     """`cp::mla_preprocess` on an accelerator: library GEMMs (W8A8: the Triton int8 GEMM), the
     q-LoRA norm and the absorption in torch, the tail kernel above for the rest."""
-    from cp_compile.ops import mla_preprocess as mla
-    from cp_compile.ops import mla_preprocess_reference as ref
-    from cp_compile.ops.kernels.int8_matmul import w8a8_dynamic_linear_device
-
     mla.check_args(x, q_a_weight, q_a_norm, q_b_weight, kv_a_weight, kv_norm, w_uk, cos, kv_cache, slot_mapping,
                    rope_mode)
     lin = functools.partial(ref.linear, w8a8=w8a8_dynamic_linear_device)

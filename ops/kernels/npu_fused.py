@@ -15,6 +15,7 @@ aclgraph and GE graph mode run one kernel per op):
 | `cp::paged_attention_lse` | `npu_fused_infer_attention_score` (BSND, one batch row per token, `softmax_lse_flag`) |
 | `cp::mla_partial_attention` | the same over the whole [c, k_pe] row, first L output columns |
 | `cp::lse_combine` | `npu_attention_update(lses, outs, update_type=1)` |
+| `cp::mla_preprocess` | `npu_mla_prolog_v3` where the layer fits it (`npu_mla_prolog.py`), else Triton-Ascend |
 
 Everything else (localisation, `lse_rescale`, the single-device ops, SFA) keeps the
 Triton-Ascend kernel or the torch reference. The argument conventions follow
@@ -40,7 +41,9 @@ from __future__ import annotations
 import torch
 
 import cp_compile.ops.dcp  # noqa: F401  (defines the ops the kernels are registered for)
+import cp_compile.ops.mla_preprocess  # noqa: F401
 from cp_compile.ops import layout
+from cp_compile.ops.kernels.npu_mla_prolog import mla_preprocess_npu
 
 _REGISTERED: list[str] = []
 # A finite floor for AttentionUpdate's LSEs (see the module doc).
@@ -141,6 +144,7 @@ def _lse_combine(outs, lses):
 
 NPU_FUSED_KERNELS = {
     "cp::cache_write": _cache_write,
+    "cp::mla_preprocess": mla_preprocess_npu,  # npu_mla_prolog_v3 where the layer fits (npu_mla_prolog.py)
     "cp::paged_attention_lse": _paged_attention_lse,
     "cp::mla_partial_attention": _mla_partial_attention,
     "cp::lse_combine": _lse_combine,
