@@ -472,11 +472,9 @@ def _order(graph: fx.Graph) -> dict[fx.Node, int]:
     return {n: i for i, n in enumerate(graph.nodes)}
 
 
-class MLAPreprocessPass(CPPass):
-    """Fuse each MLA layer's pre-attention subgraph into `cp::mla_preprocess`."""
+class _MLAPOStage(CPPass):
+    """Both stages: enabled by the one config flag, which is all they read."""
 
-    name = "mla_preprocess"
-    handles = ()
     enabled_when = "enable_mla_preprocess (CPConfig)"
 
     @classmethod
@@ -485,6 +483,12 @@ class MLAPreprocessPass(CPPass):
 
     def config_values(self) -> dict[str, Any]:
         return {"enable_mla_preprocess": self.ctx.config.enable_mla_preprocess}
+
+
+class MLAPreprocessPass(_MLAPOStage):
+    """Fuse each MLA layer's pre-attention subgraph into `cp::mla_preprocess`."""
+
+    name = "mla_preprocess"
 
     def __call__(self, gm: fx.GraphModule) -> int:
         graph = gm.graph
@@ -588,18 +592,10 @@ def _fold_attention_write(graph: fx.Graph, op: fx.Node, causal: dict[tuple[fx.No
     return True
 
 
-class MLAPreprocessCacheWritePass(CPPass):
+class MLAPreprocessCacheWritePass(_MLAPOStage):
     """Fold the latent cache write of each `cp::mla_preprocess` into the op."""
 
     name = "mla_preprocess_cache_write"
-    enabled_when = "enable_mla_preprocess (CPConfig)"
-
-    @classmethod
-    def is_enabled(cls, ctx: CompileContext) -> bool:
-        return ctx.config.enable_mla_preprocess
-
-    def config_values(self) -> dict[str, Any]:
-        return {"enable_mla_preprocess": self.ctx.config.enable_mla_preprocess}
 
     def __call__(self, gm: fx.GraphModule) -> int:
         graph = gm.graph
