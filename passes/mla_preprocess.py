@@ -206,6 +206,16 @@ def _cat_pair(n: Any) -> tuple[Any, Any] | None:
     return None
 
 
+def _angle_source(c: Any, dtype: torch.dtype) -> Any:
+    """cos / sin through its cast to the activation dtype (`cos.to(x.dtype)`, which the op
+    does itself): q's and k's rope each cast the same table, and both casts are one source."""
+    n = strip(c)
+    while _method(n, "to") and _tensor(n) is not None and _tensor(n).dtype == dtype and n.args \
+            and isinstance(n.args[0], fx.Node):
+        n = strip(n.args[0])
+    return n
+
+
 def match_rope(n: Any) -> Rope | None:
     """The three rope layouts of `mla_preprocess_reference.rope`, on the last dim."""
     rot, mode = None, None
@@ -234,7 +244,7 @@ def match_rope(n: Any) -> Rope | None:
         mode = "interleave_split" if pairs else "neox" if halves else None
         if mode is None:
             return None
-    return Rope(src, strip(c), strip(s), mode)
+    return Rope(src, _angle_source(c, t.dtype), _angle_source(s, t.dtype), mode)
 
 
 # ----------------------------------------------------------------------------- one layer
