@@ -206,7 +206,8 @@ def test_spec_decode_dcp2_greedy_equals_no_speculation():
     rows = run_cases([case("qwen3", 2, 2, lowering="inductor", draft_lowering="eager", k=3, second_run=True),
                       case("mla", 2, 2, k=2, interleave=2)])
     kinds = rows[0][1]["kinds"]
-    assert kinds["target"] == {None: [None], "verify": ["verify"]}, kinds
+    # Each backend compiles only its own kind (Inductor may run the verify graph's passes twice).
+    assert {k: set(v) for k, v in kinds["target"].items()} == {None: {None}, "verify": {"verify"}}, kinds
 
 
 @pytest.mark.slow
