@@ -1,8 +1,8 @@
 """Lowering of the rewritten graph: Inductor (CPU, CUDA), aot_eager, eager, torchair (NPU).
 
 The torchair path is imported lazily. `reduce-overhead` (aclgraph capture and
-replay, the default torchair mode) runs each op's registered NPU kernel
-(ops/kernels/registry.py, ops/kernels/npu_fused.py). `max-autotune` (GE graph
+replay, the default torchair mode) runs each op's registered NPU kernel (declared
+with the op, registered at `import cp_compile.ops`: ops/kernels/registry.py). `max-autotune` (GE graph
 mode) converts every FX node to GE operators: the `cp::*` converters live in
 `cp_compile/ops/ge/` and are registered here; a `cp::*` op without one is a loud
 error. Neither mode has run on an NPU. The FX -> GE conversion of the DCP graphs
@@ -19,7 +19,6 @@ import torch
 import torch.fx as fx
 
 from cp_compile.ops.ge import register_converters
-from cp_compile.ops.kernels.npu_fused import register_npu_fused_kernels
 
 Lowering = Literal["auto", "inductor", "aot_eager", "eager", "torchair"]
 TorchairMode = Literal["reduce-overhead", "max-autotune"]
@@ -89,7 +88,6 @@ def _lower_torchair(gm: fx.GraphModule, example_inputs: Sequence[Any], mode: Tor
     if mode not in ("reduce-overhead", "max-autotune"):
         raise ValueError(f"torchair mode {mode!r}: use 'reduce-overhead' or 'max-autotune'")
     torchair = _import_torchair()
-    register_npu_fused_kernels()  # torch_npu fused ops as the cp ops' NPU kernels (no-op without torch_npu)
     config = torchair.CompilerConfig()
     config.mode = mode
     if mode == "max-autotune":

@@ -5,7 +5,9 @@ single-device attention ops (`attention`), the DCP building blocks (`dcp`) and t
 DSA-CP token-shard blocks (`dsa_cp`), the W8A8 linears (`quant`), the fused MLA
 pre-processing (`mla_preprocess`), with
 their torch references (`reference`), layout math (`layout`) and kernels
-(`kernels`). The parallel compositions built from these ops live in
+(`kernels`). Each family module declares every piece of its ops (`OPS`,
+`spec.OpDecl`); `catalog` collects them and the kernels are registered here, once.
+The parallel compositions built from these ops live in
 `cp_compile.ops.parallel`; the graph rewrites that place them, in `cp_compile.passes`.
 
 Imported as anything but `cp_compile.ops` (`import ops` from the repository root)

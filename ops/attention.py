@@ -20,6 +20,8 @@ from __future__ import annotations
 import torch
 
 from cp_compile.ops import layout, reference
+from cp_compile.ops.kernels import launch, npu_fused
+from cp_compile.ops.spec import GE, TRITON_ASCEND, OpDecl
 
 
 # --------------------------------------------------------------------------- GQA
@@ -182,4 +184,18 @@ SINGLE_DEVICE_ATTENTION_OPS: tuple[torch._ops.OpOverloadPacket, ...] = (
     torch.ops.cp.mla_attention,
     torch.ops.cp.sparse_mla_attention,
     torch.ops.cp.lightning_indexer,
+)
+
+
+# ----------------------------------------------------------------------------- declarations (ops/spec.py)
+# Every piece of every op above: kernels per device, GE converter, profile bucket.
+OPS = (
+    OpDecl(gqa_paged_attention, cuda=launch.gqa_paged_attention, npu=TRITON_ASCEND,
+           ge=GE("attention", "ScatterNdUpdate", "FusedInferAttentionScore"), profile="attention"),
+    OpDecl(mla_attention, cuda=launch.mla_attention, npu=TRITON_ASCEND,
+           ge=GE("attention", "ScatterNdUpdate", "FusedInferAttentionScore"), profile="attention"),
+    OpDecl(lightning_indexer, cuda=launch.lazy("lightning_indexer_device"), npu=TRITON_ASCEND,
+           ge=GE("sparse", "ScatterNdUpdate", "LightningIndexer"), profile="attention"),
+    OpDecl(sparse_mla_attention, cuda=launch.lazy("sparse_mla_attention_device"), npu=TRITON_ASCEND,
+           ge=GE("sparse", "ScatterNdUpdate", "SparseFlashAttention"), profile="attention"),
 )

@@ -16,6 +16,8 @@ import torch
 from torch import Tensor
 
 from cp_compile.ops import layout, reference
+from cp_compile.ops.kernels import launch, npu_fused
+from cp_compile.ops.spec import GE, TRITON_ASCEND, OpDecl
 
 
 @torch.library.custom_op("cp::dcp_localize_metadata", mutates_args=())
@@ -180,3 +182,27 @@ def varlen_causal_attention_lse(q: Tensor, k: Tensor, v: Tensor, query_start_loc
 @varlen_causal_attention_lse.register_fake
 def _(q, k, v, query_start_loc, scale):
     return q.new_empty(q.shape[0], q.shape[1], v.shape[-1]), q.new_empty(q.shape[0], q.shape[1], dtype=torch.float32)
+
+
+# ----------------------------------------------------------------------------- declarations (ops/spec.py)
+# Every piece of every op above: kernels per device, GE converter, profile bucket.
+OPS = (
+    OpDecl(dcp_localize_metadata, cuda=launch.dcp_localize_metadata, npu=TRITON_ASCEND,
+           ge=GE("cache", "FloorDiv", "FloorMod", "SelectV2"), profile="dcp_local"),
+    OpDecl(cache_write, cuda=launch.lazy("cache_write_device"), npu=npu_fused._cache_write,
+           ge=GE("cache", "ScatterNdUpdate"), profile="attention"),
+    OpDecl(paged_attention_lse, cuda=launch.paged_attention_lse, npu=npu_fused._paged_attention_lse,
+           ge=GE("attention", "FusedInferAttentionScore"), profile="attention"),
+    OpDecl(mla_partial_attention, cuda=launch.mla_partial_attention, npu=npu_fused._mla_partial_attention,
+           ge=GE("attention", "FusedInferAttentionScore"), profile="attention"),
+    OpDecl(dcp_sparse_indices, cuda=launch.dcp_sparse_indices, npu=TRITON_ASCEND,
+           ge=GE("sparse", "Sort", "GatherElements"), profile="dcp_local"),
+    OpDecl(sparse_mla_partial_attention, cuda=launch.lazy("sparse_mla_partial_attention_device"),
+           npu=TRITON_ASCEND, ge=GE("sparse", "SparseFlashAttention"), profile="attention"),
+    OpDecl(lse_rescale, cuda=launch.lse_rescale, npu=TRITON_ASCEND,
+           ge=GE("merge", "ReduceMaxD", "Exp", "Log", "SelectV2"), profile="dcp_local"),
+    OpDecl(lse_combine, cuda=launch.lse_combine, npu=npu_fused._lse_combine,
+           ge=GE("merge", "AttentionUpdate"), profile="dcp_local"),
+    OpDecl(varlen_causal_attention_lse, cuda=launch.lazy("varlen_causal_attention_lse_device"), npu=TRITON_ASCEND,
+           ge=GE("attention", "FusedInferAttentionScore"), profile="attention"),
+)

@@ -28,6 +28,9 @@ import torch
 from torch import Tensor
 
 from cp_compile.ops import mla_preprocess_reference as ref
+from cp_compile.ops.kernels import launch
+from cp_compile.ops.kernels.npu_mla_prolog import mla_preprocess_npu
+from cp_compile.ops.spec import GE, OpDecl
 
 ROPE_MODES = ref.ROPE_MODES
 
@@ -101,3 +104,10 @@ def _mla_preprocess_fake(x, q_a_weight, q_a_scale, q_a_offset, q_a_norm, q_b_wei
     q_lora = 0 if q_a_weight is None else _out_features(q_a_weight)
     return (x.new_empty(T, H, L), x.new_empty(T, H, R), x.new_empty(T, L), x.new_empty(T, R),
             x.new_empty(T, q_lora))
+
+
+# ----------------------------------------------------------------------------- declarations (ops/spec.py)
+OPS = (
+    OpDecl(mla_preprocess, cuda=launch.lazy("mla_preprocess_device"), npu=mla_preprocess_npu,
+           ge=GE("mla_preprocess", "MatMulV2", "Rsqrt", "BatchMatMulV2", "ScatterNdUpdate"), profile="other"),
+)

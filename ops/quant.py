@@ -24,6 +24,8 @@ import torch
 from torch import Tensor
 
 from cp_compile.ops import quant_reference as ref
+from cp_compile.ops.kernels import launch, npu_fused
+from cp_compile.ops.spec import GE, TRITON_ASCEND, OpDecl
 
 
 @torch.library.custom_op("cp::w8a8_dynamic_linear", mutates_args=())
@@ -64,3 +66,13 @@ def _(x, weight, input_scale, input_offset, quant_bias, deq_scale):
 
 
 QUANT_LINEAR_OPS = (torch.ops.cp.w8a8_dynamic_linear, torch.ops.cp.w8a8_static_linear)
+
+
+# ----------------------------------------------------------------------------- declarations (ops/spec.py)
+# Every piece of every op above: kernels per device, GE converter, profile bucket.
+OPS = (
+    OpDecl(w8a8_dynamic_linear, cuda=launch.lazy("w8a8_dynamic_linear_device"), npu=TRITON_ASCEND,
+           ge=GE("quant", "ReduceMaxD", "Round", "QuantBatchMatmulV3", "ReduceSumD"), profile="other"),
+    OpDecl(w8a8_static_linear, cuda=launch.lazy("w8a8_static_linear_device"), npu=TRITON_ASCEND,
+           ge=GE("quant", "Round", "QuantBatchMatmulV3", "ReduceSumD"), profile="other"),
+)

@@ -27,13 +27,13 @@ from typing import Any, Iterator
 
 import torch
 
+from cp_compile.ops.catalog import profile_buckets
+
 CATEGORIES = ("attention", "dcp_local", "dcp_comm", "tp_comm", "other")
 STEP = "bench::step"
-ATTENTION_OPS = {"cp::gqa_paged_attention", "cp::mla_attention", "cp::paged_attention_lse",
-                 "cp::mla_partial_attention", "cp::cache_write", "cp::sparse_mla_attention",
-                 "cp::lightning_indexer", "cp::varlen_causal_attention_lse", "cp::sparse_mla_partial_attention",
-                 "cp::lightning_indexer_topk_rows", "cp::sparse_mla_rows_attention"}  # the last two: DSA-CP rows
-DCP_LOCAL_OPS = {"cp::dcp_localize_metadata", "cp::lse_rescale", "cp::lse_combine", "cp::dcp_sparse_indices"}
+# Each op's bucket is declared with the op (OpDecl.profile, ops/spec.py).
+ATTENTION_OPS = {op for op, bucket in profile_buckets().items() if bucket == "attention"}
+DCP_LOCAL_OPS = {op for op, bucket in profile_buckets().items() if bucket == "dcp_local"}
 _COLL = "_c10d_functional::"
 
 

@@ -1,6 +1,7 @@
 """GE converters for every `cp::*` op (torchair `max-autotune`, NPU graph mode).
 
-One module per op family: `cache` (metadata localisation, cache writes),
+Converter functions `convert_<op>`, registered from the op declarations
+(`OpDecl.ge`, ops/spec.py) by `register_converters()`. One module per op family: `cache` (metadata localisation, cache writes),
 `attention` (paged attention with LSE, single-device GQA / MLA, varlen causal),
 `merge` (LSE merges), `sparse` (lightning indexer, sparse MLA, the SFA DCP ops), `dsa_cp`
 (the DSA-CP token-shard indexer and sparse MLA), `quant` (the W8A8 linears), `mla_preprocess`
@@ -18,42 +19,33 @@ from __future__ import annotations
 
 import importlib
 
-MODULES = ("cache", "attention", "merge", "sparse", "dsa_cp", "quant", "mla_preprocess")
+import torch
 
-# Every cp:: op the project defines -> the GE op types its converter emits (the
-# check compares this with the ops registered in the `cp` namespace and with what
-# the converted graphs contain).
-GE_OPS = {
-    "cp::dcp_localize_metadata": ("FloorDiv", "FloorMod", "SelectV2"),
-    "cp::cache_write": ("ScatterNdUpdate",),
-    "cp::paged_attention_lse": ("FusedInferAttentionScore",),
-    "cp::mla_partial_attention": ("FusedInferAttentionScore",),
-    "cp::varlen_causal_attention_lse": ("FusedInferAttentionScore",),
-    "cp::gqa_paged_attention": ("ScatterNdUpdate", "FusedInferAttentionScore"),
-    "cp::mla_attention": ("ScatterNdUpdate", "FusedInferAttentionScore"),
-    "cp::lse_rescale": ("ReduceMaxD", "Exp", "Log", "SelectV2"),
-    "cp::lse_combine": ("AttentionUpdate",),
-    "cp::lightning_indexer": ("ScatterNdUpdate", "LightningIndexer"),
-    "cp::sparse_mla_attention": ("ScatterNdUpdate", "SparseFlashAttention"),
-    "cp::sparse_mla_partial_attention": ("SparseFlashAttention",),
-    "cp::dcp_sparse_indices": ("Sort", "GatherElements"),
-    "cp::lightning_indexer_topk_rows": ("Cumsum", "LightningIndexer", "SelectV2"),
-    "cp::sparse_mla_rows_attention": ("Cumsum", "SparseFlashAttention", "SelectV2"),
-    "cp::w8a8_dynamic_linear": ("ReduceMaxD", "Round", "QuantBatchMatmulV3", "ReduceSumD"),
-    "cp::w8a8_static_linear": ("Round", "QuantBatchMatmulV3", "ReduceSumD"),
-    "cp::mla_preprocess": ("MatMulV2", "Rsqrt", "BatchMatMulV2", "ScatterNdUpdate"),
-}
+from cp_compile.ops.catalog import OPS, ge_ops
+from cp_compile.ops.spec import GE
 
-_registered = False
+# Every cp:: op with a converter -> the GE op types its converted graph contains (from
+# the op declarations; the GE check compares this with the ops registered in the `cp`
+# namespace and with what the converted graphs contain).
+GE_OPS = ge_ops()
+MODULES = tuple(sorted({d.ge.module for d in OPS if isinstance(d.ge, GE)}))
+
+_registered: list[str] = []
 
 
 def register_converters() -> list[str]:
-    """Import the converter modules (registers them with torchair); idempotent.
-    Raises ImportError when torchair is not importable."""
-    global _registered
-    import torchair  # noqa: F401  (fail early and clearly)
+    """Register every declared converter with torchair (`convert_<op>` of
+    `cp_compile.ops.ge.<module>`, ops/spec.py); idempotent. Raises ImportError when
+    torchair is not importable."""
+    import torchair  # optional: exists only with torch-npu
 
-    for name in MODULES:
-        importlib.import_module(f"{__name__}.{name}")
-    _registered = True
-    return sorted(GE_OPS)
+    if _registered:
+        return sorted(_registered)
+    for decl in OPS:
+        if not isinstance(decl.ge, GE):
+            continue
+        module = importlib.import_module(f"{__name__}.{decl.ge.module}")
+        op = getattr(torch.ops.cp, decl.name.split("::", 1)[1]).default
+        torchair.register_fx_node_ge_converter(op)(getattr(module, GE.converter(decl.name)))
+        _registered.append(decl.name)
+    return sorted(_registered)

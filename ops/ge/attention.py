@@ -28,13 +28,9 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch
-from torchair import register_fx_node_ge_converter
 from torchair._ge_concrete_graph import ge_apis as ge
 from torchair.ge._ge_graph import Tensor
 
-import cp_compile.ops.attention  # noqa: F401  (registers the ops)
-import cp_compile.ops.dcp  # noqa: F401
 from cp_compile.ops.ge._util import I32, I64, cast, const, dims, request_of_token, reshape, tail, token_positions, where
 from cp_compile.ops.ge.cache import scatter_into
 from cp_compile.ops.ge.merge import clean
@@ -87,13 +83,11 @@ def mla_partial(q_nope, q_pe, kv_cache, block_table, query_start_loc, kv_lens, s
     return reshape(out, [T, H, L]), clean(reshape(lse, [T, H]))
 
 
-@register_fx_node_ge_converter(torch.ops.cp.paged_attention_lse.default)
 def convert_paged_attention_lse(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_table: Tensor,
                                 query_start_loc: Tensor, kv_lens: Tensor, scale: float, meta_outputs: Any = None):
     return gqa_partial(q, k_cache, v_cache, block_table, query_start_loc, kv_lens, scale)
 
 
-@register_fx_node_ge_converter(torch.ops.cp.mla_partial_attention.default)
 def convert_mla_partial_attention(q_nope: Tensor, q_pe: Tensor, kv_cache: Tensor, block_table: Tensor,
                                   query_start_loc: Tensor, kv_lens: Tensor, scale: float, meta_outputs: Any = None):
     return mla_partial(q_nope, q_pe, kv_cache, block_table, query_start_loc, kv_lens, scale)
@@ -105,7 +99,6 @@ def causal_mask() -> Tensor:
     return ge.Greater(ge.Unsqueeze(r, axes=[0]), ge.Unsqueeze(r, axes=[1]))
 
 
-@register_fx_node_ge_converter(torch.ops.cp.varlen_causal_attention_lse.default)
 def convert_varlen_causal_attention_lse(q: Tensor, k: Tensor, v: Tensor, query_start_loc: Tensor, scale: float,
                                         meta_outputs: Any = None):
     T, H, _ = dims(q)
@@ -126,7 +119,6 @@ def causal_lens(query_start_loc: Tensor, seq_lens: Tensor, like: Tensor) -> Tens
     return where(valid, ge.Add(pos, const(1, I64)), const(0, I64))
 
 
-@register_fx_node_ge_converter(torch.ops.cp.gqa_paged_attention.default)
 def convert_gqa_paged_attention(q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor,
                                 slot_mapping: Tensor, block_table: Tensor, seq_lens: Tensor, query_start_loc: Tensor,
                                 scale: float, meta_outputs: Any = None):
@@ -145,7 +137,6 @@ def _gqa_after_write(q, k_cache, v_cache, block_table, seq_lens, query_start_loc
     return out
 
 
-@register_fx_node_ge_converter(torch.ops.cp.mla_attention.default)
 def convert_mla_attention(q_nope: Tensor, q_pe: Tensor, kv_c: Tensor, k_pe: Tensor, kv_cache: Tensor,
                           slot_mapping: Tensor, block_table: Tensor, seq_lens: Tensor, query_start_loc: Tensor,
                           scale: float, meta_outputs: Any = None):

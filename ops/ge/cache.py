@@ -20,12 +20,9 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch
-from torchair import register_fx_node_ge_converter
 from torchair._ge_concrete_graph import ge_apis as ge
 from torchair.ge._ge_graph import Tensor
 
-import cp_compile.ops.dcp  # noqa: F401  (registers the ops)
 from cp_compile.ops.ge._util import I32, I64, cast, const, local_len, token_positions, where
 
 
@@ -41,13 +38,11 @@ def scatter_into(cache: Tensor, new: Tensor, slot_mapping: Tensor) -> Tensor:
     return ge.ScatterNdUpdate(cache, slot_indices(slot_mapping, int(cache.meta.shape[1])), new)
 
 
-@register_fx_node_ge_converter(torch.ops.cp.cache_write.default)
 def convert_cache_write(new: Tensor, cache: Tensor, slot_mapping: Tensor, meta_outputs: Any = None):
     scatter_into(cache, new, slot_mapping)
     return None  # no outputs (auto_functionalized_v2 gives (None, new cache)); the cache is ScatterNdUpdate's ref output
 
 
-@register_fx_node_ge_converter(torch.ops.cp.dcp_localize_metadata.default)
 def convert_dcp_localize_metadata(slot_mapping: Tensor, query_start_loc: Tensor, seq_lens: Tensor, dcp: int,
                                   rank: int, interleave: int, block_size: int, meta_outputs: Any = None):
     s = cast(slot_mapping, I64)

@@ -23,14 +23,11 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch
 import torchair
-from torchair import register_fx_node_ge_converter
 from torchair._ge_concrete_graph import ge_apis as ge
 from torchair.ge import attr
 from torchair.ge._ge_graph import Tensor
 
-import cp_compile.ops.dsa_cp  # noqa: F401
 from cp_compile.ops.ge._util import I32, I64, cast, const, dims, head, reshape, tail, where
 from cp_compile.ops.ge.sparse import MAX_INT64, _paged, lightning_indexer_op
 
@@ -52,7 +49,6 @@ def _shard_tnd(q: Tensor, query_start_loc: Tensor, seq_lens: Tensor, rank: int) 
     return cast(cum, I32), cast(k, I32), real
 
 
-@register_fx_node_ge_converter(torch.ops.cp.lightning_indexer_topk_rows.default)
 def convert_lightning_indexer_topk_rows(q_i: Tensor, index_cache: Tensor, w: Tensor, block_table: Tensor,
                                         seq_lens: Tensor, query_start_loc: Tensor, tp: int, rank: int, topk: int,
                                         meta_outputs: Any = None):
@@ -63,7 +59,6 @@ def convert_lightning_indexer_topk_rows(q_i: Tensor, index_cache: Tensor, w: Ten
     return where(ge.Unsqueeze(real, axes=[1]), indices, const(-1, I32))
 
 
-@register_fx_node_ge_converter(torch.ops.cp.sparse_mla_rows_attention.default)
 def convert_sparse_mla_rows_attention(q_nope: Tensor, q_pe: Tensor, kv_cache: Tensor, block_table: Tensor,
                                       seq_lens: Tensor, query_start_loc: Tensor, indices: Tensor, tp: int, rank: int,
                                       scale: float, meta_outputs: Any = None):

@@ -17,12 +17,9 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch
-from torchair import register_fx_node_ge_converter
 from torchair._ge_concrete_graph import ge_apis as ge
 from torchair.ge._ge_graph import Tensor
 
-import cp_compile.ops.dcp  # noqa: F401
 from cp_compile.ops.ge._util import F32, I64, cast, const, dims, reshape, where
 
 
@@ -37,7 +34,6 @@ def clean(lse: Tensor) -> Tensor:
 LSE_FLOOR = -1.0e30
 
 
-@register_fx_node_ge_converter(torch.ops.cp.lse_rescale.default)
 def convert_lse_rescale(out: Tensor, lse: Tensor, lse_all: Tensor, meta_outputs: Any = None):
     T, G = dims(lse)
     NG = int(lse_all.meta.shape[0])
@@ -55,7 +51,6 @@ def convert_lse_rescale(out: Tensor, lse: Tensor, lse_all: Tensor, meta_outputs:
     return scaled, total
 
 
-@register_fx_node_ge_converter(torch.ops.cp.lse_combine.default)
 def convert_lse_combine(outs: Tensor, lses: Tensor, meta_outputs: Any = None):
     n = int(outs.meta.shape[0])
     dv = int(outs.meta.shape[-1])

@@ -30,12 +30,10 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch
-from torchair import register_fx_node_ge_converter
+
 from torchair._ge_concrete_graph import ge_apis as ge
 from torchair.ge._ge_graph import Tensor
 
-import cp_compile.ops.mla_preprocess  # noqa: F401  (registers the op)
 from cp_compile.ops.ge._util import F32, I64, cast, const, dims, ge_dtype, reshape
 from cp_compile.ops.ge.cache import scatter_into
 from cp_compile.ops.ge.quant import convert_w8a8_dynamic_linear
@@ -73,7 +71,6 @@ def _rope(x: Tensor, cos: Tensor, sin: Tensor, R: int, mode: str, dtype: int, un
     return rot
 
 
-@register_fx_node_ge_converter(torch.ops.cp.mla_preprocess.default)
 def convert_mla_preprocess(x: Tensor, q_a_weight, q_a_scale, q_a_offset, q_a_norm, q_b_weight, q_b_scale,
                            q_b_offset, kv_a_weight, kv_a_scale, kv_a_offset, kv_norm: Tensor, w_uk: Tensor,
                            cos: Tensor, sin: Tensor, kv_cache, slot_mapping, q_eps: float, kv_eps: float,

@@ -22,12 +22,9 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch
-from torchair import register_fx_node_ge_converter
 from torchair._ge_concrete_graph import ge_apis as ge
 from torchair.ge._ge_graph import DataType, Tensor
 
-import cp_compile.ops.quant  # noqa: F401
 from cp_compile.ops.ge._util import F32, I32, I64, cast, const, dims, ge_dtype, reshape, where
 
 I8 = DataType.DT_INT8
@@ -44,7 +41,6 @@ def _int8_matmul(x_q: Tensor, weight: Tensor, groups: int, k: int, out: int) -> 
                                  pertoken_scale=None, dtype=I32, transpose_x1=False, transpose_x2=False)
 
 
-@register_fx_node_ge_converter(torch.ops.cp.w8a8_dynamic_linear.default)
 def convert_w8a8_dynamic_linear(x: Tensor, weight: Tensor, weight_scale: Tensor, weight_offset: Tensor, groups: int,
                                 meta_outputs: Any = None):
     T, n = dims(x)
@@ -61,7 +57,6 @@ def convert_w8a8_dynamic_linear(x: Tensor, weight: Tensor, weight_scale: Tensor,
     return cast(ge.ReduceSumD(terms, axes=[0], keep_dims=False), ge_dtype(x.meta.dtype))  # [T, out]
 
 
-@register_fx_node_ge_converter(torch.ops.cp.w8a8_static_linear.default)
 def convert_w8a8_static_linear(x: Tensor, weight: Tensor, input_scale: Tensor, input_offset: Tensor,
                                quant_bias: Tensor, deq_scale: Tensor, meta_outputs: Any = None):
     T, n = dims(x)

@@ -26,15 +26,11 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch
 import torchair
-from torchair import register_fx_node_ge_converter
 from torchair._ge_concrete_graph import ge_apis as ge
 from torchair.ge import attr
 from torchair.ge._ge_graph import Tensor
 
-import cp_compile.ops.attention  # noqa: F401
-import cp_compile.ops.dcp  # noqa: F401
 from cp_compile.ops.ge._util import F32, I32, I64, cast, const, dims, local_len, reshape, tail, where
 from cp_compile.ops.ge.cache import scatter_into
 
@@ -47,7 +43,6 @@ def _paged(cache: Tensor, width: int) -> Tensor:
     return reshape(cache, [d[0], d[1], 1, width])
 
 
-@register_fx_node_ge_converter(torch.ops.cp.lightning_indexer.default)
 def convert_lightning_indexer(q_i: Tensor, k_i: Tensor, w: Tensor, index_cache: Tensor, slot_mapping: Tensor,
                               block_table: Tensor, seq_lens: Tensor, query_start_loc: Tensor, topk: int,
                               meta_outputs: Any = None):
@@ -89,7 +84,6 @@ def lightning_indexer_op(q_i: Tensor, index_cache: Tensor, key_dim: int, w: Tens
     return indices
 
 
-@register_fx_node_ge_converter(torch.ops.cp.sparse_mla_attention.default)
 def convert_sparse_mla_attention(q_nope: Tensor, q_pe: Tensor, kv_c: Tensor, k_pe: Tensor, kv_cache: Tensor,
                                  slot_mapping: Tensor, block_table: Tensor, seq_lens: Tensor,
                                  query_start_loc: Tensor, topk_indices: Tensor, scale: float,
@@ -171,11 +165,3 @@ def convert_dcp_sparse_indices(topk_indices: Tensor, dcp: int, rank: int, interl
     # Stable compaction: a stable ascending sort of "not owned" keeps the owned entries' order.
     _, order = ge.Sort(cast(ge.LogicalNot(owned), I32), axis=-1, descending=False, stable=True)
     return cast(ge.GatherElements(local, order, dim=-1), topk_indices.dtype)
-
-
-# The SFA DCP ops are registered when ops/dcp.py defines them.
-if hasattr(torch.ops.cp, "sparse_mla_partial_attention"):
-    register_fx_node_ge_converter(torch.ops.cp.sparse_mla_partial_attention.default)(
-        convert_sparse_mla_partial_attention)
-if hasattr(torch.ops.cp, "dcp_sparse_indices"):
-    register_fx_node_ge_converter(torch.ops.cp.dcp_sparse_indices.default)(convert_dcp_sparse_indices)

@@ -17,7 +17,7 @@ torch tensors and returns new tensors; CPU tensors run only under TRITON_INTERPR
 - `int8_matmul_triton`  (int8_matmul.py)
 
 and, next to each launcher, the `*_device` functions registered as the cp:: ops'
-accelerator kernels (`registry.DEVICE_KERNELS`).
+accelerator kernels (declared by the op family modules, `kernels/launch.py` adapts the launchers).
 
 Each kernel module also declares `LOWERING` (`_common.LoweringDeclaration`): the
 launches the Triton-Ascend lowering check compiles (`python -m

@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from cp_compile.ops.kernels import registry
+from cp_compile.ops.kernels import launch
 from cp_compile.ops.kernels._common import LoweringDeclaration, grid_size, kernel_for, next_pow2
 
 _MAX_BLOCK = 1024  # tokens per tile
@@ -85,14 +85,14 @@ def local_slot_mapping_triton(
 
 
 def _lowering_examples():
-    # The registry's calls are what device runs launch.
+    # The registered kernels (kernels/launch.py) are what device runs launch.
     # BLOCK = next_pow2(T) up to _MAX_BLOCK: every power of two a batch can produce.
     for i in range(_MAX_BLOCK.bit_length()):
         T = 1 << i
         slots = torch.zeros(T, dtype=torch.int64)
         qsl = torch.tensor([0, T], dtype=torch.int32)
         seq_lens = torch.tensor([T], dtype=torch.int32)
-        yield f"{T} tokens", functools.partial(registry._localize, slots, qsl, seq_lens, 2, 0, 1, 128)
+        yield f"{T} tokens", functools.partial(launch.dcp_localize_metadata, slots, qsl, seq_lens, 2, 0, 1, 128)
 
 
 LOWERING = LoweringDeclaration(

@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from cp_compile.ops.kernels import registry
+from cp_compile.ops.kernels import launch
 from cp_compile.ops.kernels._common import (
     LoweringDeclaration,
     grid_size,
@@ -248,7 +248,7 @@ def lse_rescale_triton(
 
 
 def _lowering_examples():
-    # The registry's calls are what device runs launch.
+    # The registered kernels (kernels/launch.py) are what device runs launch.
     # The row count picks BLOCK_R (_row_block): every power of two until it stops
     # growing; Dv 128 (GQA) and 512 (MLA latent); partials in bf16 and fp32.
     for dv in (128, 512):
@@ -261,9 +261,9 @@ def _lowering_examples():
                 name = f"Dv {dv} {str(dtype)[6:]} {n_rows} rows"
                 outs = torch.empty(2, n_rows, 1, dv, dtype=dtype)
                 lses = torch.empty(2, n_rows, 1)
-                yield f"lse_combine {name}", functools.partial(registry._lse_combine, outs, lses)
+                yield f"lse_combine {name}", functools.partial(launch.lse_combine, outs, lses)
                 yield (f"lse_rescale {name}",
-                       functools.partial(registry._lse_rescale, outs[0], lses[0], lses.permute(0, 2, 1).reshape(-1, n_rows)))
+                       functools.partial(launch.lse_rescale, outs[0], lses[0], lses.permute(0, 2, 1).reshape(-1, n_rows)))
         # Without lse_out (WRITE_LSE=False): the launchers' default.
         outs, lses = torch.empty(2, cap, 1, dv), torch.empty(2, cap, 1)
         yield f"merge_partials Dv {dv} no lse_out", functools.partial(merge_partials_triton, outs, lses)

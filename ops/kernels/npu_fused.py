@@ -3,9 +3,9 @@
 Not run on an NPU (none here; torch_npu cannot import without CANN): tests/ops/test_npu_fused_kernels.py
 runs these functions against a torch_npu stand-in that records the calls and enforces the
 documented preconditions (in-range, unique scatter indices).
-Imported lazily; `register_npu_fused_kernels()` does nothing unless torch_npu imports.
-It overrides, for the "npu" device only, the Triton-Ascend kernels that
-`ops/kernels/registry.py` registers, where a torch_npu fused op does the same job
+The op family modules declare these as their ops' `npu` kernels (ops/spec.py);
+`ops/kernels/registry.py` registers them for the "npu" device when torch_npu imports,
+instead of the Triton-Ascend kernel, where a torch_npu fused op does the same job
 (the same CANN ops the GE converters in `cp_compile/ops/ge/` emit, so eager,
 aclgraph and GE graph mode run one kernel per op):
 
@@ -40,12 +40,8 @@ from __future__ import annotations
 
 import torch
 
-import cp_compile.ops.dcp  # noqa: F401  (defines the ops the kernels are registered for)
-import cp_compile.ops.mla_preprocess  # noqa: F401
 from cp_compile.ops import layout
-from cp_compile.ops.kernels.npu_mla_prolog import mla_preprocess_npu
 
-_REGISTERED: list[str] = []
 # A finite floor for AttentionUpdate's LSEs (see the module doc).
 LSE_FLOOR = -1.0e30
 
@@ -140,26 +136,3 @@ def _lse_combine(outs, lses):
     total = total.reshape(lses.shape[1:])
     return (torch.where(empty[..., None], torch.zeros_like(merged), merged),
             torch.where(empty, torch.full_like(total, float("-inf")), total))
-
-
-NPU_FUSED_KERNELS = {
-    "cp::cache_write": _cache_write,
-    "cp::mla_preprocess": mla_preprocess_npu,  # npu_mla_prolog_v3 where the layer fits (npu_mla_prolog.py)
-    "cp::paged_attention_lse": _paged_attention_lse,
-    "cp::mla_partial_attention": _mla_partial_attention,
-    "cp::lse_combine": _lse_combine,
-}
-
-
-def register_npu_fused_kernels() -> list[str]:
-    """Idempotent; '<op>@npu' registrations made, [] when torch_npu does not import."""
-    if _REGISTERED:
-        return _REGISTERED
-    try:
-        _torch_npu()
-    except (ImportError, OSError, RuntimeError):  # not installed, or no CANN libraries
-        return _REGISTERED
-    for op, fn in NPU_FUSED_KERNELS.items():
-        torch.library.register_kernel(op, "npu", fn)
-        _REGISTERED.append(f"{op}@npu")
-    return _REGISTERED

@@ -2,7 +2,7 @@
 
 UNTESTED: no machine here has an NPU (torch_npu needs CANN). Imported lazily, and
 registered for the "npu" device only with the other torch_npu fused kernels
-(`npu_fused.register_npu_fused_kernels`, which does nothing without torch_npu).
+(declared as the op's `npu` kernel, registered by `registry` only when torch_npu imports).
 
 `torch_npu.npu_mla_prolog_v3` (docs: https://gitcode.com/Ascend/op-plugin/blob/7.3.0/docs/context/torch_npu-npu_mla_prolog_v2.md,
 v2 points to v3 for in-place caches; aclnnMlaProlog in the CANN API reference) computes

@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from cp_compile.ops.kernels import registry
+from cp_compile.ops.kernels import launch
 from cp_compile.ops.kernels._common import (
     LoweringDeclaration,
     grid_size,
@@ -212,7 +212,7 @@ _MLA_HEADS = (1, 16, 128)
 
 
 def _lowering_examples():
-    # The registry's calls are what device runs launch.
+    # The registered kernels (kernels/launch.py) are what device runs launch.
     bt = torch.zeros(1, 2, dtype=torch.int32)
     qsl = torch.tensor([0, 2], dtype=torch.int32)
     kv_lens = torch.ones(2, dtype=torch.int32)
@@ -221,12 +221,12 @@ def _lowering_examples():
             q = torch.empty(2, group, d, dtype=dtype)
             kv = torch.empty(2, 16, 1, d, dtype=dtype)
             yield (f"GQA {str(dtype)[6:]} group {group} D {d}",
-                   functools.partial(registry._paged_attention_lse, q, kv, kv, bt, qsl, kv_lens, d ** -0.5))
+                   functools.partial(launch.paged_attention_lse, q, kv, kv, bt, qsl, kv_lens, d ** -0.5))
     for heads in _MLA_HEADS:
         q_nope, q_pe = torch.empty(2, heads, 512, dtype=torch.bfloat16), torch.empty(2, heads, 64, dtype=torch.bfloat16)
         cache = torch.empty(2, 16, 576, dtype=torch.bfloat16)
         yield (f"MLA bf16 {heads} heads 512+64",
-               functools.partial(registry._mla_partial_attention, q_nope, q_pe, cache, bt, qsl, kv_lens, 0.1))
+               functools.partial(launch.mla_partial_attention, q_nope, q_pe, cache, bt, qsl, kv_lens, 0.1))
     # The cube path (tests launch it; the intended MLA path on AI cores).
     q = torch.empty(2, 16, 576, dtype=torch.bfloat16)
     cache = torch.empty(2, 16, 576, dtype=torch.bfloat16)

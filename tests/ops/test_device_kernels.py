@@ -28,7 +28,7 @@ import pytest  # noqa: E402
 
 import cp_compile.ops  # noqa: E402,F401
 from cp_compile.ops import layout, quant_reference, reference  # noqa: E402
-from cp_compile.ops.kernels import registry, triton_available  # noqa: E402
+from cp_compile.ops.kernels import launch, registry, triton_available  # noqa: E402
 from cp_compile.testing.device_modes import FactoryDeviceMode, HostRead, HostReadMode  # noqa: E402
 from cp_compile.testing.op_cases import clone_args, flat_outputs, op_cases  # noqa: E402
 
@@ -113,7 +113,7 @@ def test_paged_prefill_tiles_per_request(block_m: int) -> None:
     q = torch.randn(T, Hq, D, generator=g)
     kv = layout.causal_lens(qsl, seq, T)
     want = reference.paged_attention_with_lse(q, k_cache, v_cache, bt, qsl, kv, 0.3)
-    assert T >= registry.PREFILL_TOKENS_PER_REQUEST * 4
+    assert T >= launch.PREFILL_TOKENS_PER_REQUEST * 4
     _assert_same("registry", registry.DEVICE_KERNELS["cp::paged_attention_lse"](q, k_cache, v_cache, bt, qsl, kv, 0.3),
                  want)
     got = paged_prefill_attention_lse_triton(q, k_cache, v_cache, bt, qsl, kv, 0.3, block_m=block_m, block_n=16,

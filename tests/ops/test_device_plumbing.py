@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import ast
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -19,6 +20,7 @@ import torch
 
 import cp_compile.ops  # noqa: F401  (defines and registers the ops)
 from cp_compile.ops.kernels import registry
+from cp_compile.ops.spec import Absent
 from cp_compile.parallel_state import bind_device
 from cp_compile.testing.device_modes import FACTORIES, FactoryDeviceMode
 
@@ -138,15 +140,18 @@ def test_an_op_without_a_device_kernel_is_an_error_naming_it(monkeypatch: pytest
     for op, fn in registry.kernel_table("cuda", triton_ok=False).items():
         with pytest.raises(registry.MissingDeviceKernel, match=f"{op} has no cuda kernel: triton is not installed"):
             fn()
-    # With triton, only ops outside DEVICE_KERNELS refuse (all 17 have one: drop one to see it).
-    kernels = dict(registry.DEVICE_KERNELS)
-    del kernels["cp::lse_combine"]
-    monkeypatch.setattr(registry, "DEVICE_KERNELS", kernels)
+    # With triton, an op whose declaration has no kernel refuses with the declared reason
+    # (all 17 have one: drop one to see it); the others get the declared kernel (NPU: a
+    # torch_npu fused op where declared, else the CUDA entry through triton-ascend).
+    ops = tuple(dataclasses.replace(d, cuda=Absent("dropped for this test")) if d.name == "cp::lse_rescale" else d
+                for d in registry.OPS)
+    monkeypatch.setattr(registry, "OPS", ops)
     table = registry.kernel_table("npu", triton_ok=True)
-    assert set(table) - set(kernels) == {"cp::lse_combine"}
-    for op, fn in table.items():
-        if op in registry.DEVICE_KERNELS:
-            assert fn is registry.DEVICE_KERNELS[op]
+    assert set(table) == set(registry.cp_ops())
+    for decl in ops:
+        if decl.name == "cp::lse_rescale":
+            with pytest.raises(registry.MissingDeviceKernel,
+                               match="cp::lse_rescale has no npu kernel: dropped for this test"):
+                table[decl.name]()
         else:
-            with pytest.raises(registry.MissingDeviceKernel, match=f"{op} has no npu kernel: no device kernel"):
-                fn()
+            assert table[decl.name] is (decl.npu if callable(decl.npu) else decl.cuda), decl.name
