@@ -74,6 +74,46 @@ def _take_tokens(x: torch.Tensor, token_index: torch.Tensor) -> torch.Tensor:
 
 
 
+
+def _pad_single_token(arguments: dict[str, Any], dynamic_args: Sequence[str]) -> dict[str, Any]:
+    """A 1-token step as a 2-token one: a padding request of one token (slot -1, so no
+    cache write; position 0; block row of zeros) after the real one.
+
+    Why: Inductor orders the strides of a collective's or a custom op's input by
+    comparing them, and with a token dim T in a non-innermost position ([H, T, D]
+    gathers under DCP) that comparison guards T > 1 even on backed size-oblivious
+    symbols, so a 1-token decode after larger steps would recompile (issue 19). The
+    padding token's outputs are dropped by the caller (`_first_token_rows`); it
+    attends only position 0 of block 0 (finite, never written, never read back)."""
+    out = dict(arguments)
+    for name in dynamic_args:
+        v = arguments.get(name)
+        if isinstance(v, AttentionMetadata):
+            out[name] = AttentionMetadata(
+                query_start_loc=torch.cat([v.query_start_loc, v.query_start_loc[-1:] + 1]),
+                seq_lens=torch.cat([v.seq_lens, torch.ones_like(v.seq_lens[:1])]),
+                block_table=torch.cat([v.block_table, torch.zeros_like(v.block_table[:1])]),
+                slot_mapping=torch.cat([v.slot_mapping, torch.full_like(v.slot_mapping[:1], -1)]),
+                positions=torch.cat([v.positions, torch.zeros_like(v.positions[:1])]))
+        elif isinstance(v, torch.Tensor) and v.dim() >= 1 and v.shape[0] == 1:
+            out[name] = torch.cat([v, torch.zeros_like(v[:1])])
+    return out
+
+
+def _first_token_rows(result: Any) -> Any:
+    """Outputs of a padded 1-token step ([2, ...] per-token tensors) -> the real token's [1, ...]."""
+    if isinstance(result, torch.Tensor):
+        return result[:1] if result.dim() >= 1 and result.shape[0] == 2 else result
+    if isinstance(result, (tuple, list)):
+        return type(result)(_first_token_rows(r) for r in result)
+    return result
+
+
+def _num_tokens(arguments: dict[str, Any]) -> int | None:
+    meta = next((v for v in arguments.values() if isinstance(v, AttentionMetadata)), None)
+    return None if meta is None else meta.num_tokens
+
+
 def validation_dcp(backend: Any) -> int | None:
     """The shard count a forward compiled with `backend` is validated at: None (the
     parallel state's pcp * dcp) under cp_ascend; 1 under any other backend, which runs
@@ -140,6 +180,8 @@ class CompiledForward:
             self.backends[kind] = b
             fn = self._token_sharded if kind == "prefill" and self._pcp_size > 1 else self.forward
             self._compiled[kind] = torch.compile(fn, backend=b, fullgraph=True)
+        # Inductor (the CPU / CUDA lowering) guards T > 1 on stride order; see _pad_single_token.
+        self._pads_single_token = self.backend.lowering in ("auto", "inductor")
         self._validated = True
 
     def _token_sharded(self, cp_pcp_token_index: torch.Tensor, token_slots: tuple[int | str, ...], *args: Any,
@@ -194,11 +236,19 @@ class CompiledForward:
         for name in self.dynamic_args:
             if name in bound.arguments:
                 _mark_dynamic(bound.arguments[name])
+        pad = self._pads_single_token and _num_tokens(bound.arguments) == 1
+        if pad:
+            bound.arguments.update(_pad_single_token(bound.arguments, self.dynamic_args))
+            args, kwargs = bound.args, bound.kwargs
+            for name in self.dynamic_args:
+                if name in bound.arguments:
+                    _mark_dynamic(bound.arguments[name])
         with no_size_specialisation():
             try:
                 if kind == "prefill" and self._pcp_size > 1:
                     return self._pcp_call(compiled, bound)
-                return compiled(*args, **kwargs)
+                result = compiled(*args, **kwargs)
+                return _first_token_rows(result) if pad else result
             except torch._dynamo.exc.BackendCompilerFailed as e:
                 if isinstance(e.inner_exception, ConfigError):  # torch versions that wrap it
                     raise e.inner_exception from None

@@ -16,6 +16,7 @@ import torch
 
 import cp_compile.ops.attention  # noqa: F401  (registers torch.ops.cp.*)
 from cp_compile.hf.cache import MLA_NEW_KEY
+from cp_compile.ops.parallel.dcp import dense
 
 GQA_NAME = "cp_gqa_paged"
 MLA_NAME = "cp_mla_latent"
@@ -41,7 +42,7 @@ def gqa_paged_attention(module: torch.nn.Module, query: torch.Tensor, key: torch
     k = key[0].transpose(0, 1)  # [T, Hkv, D]  this step's keys (PagedCache.update returned them)
     v = value[0].transpose(0, 1)  # [T, Hkv, Dv]
     scale = scaling if scaling is not None else q.shape[-1] ** -0.5
-    out = torch.ops.cp.gqa_paged_attention(q.contiguous(), k.contiguous(), v.contiguous(), k_cache, v_cache,
+    out = torch.ops.cp.gqa_paged_attention(dense(q), dense(k), dense(v), k_cache, v_cache,
                                            meta.slot_mapping, meta.block_table, meta.seq_lens,
                                            meta.query_start_loc, scale)  # [T, Hq, Dv]
     return out.unsqueeze(0), None
@@ -67,8 +68,8 @@ def mla_latent_attention(module: torch.nn.Module, query: torch.Tensor, key: torc
     q_nope, q_pe = q[..., :nope], q[..., nope:]
     q_abs = torch.einsum("thn,hnl->thl", q_nope, w_uk)  # [T, H, L]
     scale = scaling if scaling is not None else (nope + rope) ** -0.5
-    latent = torch.ops.cp.mla_attention(q_abs.contiguous(), q_pe.contiguous(), kv_c[0, 0].contiguous(),
-                                        k_pe[0, 0].contiguous(), kv_cache, meta.slot_mapping, meta.block_table,
+    latent = torch.ops.cp.mla_attention(dense(q_abs), dense(q_pe), dense(kv_c[0, 0]),
+                                        dense(k_pe[0, 0]), kv_cache, meta.slot_mapping, meta.block_table,
                                         meta.seq_lens, meta.query_start_loc, scale)  # [T, H, L]
     out = torch.einsum("thl,hvl->thv", latent, w_uv)  # [T, H, v]
     return out.unsqueeze(0), None
