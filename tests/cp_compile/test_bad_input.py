@@ -296,8 +296,15 @@ def _dcp_world(rank: int, world: int, hf_config, state_dict, ok_config, ok_state
     plain_alloc = cp_compile.BlockAllocator(4, 4)  # dcp = 1 blocks of 4 tokens
     plain_alloc.ensure(-1, 4)  # block 0 taken: the request's blocks are 1 and 2
     plain = cp_compile.build_attention_metadata([(5, 1)], plain_alloc)
-    plain_args = {"input_ids": torch.zeros(1, dtype=torch.long), "kv_caches": cache.layers, "meta": plain}
+    # Plain (unsharded) caches of the same shapes: copies carry no shard tag.
+    plain_layers = [tuple(t.clone() for t in layer) for layer in cache.layers]
+    plain_args = {"input_ids": torch.zeros(1, dtype=torch.long), "kv_caches": plain_layers, "meta": plain}
     validate_forward_args(plain_args, dcp=validation_dcp("inductor"))
+    # This rank's DCP shard under the single-device ops is refused (issue 19), before any write.
+    try:
+        validate_forward_args({**plain_args, "kv_caches": cache.layers}, dcp=validation_dcp("inductor"))
+    except cp_compile.ConfigError as e:
+        out["sharded_under_plain"] = str(e)
     try:
         validate_forward_args(plain_args, dcp=validation_dcp(compiled.backend))
     except MetadataError as e:
@@ -315,6 +322,8 @@ def test_dcp_ranks_refuse_the_same_step_and_check_their_layout(qwen):
     ok_sd = {k: v.detach().clone() for k, v in ok.state_dict().items()}
     res = run_on_ranks(_dcp_world, 2, *qwen, ok.config, ok_sd, timeout=300)
     for rank, out in enumerate(res):
+        assert "single-device attention op never runs over a DCP / PCP-sharded cache" in out.get(
+            "sharded_under_plain", ""), (rank, out.get("sharded_under_plain"))
         lay = out["layout"]
         assert lay is not None and "the ranks of a DCP group hold the same KV-cache layout" in lay, (rank, lay)
         assert "kv_head_ids: DCP rank 0 (global 0) has (0,), DCP rank 1 (global 1) has (1,)" in lay, lay
