@@ -25,7 +25,10 @@ def main() -> int:
     from tools.ge_check import _FxRecorder, compile_and_load
     from examples.models.deepseek_mla import DeepseekMLAConfig, DeepseekMLAModel
 
+    from tools.ge_eval import probe
+
     register_converters()
+    probe.install()  # the GE graph is run on CPU by tools.ge_eval and compared with the FX graph by value
     recorder = _FxRecorder()
     # The tiny DeepSeek-V3 shape of examples/models/tiny.py (no transformers in this environment).
     mcfg = DeepseekMLAConfig(vocab_size=128, hidden_size=64, num_layers=2, num_heads=4, q_lora_rank=24,
@@ -48,15 +51,17 @@ def main() -> int:
 
         r = compile_and_load(step, f"mla enable_mla_preprocess={on}", recorder)
         if r.status != "ok":
-            print(r.message, file=sys.stderr)
+            print(f"{r.name}: {r.status}: {r.message!r}", file=sys.stderr)
             return 1
-        out[on] = dict(ge_ops=sum(r.ge_ops.values()), fx_nodes=r.fx_nodes, by_type=r.ge_ops)
+        out[on] = dict(ge_ops=sum(r.ge_ops.values()), fx_nodes=r.fx_nodes, by_type=r.ge_ops,
+                       values_ok=all(v["ok"] for v in r.values), compared=len(r.values))
     diff = {t: (out[False]["by_type"].get(t, 0), out[True]["by_type"].get(t, 0))
             for t in sorted(set(out[False]["by_type"]) | set(out[True]["by_type"]))
             if out[False]["by_type"].get(t, 0) != out[True]["by_type"].get(t, 0)}
     print(f"GE graph, example MLA (2 layers): off {out[False]['ge_ops']} GE ops from {out[False]['fx_nodes']} FX nodes; "
           f"on {out[True]['ge_ops']} GE ops from {out[True]['fx_nodes']} FX nodes")
     print("op types that differ (off, on):", json.dumps(diff))
+    print("GE == FX by value:", {("on" if k else "off"): (v["values_ok"], v["compared"]) for k, v in out.items()})
     return 0
 
 
