@@ -82,7 +82,9 @@ def _pad_single_token(arguments: dict[str, Any], dynamic_args: Sequence[str]) ->
     Why: Inductor orders the strides of a collective's or a custom op's input by
     comparing them, and with a token dim T in a non-innermost position ([H, T, D]
     gathers under DCP) that comparison guards T > 1 even on backed size-oblivious
-    symbols, so a 1-token decode after larger steps would recompile (issue 19). The
+    symbols; model code traced by Dynamo (einsum in the HF SFA attention) guards
+    T != 1 the same way. So a 1-token decode after larger steps would recompile
+    (issue 19). The
     padding token's outputs are dropped by the caller (`_first_token_rows`); it
     attends only position 0 of block 0 (finite, never written, never read back)."""
     out = dict(arguments)
@@ -180,8 +182,9 @@ class CompiledForward:
             self.backends[kind] = b
             fn = self._token_sharded if kind == "prefill" and self._pcp_size > 1 else self.forward
             self._compiled[kind] = torch.compile(fn, backend=b, fullgraph=True)
-        # Inductor (the CPU / CUDA lowering) guards T > 1 on stride order; see _pad_single_token.
-        self._pads_single_token = self.backend.lowering in ("auto", "inductor")
+        # Every lowering: see _pad_single_token (Inductor's stride order; model code such
+        # as einsum guards T != 1 while Dynamo traces, whatever the lowering).
+        self._pads_single_token = True
         self._validated = True
 
     def _token_sharded(self, cp_pcp_token_index: torch.Tensor, token_slots: tuple[int | str, ...], *args: Any,

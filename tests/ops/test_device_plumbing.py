@@ -108,16 +108,13 @@ def test_bind_device_uses_the_local_rank(monkeypatch: pytest.MonkeyPatch) -> Non
 def test_hf_engine_allocates_on_the_model_device() -> None:
     import cp_compile
     import cp_compile.hf
-    from cp_compile.hf.engine import _Request
-    from cp_compile.metadata import BlockAllocator
     from examples.hf_generate import tiny_hf
 
     model = tiny_hf("qwen3").to("meta")  # any CPU tensor the engine makes would show as device cpu
     engine = cp_compile.hf.Engine(model, cp_compile.CPConfig(block_size=4), num_blocks=4, progress=False)
     assert engine.device == torch.device("meta")
     assert {t.device.type for layer in engine.cache.layers for t in layer} == {"meta"}
-    alloc = BlockAllocator(4, 4)
-    ids, meta = engine._inputs([_Request(0, [1, 2, 3], 2, 3)], alloc)
+    ids, meta = engine._inputs([(0, 0, [1, 2, 3])])  # (request id, cached tokens, new tokens)
     assert ids.device.type == "meta"
     assert {getattr(meta, f).device.type for f in ("query_start_loc", "seq_lens", "block_table", "slot_mapping",
                                                   "positions")} == {"meta"}
