@@ -236,16 +236,13 @@ class CompiledForward:
             validate_forward_args(bound.arguments, dcp=validation_dcp(self.backend))
         kind = self.batch_kind_of(bound.arguments)
         compiled = self._compiled[kind]
-        for name in self.dynamic_args:
-            if name in bound.arguments:
-                _mark_dynamic(bound.arguments[name])
         pad = self._pads_single_token and _num_tokens(bound.arguments) == 1
         if pad:
             bound.arguments.update(_pad_single_token(bound.arguments, self.dynamic_args))
             args, kwargs = bound.args, bound.kwargs
-            for name in self.dynamic_args:
-                if name in bound.arguments:
-                    _mark_dynamic(bound.arguments[name])
+        for name in self.dynamic_args:
+            if name in bound.arguments:
+                _mark_dynamic(bound.arguments[name])
         with no_size_specialisation():
             try:
                 if kind == "prefill" and self._pcp_size > 1:
