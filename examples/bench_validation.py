@@ -9,7 +9,7 @@ validation alone (`validate_forward_args` on the same arguments) as a fraction o
 the median TPOT without it. Validation is turned off per compiled model with
 `compiled.validate_inputs = False` (or `model.cp_compiled.validate_inputs = False`).
 
-    python examples/bench_validation.py --tp 2 --dcp 2 --context 512 --batch 8 --steps 20
+    python -m examples.bench_validation --tp 2 --dcp 2 --context 512 --batch 8 --steps 20
 """
 
 from __future__ import annotations
@@ -25,11 +25,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-import cp_compile  # noqa: E402
-from cp_compile.metadata import validate_forward_args  # noqa: E402
-from cp_compile.testing.multirank import run_on_ranks  # noqa: E402
+import cp_compile
+from cp_compile.metadata import validate_forward_args
+from cp_compile.testing.multirank import run_on_ranks
+from examples.models.tiny import example_from_config, hf_qwen3
 
 BLOCK = 16
 
@@ -41,8 +40,6 @@ def _slowest(ms: float) -> float:
 
 
 def _world(rank: int, world: int, args: argparse.Namespace, hf_config: Any, state_dict: dict) -> dict:
-    from examples.models.tiny import example_from_config
-
     torch.manual_seed(0)
     cfg = cp_compile.CPConfig(tensor_parallel_size=world, decode_context_parallel_size=args.dcp, block_size=BLOCK)
     state = cp_compile.init_parallel(cfg, device="cpu")
@@ -89,8 +86,6 @@ def main() -> int:
     args = ap.parse_args()
     if args.steps < 10:
         ap.error("--steps must be >= 10 (the figure is a median)")
-    from examples.models.tiny import hf_qwen3
-
     hf = hf_qwen3(num_kv_heads=max(1, args.tp // args.dcp), num_heads=max(4, args.tp))
     sd = {k: v.detach().clone() for k, v in hf.state_dict().items()}
     res = run_on_ranks(_world, args.tp, args, hf.config, sd, timeout=1800)[0]

@@ -72,12 +72,6 @@ def pcp_token_table(query_start_loc: torch.Tensor, num_tokens: int, *, pcp: int)
     return table
 
 
-def pcp_token_split(query_start_loc: torch.Tensor, num_tokens: int, *, pcp: int, rank: int) -> torch.Tensor:
-    """Indices (int64, ascending = global flattened order) of PCP rank `rank`'s tokens."""
-    owner = pcp_token_rank(query_start_loc, num_tokens, pcp=pcp)
-    return torch.nonzero(owner == rank).flatten()
-
-
 def pcp_local_query_start_loc(token_index: torch.Tensor, query_start_loc: torch.Tensor) -> torch.Tensor:
     """query_start_loc of a rank's tokens: entry b = how many of them precede request b.
 

@@ -97,8 +97,8 @@ def resolve_roles(module: nn.Module, roles: dict[str, str | None]) -> tuple[Role
 class CompileContext:
     """What one compile is specialised on. Built by the backend; read by the passes.
 
-    Every field that can change the rewritten graph is part of some pass's uuid, so
-    compile caches never serve a graph built for another context.
+    Dynamo calls the backend once per new graph (a guard failure or a new batch
+    kind compiles again), so every compile builds its own context.
     """
 
     config: CPConfig

@@ -84,7 +84,6 @@ class DCPAttentionPass(CPPass):
     handles = tuple(p.op for p in patterns)
     enabled_when = ("decode_context_parallel_size > 1 (pcp = 1), or decode graphs at "
                     "prefill_context_parallel_size > 1 (over the pcp * dcp ranks of the cache)")
-    emits_from = ("cp_compile.ops.parallel.dcp",)
 
     def __init__(self, ctx: CompileContext) -> None:
         super().__init__(ctx)
@@ -98,9 +97,6 @@ class DCPAttentionPass(CPPass):
             # Prefill graphs are token-sharded by the pcp_attention pass instead.
             return ctx.decode_like
         return ctx.dcp.size > 1
-
-    def config_values(self) -> dict[str, Any]:
-        return dict(self.dcp.__dict__)
 
     def prepare(self, gm: fx.GraphModule) -> None:
         """Hook before the rewrite (subclasses check or claim other nodes here)."""

@@ -39,8 +39,6 @@ dims, so the shape arithmetic becomes graph nodes and stays valid for every T.
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 import torch.fx as fx
 
@@ -61,7 +59,6 @@ class DSACPPass(CPPass):
     enabled_when = ("enable_dsa_cp, a 'prefill' batch-kind graph, tensor_parallel_size > 1, "
                     "decode_context_parallel_size == 1, prefill_context_parallel_size == 1 and an attention "
                     "kind of 'sfa'")
-    emits_from = ("cp_compile.ops.parallel.dsa_cp",)
 
     def __init__(self, ctx: CompileContext) -> None:
         super().__init__(ctx)
@@ -72,9 +69,6 @@ class DSACPPass(CPPass):
         spec = ctx.attention
         return (ctx.config.enable_dsa_cp and ctx.batch_kind == "prefill" and ctx.tp.size > 1
                 and ctx.dcp.size == 1 and ctx.pcp.size == 1 and spec is not None and spec.kind == "sfa")
-
-    def config_values(self) -> dict[str, Any]:
-        return dict(self.tp.__dict__, batch_kind=self.ctx.batch_kind)
 
     def __call__(self, gm: fx.GraphModule) -> int:
         graph = gm.graph

@@ -491,9 +491,6 @@ class _MLAPOStage(CPPass):
     def is_enabled(cls, ctx: CompileContext) -> bool:
         return ctx.config.enable_mla_preprocess
 
-    def config_values(self) -> dict[str, Any]:
-        return {"enable_mla_preprocess": self.ctx.config.enable_mla_preprocess}
-
 
 class MLAPreprocessPass(_MLAPOStage):
     """Fuse each MLA layer's pre-attention subgraph into `cp::mla_preprocess`."""

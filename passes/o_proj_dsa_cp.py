@@ -130,7 +130,6 @@ class OProjDSACPPass(CPPass):
 
     name = "o_proj_dsa_cp"
     enabled_when = "enable_dsa_cp, prefill graph, tensor_parallel_size > 1, decode_context_parallel_size == 1"
-    emits_from = ("cp_compile.ops.parallel.o_proj", "cp_compile.ops.parallel.dsa_cp")
 
     def __init__(self, ctx: CompileContext) -> None:
         super().__init__(ctx)
@@ -140,10 +139,6 @@ class OProjDSACPPass(CPPass):
     def is_enabled(cls, ctx: CompileContext) -> bool:
         cfg = ctx.config
         return cfg.enable_dsa_cp and ctx.batch_kind == "prefill" and ctx.tp.size > 1 and ctx.dcp.size == 1
-
-    def config_values(self) -> dict[str, Any]:
-        return dict(**self.tp.__dict__, batch_kind=self.ctx.batch_kind, enable_dsa_cp=self.ctx.config.enable_dsa_cp,
-                    roles=repr(self.ctx.roles))
 
     def select(self, gm: fx.GraphModule) -> list[RowParallelMatch]:
         """The o_proj matches: the declared role's, or the inferred ones (module docstring)."""

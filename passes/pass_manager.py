@@ -12,7 +12,6 @@ or enable the `cp_compile.passes` logger at DEBUG (`CP_COMPILE_LOG=debug`) to lo
 
 from __future__ import annotations
 
-import hashlib
 import itertools
 import logging
 import os
@@ -54,9 +53,6 @@ class PassManager:
     @property
     def names(self) -> list[str]:
         return [p.name for p in self.passes]
-
-    def uuid(self) -> str:
-        return hashlib.sha256("".join(p.uuid() for p in self.passes).encode()).hexdigest()
 
     def __call__(self, gm: fx.GraphModule) -> fx.GraphModule:
         dump_dir = os.environ.get("CP_COMPILE_DUMP_GRAPHS")

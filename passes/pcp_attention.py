@@ -88,9 +88,6 @@ class PCPAttentionPass(CPPass):
     patterns: tuple[AttentionPattern, ...] = (PCPGQAPattern(), PCPMLAPattern())
     handles = tuple(p.op for p in patterns)
     enabled_when = "prefill_context_parallel_size > 1 (prefill graphs)"
-    # dcp_attention: its rewrite loop (rewrite_attention_nodes) shapes this pass's graphs too.
-    emits_from = ("cp_compile.passes.dcp_attention", "cp_compile.ops.parallel.pcp", "cp_compile.ops.parallel.dcp",
-                  "cp_compile.ops.pcp_layout", "cp_compile.ops.layout")
 
     def __init__(self, ctx: CompileContext) -> None:
         super().__init__(ctx)
@@ -100,9 +97,6 @@ class PCPAttentionPass(CPPass):
     def is_enabled(cls, ctx: CompileContext) -> bool:
         # Decode and verify graphs run the whole batch on every rank (dcp_attention).
         return ctx.pcp.size > 1 and not ctx.decode_like
-
-    def config_values(self) -> dict[str, Any]:
-        return dict(self.pcp.__dict__, batch_kind=self.ctx.batch_kind)
 
     def _refuse(self, problem: str) -> ConfigError:
         return ConfigError("PCP prefill graphs come from the compiled entry (one graph per batch kind)",

@@ -39,9 +39,6 @@ class UnshardedAttentionCheck(CPPass):
     def is_enabled(cls, ctx: CompileContext) -> bool:
         return ctx.dcp.size > 1 or ctx.pcp.size > 1
 
-    def config_values(self) -> dict[str, object]:
-        return dict(dcp=self.ctx.dcp.size, pcp=self.ctx.pcp.size)
-
     def __call__(self, gm: fx.GraphModule) -> int:
         for op in SINGLE_DEVICE_ATTENTION_OPS:
             left = [n for n in op_nodes(gm, (op,)) if CLAIMED_KEY not in n.meta]

@@ -5,7 +5,6 @@ collectives, nothing higher.
 
 - `dcp`: traceable DCP compositions (the DCP attention pass emits them into graphs;
   eager callers use them directly on an initialised DCP group);
-- `dcp_eager`: DCP compositions whose shapes depend on the data (eager only);
 - `pcp`: PCP attention compositions (GQA, MLA) for this rank's head-tail tokens;
 - `dsa_cp`: DSA-CP token-sharded indexer and sparse attention over the TP group;
 - `o_proj`: DSA-CP o_proj on the token shard with the gathered full weight.

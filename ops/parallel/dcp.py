@@ -18,7 +18,6 @@ Head layout: collectives work on dim 0, so tensors cross the wire head-major
 ([heads, T, ...]); gathered heads are in DCP-group rank order, which is the order
 the reduce-scatter / all-to-all chunks return them in.
 
-Compositions whose shapes depend on the data (eager only) are in `dcp_eager.py`.
 """
 
 from __future__ import annotations
@@ -37,7 +36,7 @@ _cp = torch.ops.cp
 
 @dataclass(frozen=True)
 class DCPContext:
-    """Static facts a DCP graph is specialised on (all part of the pass uuid)."""
+    """Static facts a DCP graph is specialised on (baked into the traced graph)."""
 
     dcp: int
     rank: int
@@ -202,23 +201,3 @@ def dcp_sfa_attention(q_nope: Tensor, q_pe: Tensor, kv_c: Tensor, k_pe: Tensor, 
     part = _cp.sparse_mla_partial_attention.default(q_all[..., :L], q_all[..., L:], kv_cache, block_table,
                                                     query_start_loc, idx, scale)
     return merge_heads(part[0], part[1], ctx, q_nope.shape[1], L, q_nope.dtype)[0]
-
-
-def dcp_gqa_chunked_prefill(q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor,
-                            slot_mapping: Tensor, block_table: Tensor, seq_lens: Tensor, query_start_loc: Tensor,
-                            scale: float, ctx: DCPContext, local: LocalMetadata | None = None) -> Tensor:
-    """GQA chunked prefill the seeds' way: gathered query heads attend each rank's
-    shard of the cached *context* only, the partials are merged, then combined with
-    causal attention over the step's own tokens (present on every rank, so no
-    collective). Each key is counted once: context keys by the first part, new keys
-    by the second. Same result as `dcp_gqa_attention`."""
-    if local is None:
-        local = localize(ctx, slot_mapping, query_start_loc, seq_lens)
-    _cp.cache_write.default(k, k_cache, local.slot_mapping)
-    _cp.cache_write.default(v, v_cache, local.slot_mapping)
-    out, lse = gathered_gqa_partial(q, k_cache, v_cache, block_table, query_start_loc, local.context_lens, scale,
-                                    k.shape[1], ctx)
-    ctx_out, ctx_lse = merge_heads(out, lse, ctx, q.shape[1], v.shape[-1], q.dtype)
-    new = _cp.varlen_causal_attention_lse.default(q, k, v, query_start_loc, scale)
-    merged = _cp.lse_combine.default(torch.stack([ctx_out, new[0]]), torch.stack([ctx_lse, new[1]]))
-    return merged[0].to(q.dtype)

@@ -11,16 +11,8 @@ and every cache compares bit-identical to its clone from before the step.
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 import torch
-
-try:
-    import examples.models  # noqa: F401
-except ImportError:  # plain `pytest` does not put the repo root on sys.path
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import cp_compile
 from cp_compile import MetadataError

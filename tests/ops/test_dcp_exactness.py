@@ -20,7 +20,6 @@ import cp_compile
 import cp_compile.ops  # noqa: F401
 from cp_compile.passes.context import CompileContext
 from cp_compile.ops.parallel import dcp as D
-from cp_compile.ops.parallel.dcp_eager import dcp_mla_chunked_prefill
 from cp_compile.testing.batches import STEP_B, meta_args, two_step_metas
 from cp_compile.testing.multirank import run_on_ranks
 
@@ -32,7 +31,7 @@ NUM_BLOCKS = 16
 
 @dataclass(frozen=True)
 class Case:
-    kind: str  # "gqa" | "mla" | "gqa_split" | "mla_split"
+    kind: str  # "gqa" | "mla"
     dcp: int
     interleave: int
     batch: str
@@ -103,14 +102,9 @@ def _run_cases(rank: int, world: int, cases: list[Case]) -> list[list[torch.Tens
             x = _rank_heads(case, state.tp_rank, _inputs(case, meta.num_tokens, seed=step))
             if case.kind == "gqa":
                 o = D.dcp_gqa_attention(x["q"], x["k"], x["v"], *caches, *meta_args(meta), 0.25, ctx)
-            elif case.kind == "gqa_split":
-                o = D.dcp_gqa_chunked_prefill(x["q"], x["k"], x["v"], *caches, *meta_args(meta), 0.25, ctx)
-            elif case.kind == "mla":
+            else:
                 o = D.dcp_mla_attention(x["q_nope"], x["q_pe"], x["kv_c"], x["k_pe"], *caches, *meta_args(meta),
                                         0.2, ctx)
-            else:
-                o = dcp_mla_chunked_prefill(x["q_nope"], x["q_pe"], x["kv_c"], x["k_pe"], *caches,
-                                            *meta_args(meta), 0.2, ctx)
             outs.append(o)
         results.append(outs)
         cp_compile.destroy_parallel()
@@ -143,16 +137,14 @@ def _matrix(dcps, interleaves, kinds, merges, dtypes, batches):
 
 def test_dcp_exact_on_four_ranks():
     """The CI matrix: dcp {2, 4} x interleave {1, 2, block} x GQA/MLA x both merges,
-    mixed batches in fp32; decode and speculative decode in bf16; the seeds'
-    chunked-prefill compositions on mixed batches."""
+    mixed batches in fp32; decode and speculative decode in bf16."""
     cases = _matrix([2, 4], [1, 2, BLOCK], ["gqa", "mla"], ["ag_rs", "a2a"], [torch.float32], ["mixed"])
     cases += _matrix([2, 4], [1], ["gqa", "mla"], ["ag_rs", "a2a"], [torch.bfloat16], ["decode", "spec_decode"])
-    cases += _matrix([2, 4], [1, BLOCK], ["gqa_split", "mla_split"], ["ag_rs"], [torch.float32], ["mixed"])
     _check(cases)
 
 
 @pytest.mark.slow
 def test_dcp_exact_wide_sweep():
-    cases = _matrix([2, 4], [1, 2, BLOCK], ["gqa", "mla", "gqa_split", "mla_split"], ["ag_rs", "a2a"],
+    cases = _matrix([2, 4], [1, 2, BLOCK], ["gqa", "mla"], ["ag_rs", "a2a"],
                     [torch.float32, torch.bfloat16], list(STEP_B))
     _check(cases)

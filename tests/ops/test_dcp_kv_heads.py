@@ -25,9 +25,7 @@ PCP = 2
 HQ = 8
 BLOCK = 4
 NUM_BLOCKS = 16
-CASES = [(kv, fn, merge, batch) for kv, fn, merge, batch in itertools.product(
-    [1, 2, 4], ["attention", "chunked"], ["ag_rs", "a2a"], ["mixed", "decode"])
-    if not (fn == "chunked" and batch == "decode")]
+CASES = list(itertools.product([1, 2, 4], ["attention"], ["ag_rs", "a2a"], ["mixed", "decode"]))
 
 
 def _inputs(kv: int, T: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -47,7 +45,7 @@ def _run(rank: int, world: int, cases: list[tuple]) -> list[list[torch.Tensor]]:
         ctx = CompileContext.from_state(state).decode_view()  # what the PCP decode graph runs on
         assert (ctx.dcp, ctx.rank) == (PCP, rank)
         caches = _caches(kv, BLOCK)
-        compose = D.dcp_gqa_attention if fn == "attention" else D.dcp_gqa_chunked_prefill
+        compose = D.dcp_gqa_attention
         steps = []
         for step, meta in enumerate(two_step_metas(batch, dcp=PCP, block_size=BLOCK, num_blocks=NUM_BLOCKS)):
             steps.append(compose(*_inputs(kv, meta.num_tokens, step), *caches, *meta_args(meta), 0.25, ctx))

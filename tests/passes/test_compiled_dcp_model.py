@@ -18,8 +18,6 @@ import pytest
 import torch
 
 import cp_compile
-from cp_compile.passes.context import CompileContext
-from cp_compile.passes.dcp_attention import DCPAttentionPass
 from cp_compile.testing.multirank import run_on_ranks
 from examples.models.tiny import VOCAB, example_from_config, hf_deepseek_sfa, hf_deepseek_v3, hf_qwen3
 from examples.serving import layer_caches, run_schedule, tiny_schedule
@@ -173,22 +171,6 @@ def test_compiled_sfa_dcp_model_matches_single_device(interleave, merge, lowerin
           f"tokens equal")
     print(f"  per-rank cache bytes: latent {per_rank[0]['kv_bytes']:,d} (dcp=1: {ref_latent:,d}, "
           f"1/{dcp}), indexer {per_rank[0]['replicated_bytes']:,d} (dcp=1: {ref_index:,d}, x1 replicated)")
-
-
-def test_pass_uuid_tracks_config_fields():
-    base = dict(tensor_parallel_size=4, decode_context_parallel_size=2, block_size=16)
-
-    def uuid(rank: int = 0, **change) -> str:
-        ctx = CompileContext.for_test(cp_compile.CPConfig(**{**base, **change}), rank=rank)
-        return DCPAttentionPass(ctx).uuid()
-
-    uuids = {uuid()}
-    for rank, change in ((0, dict(decode_context_parallel_size=4)), (1, {}),
-                         (0, dict(cp_kv_cache_interleave_size=2)), (0, dict(block_size=32)),
-                         (0, dict(dcp_merge="a2a"))):
-        uuids.add(uuid(rank, **change))
-    assert len(uuids) == 6
-    assert uuid() == uuid()
 
 
 def _dcp1_world(rank: int, world: int, hf_config, state_dict):
