@@ -5,8 +5,9 @@ as a single graph node (which the DCP passes rewrite), `mutates_args` names exac
 the caches the op writes (so functionalization and Inductor's reinplacing keep the
 cache update in place), and a fake implementation gives shapes under tracing.
 
-The implementation registered here is the torch reference and serves every device
-type; device kernels (Triton) override it per device with `register_kernel`.
+The implementation registered here is the torch reference (the tests' oracle); the
+CPU kernels (`ops/cpu_attention.py`, declared as `cpu=`) and the device kernels
+(Triton) override it per device with `register_kernel`.
 Metadata is global and flattened (vLLM style): `T` tokens over `B` requests,
 `query_start_loc[B+1]`, `seq_lens[B]` (context + new), `block_table[B, nb]`,
 `slot_mapping[T]` (-1 = skip). Tokens at or past `query_start_loc[-1]` are padding
@@ -19,7 +20,7 @@ from __future__ import annotations
 
 import torch
 
-from cp_compile.ops import layout, reference
+from cp_compile.ops import cpu_attention, layout, reference
 from cp_compile.ops.kernels import launch, npu_fused
 from cp_compile.ops.spec import GE, TRITON_ASCEND, OpDecl
 
@@ -46,13 +47,24 @@ def gqa_paged_attention(
     back from the cache (so the new tokens are seen exactly as stored, in the cache
     dtype). Query head h reads KV head h // (Hq // Hkv). Output in q's dtype.
     """
+    return _gqa_step(reference.paged_attention_with_lse, q, k, v, k_cache, v_cache, slot_mapping, block_table,
+                     seq_lens, query_start_loc, scale)
+
+
+def _gqa_step(attend, q, k, v, k_cache, v_cache, slot_mapping, block_table, seq_lens, query_start_loc, scale):
+    """Check, write the caches, attend causally with `attend` (the reference, or the CPU kernel)."""
     reference.check_paged_step((k_cache, v_cache), slot_mapping, block_table, seq_lens, query_start_loc)
     reference.write_cache(k_cache, k, slot_mapping)
     reference.write_cache(v_cache, v, slot_mapping)
-    T = q.shape[0]
-    kv_lens = layout.causal_lens(query_start_loc, seq_lens, T)  # [T], 0 for padding
-    out, _ = reference.paged_attention_with_lse(q, k_cache, v_cache, block_table, query_start_loc, kv_lens, scale)
+    kv_lens = layout.causal_lens(query_start_loc, seq_lens, q.shape[0])  # [T], 0 for padding
+    out, _ = attend(q, k_cache, v_cache, block_table, query_start_loc, kv_lens, scale)
     return out  # fresh tensor (built with torch.zeros inside), never an alias of q
+
+
+def _gqa_paged_attention_cpu(q, k, v, k_cache, v_cache, slot_mapping, block_table, seq_lens, query_start_loc,
+                             scale):
+    return _gqa_step(cpu_attention.paged_attention_lse, q, k, v, k_cache, v_cache, slot_mapping, block_table,
+                     seq_lens, query_start_loc, scale)
 
 
 @gqa_paged_attention.register_fake
@@ -89,11 +101,23 @@ def mla_attention(
     With W_UK absorbed into the query and W_UV applied by the model after this op,
     every head shares one key ([L+R]) and one value (the first L columns) per token.
     """
+    return _mla_step(reference.mla_attention_with_lse, q_nope, q_pe, kv_c, k_pe, kv_cache, slot_mapping,
+                     block_table, seq_lens, query_start_loc, scale)
+
+
+def _mla_step(attend, q_nope, q_pe, kv_c, k_pe, kv_cache, slot_mapping, block_table, seq_lens, query_start_loc,
+              scale):
+    """Check, write the latent cache, attend causally with `attend` (the reference, or the CPU kernel)."""
     reference.check_paged_step((kv_cache,), slot_mapping, block_table, seq_lens, query_start_loc)
     _write_latent(kv_cache, kv_c, k_pe, slot_mapping)
     kv_lens = layout.causal_lens(query_start_loc, seq_lens, q_nope.shape[0])
-    return reference.mla_attention_with_lse(q_nope, q_pe, kv_cache, block_table, query_start_loc, kv_lens,
-                                            scale)[0]
+    return attend(q_nope, q_pe, kv_cache, block_table, query_start_loc, kv_lens, scale)[0]
+
+
+def _mla_attention_cpu(q_nope, q_pe, kv_c, k_pe, kv_cache, slot_mapping, block_table, seq_lens, query_start_loc,
+                       scale):
+    return _mla_step(cpu_attention.mla_attention_lse, q_nope, q_pe, kv_c, k_pe, kv_cache, slot_mapping,
+                     block_table, seq_lens, query_start_loc, scale)
 
 
 @mla_attention.register_fake
@@ -191,9 +215,11 @@ SINGLE_DEVICE_ATTENTION_OPS: tuple[torch._ops.OpOverloadPacket, ...] = (
 # Every piece of every op above: kernels per device, GE converter, profile bucket.
 OPS = (
     OpDecl(gqa_paged_attention, cuda=launch.gqa_paged_attention, npu=TRITON_ASCEND,
-           ge=GE("attention", "ScatterNdUpdate", "FusedInferAttentionScore"), profile="attention"),
+           ge=GE("attention", "ScatterNdUpdate", "FusedInferAttentionScore"), profile="attention",
+           cpu=_gqa_paged_attention_cpu),
     OpDecl(mla_attention, cuda=launch.mla_attention, npu=TRITON_ASCEND,
-           ge=GE("attention", "ScatterNdUpdate", "FusedInferAttentionScore"), profile="attention"),
+           ge=GE("attention", "ScatterNdUpdate", "FusedInferAttentionScore"), profile="attention",
+           cpu=_mla_attention_cpu),
     OpDecl(lightning_indexer, cuda=launch.lazy("lightning_indexer_device"), npu=TRITON_ASCEND,
            ge=GE("sparse", "ScatterNdUpdate", "LightningIndexer"), profile="attention"),
     OpDecl(sparse_mla_attention, cuda=launch.lazy("sparse_mla_attention_device"), npu=TRITON_ASCEND,

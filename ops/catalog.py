@@ -11,7 +11,7 @@ A new op family module is added to `FAMILIES`.
 from __future__ import annotations
 
 from cp_compile.ops import attention, dcp, dsa_cp, mla_preprocess, quant
-from cp_compile.ops.spec import GE, Absent, OpDecl, TritonAscend
+from cp_compile.ops.spec import GE, Absent, OpDecl, Reference, TritonAscend
 
 FAMILIES = (attention, dcp, dsa_cp, quant, mla_preprocess)
 OPS: tuple[OpDecl, ...] = tuple(decl for family in FAMILIES for decl in family.OPS)
@@ -40,10 +40,12 @@ def _cell(piece: object) -> str:
 
 
 def table() -> str:
-    """The op x (reference, CUDA, NPU eager, GE) table, as markdown."""
-    rows = ["| op | reference (CPU) | CUDA | NPU eager | GE graph | profile |", "|---|---|---|---|---|---|"]
+    """The op x (CPU, CUDA, NPU eager, GE) table, as markdown."""
+    rows = ["| op | CPU | CUDA | NPU eager | GE graph | profile |", "|---|---|---|---|---|---|"]
     for d in OPS:
         family = d.op._init_fn.__module__.rsplit(".", 1)[-1]
-        rows.append(f"| `{d.name}` | `{family}.py` body | {_cell(d.cuda)} | {_cell(d.npu)} | "
+        cpu = (f"`{family}.py` body" if isinstance(d.cpu, Reference) else
+               f"`{d.cpu.__module__.rsplit('.', 1)[-1]}.py: {d.cpu.__name__}` (oracle: the body)")
+        rows.append(f"| `{d.name}` | {cpu} | {_cell(d.cuda)} | {_cell(d.npu)} | "
                     f"{_cell(d.ge)} | {d.profile} |")
     return "\n".join(rows) + "\n"

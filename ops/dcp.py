@@ -6,7 +6,8 @@ returning (out, lse), and the two LSE-merge combines. Collectives are *not* insi
 these ops: the compositions in `cp_compile.ops.parallel.dcp` issue them as
 `_c10d_functional` ops so they stay visible graph nodes.
 
-CPU runs the torch references; CUDA (and NPU when torch_npu is present) run the
+CPU runs the flash-style kernels of `cpu_attention` for the attention ops (their
+torch references stay the oracle) and the references for the rest; CUDA (and NPU when torch_npu is present) run the
 Triton kernels of `cp_compile.ops.kernels` (registered in `ops/kernels/registry.py`).
 """
 
@@ -15,7 +16,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from cp_compile.ops import layout, reference
+from cp_compile.ops import cpu_attention, layout, reference
 from cp_compile.ops.kernels import launch, npu_fused
 from cp_compile.ops.spec import GE, TRITON_ASCEND, OpDecl
 
@@ -165,9 +166,14 @@ def varlen_causal_attention_lse(q: Tensor, k: Tensor, v: Tensor, query_start_loc
                                 scale: float) -> tuple[Tensor, Tensor]:
     """Causal attention among each request's new tokens only (no cache).
     q [T,Hq,D], k [T,Hkv,D], v [T,Hkv,Dv] -> out [T,Hq,Dv], lse [T,Hq] fp32."""
-    T = q.shape[0]
-    # The new tokens of request b form a paged "cache" of block size 1 whose block
-    # table row is its token indices; token t sees new tokens 0..(t - qsl[b]).
+    return reference.paged_attention_with_lse(q, *_new_tokens_as_pages(k, v, query_start_loc, q.shape[0]), scale)
+
+
+def _new_tokens_as_pages(k: Tensor, v: Tensor, query_start_loc: Tensor, T: int
+                         ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """The new tokens of request b as a paged "cache" of block size 1 whose block
+    table row is its token indices; token t sees new tokens 0..(t - qsl[b]).
+    -> (k_cache, v_cache, block_table, query_start_loc, kv_lens) for paged attention."""
     req = layout.request_index(query_start_loc, T)
     q_lens = query_start_loc[1:] - query_start_loc[:-1]
     width = max(int(q_lens.max()) if q_lens.numel() else 0, 1)
@@ -175,8 +181,12 @@ def varlen_causal_attention_lse(q: Tensor, k: Tensor, v: Tensor, query_start_loc
                                                                       device=query_start_loc.device)).clamp(max=max(T - 1, 0))
     t = torch.arange(T, dtype=torch.int64, device=query_start_loc.device)
     kv_lens = torch.where(req >= 0, t - query_start_loc[req.clamp(min=0)].long() + 1, torch.zeros_like(t))
-    return reference.paged_attention_with_lse(q, k.unsqueeze(1), v.unsqueeze(1), table, query_start_loc,
-                                              kv_lens, scale)
+    return k.unsqueeze(1), v.unsqueeze(1), table, query_start_loc, kv_lens
+
+
+def _varlen_causal_attention_lse_cpu(q: Tensor, k: Tensor, v: Tensor, query_start_loc: Tensor,
+                                     scale: float) -> tuple[Tensor, Tensor]:
+    return cpu_attention.paged_attention_lse(q, *_new_tokens_as_pages(k, v, query_start_loc, q.shape[0]), scale)
 
 
 @varlen_causal_attention_lse.register_fake
@@ -192,9 +202,10 @@ OPS = (
     OpDecl(cache_write, cuda=launch.lazy("cache_write_device"), npu=npu_fused._cache_write,
            ge=GE("cache", "ScatterNdUpdate"), profile="attention"),
     OpDecl(paged_attention_lse, cuda=launch.paged_attention_lse, npu=npu_fused._paged_attention_lse,
-           ge=GE("attention", "FusedInferAttentionScore"), profile="attention"),
+           ge=GE("attention", "FusedInferAttentionScore"), profile="attention",
+           cpu=cpu_attention.paged_attention_lse),
     OpDecl(mla_partial_attention, cuda=launch.mla_partial_attention, npu=npu_fused._mla_partial_attention,
-           ge=GE("attention", "FusedInferAttentionScore"), profile="attention"),
+           ge=GE("attention", "FusedInferAttentionScore"), profile="attention", cpu=cpu_attention.mla_attention_lse),
     OpDecl(dcp_sparse_indices, cuda=launch.dcp_sparse_indices, npu=TRITON_ASCEND,
            ge=GE("sparse", "Sort", "GatherElements"), profile="dcp_local"),
     OpDecl(sparse_mla_partial_attention, cuda=launch.lazy("sparse_mla_partial_attention_device"),
@@ -204,5 +215,6 @@ OPS = (
     OpDecl(lse_combine, cuda=launch.lse_combine, npu=npu_fused._lse_combine,
            ge=GE("merge", "AttentionUpdate"), profile="dcp_local"),
     OpDecl(varlen_causal_attention_lse, cuda=launch.lazy("varlen_causal_attention_lse_device"), npu=TRITON_ASCEND,
-           ge=GE("attention", "FusedInferAttentionScore"), profile="attention"),
+           ge=GE("attention", "FusedInferAttentionScore"), profile="attention",
+           cpu=_varlen_causal_attention_lse_cpu),
 )

@@ -48,6 +48,14 @@ class TritonAscend:
 TRITON_ASCEND = TritonAscend()
 
 
+@dataclass(frozen=True)
+class Reference:
+    """The CPU kernel is the op's body (the torch reference) itself."""
+
+
+REFERENCE = Reference()
+
+
 @dataclass(frozen=True, init=False)
 class GE:
     """The op's torchair GE converter: `convert_<op name>` in `cp_compile.ops.ge.<module>`
@@ -78,6 +86,9 @@ class OpDecl:
           (the cuda entry through triton-ascend) or Absent.
     ge:   the torchair GE converter (NPU graph mode, `max-autotune`) or Absent.
     profile: the benchmark bucket of the op's time.
+    cpu:  the CPU kernel: REFERENCE (the body serves CPU too) or a faster torch
+          implementation with the op's signature (`ops/cpu_attention.py`); the body stays
+          the oracle the tests compare it with (issue 26).
     An Absent kernel is registered as a refusal that names the op and the reason
     (`kernels.registry.MissingDeviceKernel`), never as a silent fallback to the reference.
     """
@@ -87,6 +98,7 @@ class OpDecl:
     npu: Callable[..., Any] | TritonAscend | Absent
     ge: GE | Absent
     profile: ProfileBucket
+    cpu: Callable[..., Any] | Reference = REFERENCE
 
     @property
     def name(self) -> str:

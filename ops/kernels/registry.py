@@ -4,7 +4,8 @@ The kernels are the ones each op family module declares (`OPS`, ops/spec.py): CU
 (and, with torch_npu, the NPU: a torch_npu fused op where declared, else the CUDA
 entry through triton-ascend).
 
-CPU keeps the torch references, so a CPU `torch.compile` never traces into
+CPU runs the torch reference, or the op's declared CPU kernel (`OpDecl.cpu`:
+pure torch, `ops/cpu_attention.py`), so a CPU `torch.compile` never traces into
 Triton. Registration itself imports no triton: each kernel body fetches its
 launcher on first call. Every `cp::` op gets an accelerator kernel: its device
 kernel, or, when it has none (or triton is not installed), a kernel that raises
@@ -87,6 +88,10 @@ def register_device_kernels() -> list[str]:
     if _REGISTERED:
         return _REGISTERED
     triton_ok = kernels.triton_available()
+    for decl in OPS:
+        if callable(decl.cpu):
+            torch.library.register_kernel(decl.name, "cpu", decl.cpu)
+            _REGISTERED.append(f"{decl.name}@cpu")
     for device in device_types():
         for op, fn in kernel_table(device, triton_ok).items():
             torch.library.register_kernel(op, device, fn)
