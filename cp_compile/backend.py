@@ -6,7 +6,9 @@ cp_compile. Per compiled graph the backend builds a `CompileContext` (parallel
 state from `cp_compile.init_parallel`, the model's `AttentionSpec`, the roles
 declared on `@cp_module`), validates the model against the config, runs the pass
 pipeline enabled for that context on the Dynamo graph (before AOTAutograd, so every
-lowering sees the rewrite) and lowers the result. `cp_compile.backend(...)` builds
+lowering sees the rewrite) and lowers the result, wrapped so that each call first
+validates the step's metadata against its caches on the host (`step_check`).
+`cp_compile.backend(...)` builds
 one explicitly. See docs/architecture.md for the data flow.
 """
 
@@ -23,6 +25,7 @@ from cp_compile.lowering import Lowering, TorchairMode, lower
 from cp_compile.metadata import BatchKind
 from cp_compile.parallel_state import parallel_state_or_none
 from cp_compile.passes.pass_manager import PassManager
+from cp_compile.step_check import StepCheck, checked
 
 try:  # Dynamo re-raises these unwrapped (torch >= 2.6); see `_passes_through_dynamo`.
     from torch._dynamo.exc import ShortenTraceback as _DynamoPassThrough
@@ -69,6 +72,10 @@ class CpAscendBackend:
         self.roles = roles
         self.pass_managers: list[PassManager] = []  # one per compiled graph, for inspection
         self.contexts: list[CompileContext] = []  # the context each graph was compiled in
+        # Validate each call's metadata against its caches on the host before the graph
+        # runs (`step_check.StepCheck`). CompiledForward validates at its own entry and
+        # turns this off; so can a measured hot path that builds its metadata itself.
+        self.validate_steps = True
 
     def make_context(self) -> CompileContext:
         """The context of a compile now, on this rank; ConfigError if the model or
@@ -102,8 +109,10 @@ class CpAscendBackend:
 
     def for_batch_kind(self, kind: BatchKind) -> "CpAscendBackend":
         """The same backend for graphs that serve only `kind` batches."""
-        return CpAscendBackend(config=self.config, lowering=self.lowering, torchair_mode=self.torchair_mode,
-                               attention=self.attention, roles=self.roles, batch_kind=kind)
+        b = CpAscendBackend(config=self.config, lowering=self.lowering, torchair_mode=self.torchair_mode,
+                            attention=self.attention, roles=self.roles, batch_kind=kind)
+        b.validate_steps = self.validate_steps
+        return b
 
     def make_pass_manager(self) -> PassManager:
         ctx = self.make_context()
@@ -111,13 +120,19 @@ class CpAscendBackend:
         return PassManager.for_context(ctx)
 
     def __call__(self, gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable[..., Any]:
+        # Read before the passes rewrite the single-device ops (they name the inputs).
+        check = StepCheck(gm) if self.validate_steps else None
         try:
             pm = self.make_pass_manager()
             self.pass_managers.append(pm)
             pm(gm)
         except ConfigError as err:
             raise _passes_through_dynamo(err) from None
-        return lower(gm, example_inputs, self.lowering, self.torchair_mode)
+        compiled = lower(gm, example_inputs, self.lowering, self.torchair_mode)
+        if check is None or check.empty:
+            return compiled
+        check.bind(gm)
+        return checked(compiled, check)
 
 
 def backend(config: CPConfig | None = None, lowering: Lowering = "auto",

@@ -177,6 +177,10 @@ class CompiledForward:
         if self.num_speculative_tokens > 0:
             kinds += ("verify",)
         self._pcp_size, self._pcp_rank = ctx.pcp.size, ctx.pcp.rank
+        if isinstance(self.backend, CpAscendBackend):
+            # This entry validates each step itself (validate_forward_args, with the
+            # unflattened arguments): the backend's per-call check would repeat it.
+            self.backend.validate_steps = False
         for kind in kinds:
             b = self.backend if kind is None else self.backend.for_batch_kind(kind)
             self.backends[kind] = b

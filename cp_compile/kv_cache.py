@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from cp_compile.config import AttentionSpec, ConfigError, CPConfig
+from cp_compile.ops.sharded_cache import mark_sharded
 from cp_compile.parallel_state import parallel_state_or_none
 
 
@@ -162,9 +163,10 @@ def allocate_kv_cache(cfg: CPConfig, spec: KVCacheSpec, num_blocks: int,
             raise ValueError(f"unknown cache kind {spec.kind!r}; use 'gqa', 'mla' or 'sfa'")
     if cfg.context_parallel_size > 1:
         # The cache knows its layout (issue 19): a single-device attention op run over
-        # it eagerly would read and write global slots in a 1/N shard. validate_step(...,
-        # single_device_ops=True) refuses that; views of these tensors lose the tag.
+        # it would read and write global slots in a 1/N shard. The storage is marked,
+        # so views keep the mark; every single-device op and validate_step(...,
+        # single_device_ops=True) refuse it (ops/sharded_cache.py).
         for layer in layers:
             for t in layer:
-                t.cp_context_shards = cfg.context_parallel_size
+                mark_sharded(t, cfg.context_parallel_size)
     return KVCache(layers=layers, block_size=bs, num_blocks=num_blocks, replicated=replicated)

@@ -21,7 +21,8 @@ from typing import Any, Mapping, Sequence
 import torch
 
 from cp_compile.config import DECODE_KINDS, BatchKind
-from cp_compile.errors import CapacityError, ConfigError, MetadataError
+from cp_compile.errors import CapacityError, MetadataError
+from cp_compile.ops.sharded_cache import refuse_sharded
 from cp_compile.parallel_state import parallel_state_or_none
 
 __all__ = ["AttentionMetadata", "BatchKind", "DECODE_KINDS", "BlockAllocator", "CapacityError", "MetadataError", "batch_kind",
@@ -102,13 +103,16 @@ def validate_metadata(meta: AttentionMetadata, *, num_blocks: int, block_size: i
     each request's new tokens; the block table is wide enough for seq_lens; every
     block a request uses is in [0, num_blocks); each new token's slot is the one its
     position maps to through its request's blocks and padding slots are -1; no two
-    tokens write one slot; positions of real tokens match. Values are checked with
+    tokens write one slot; positions of real tokens match (skipped when
+    `meta.positions` is None: a graph that never reads it). Values are checked with
     vectorised ops and one host sync; locating a failure costs more, but only then.
     """
     vbs = block_size * dcp
     # -- types, dtypes, shapes: host-side, free.
     for f in fields(AttentionMetadata):
         t = getattr(meta, f.name)
+        if t is None and f.name == "positions":
+            continue  # a compiled graph that never reads meta.positions (backend step check): not checked
         if not isinstance(t, torch.Tensor):
             raise MetadataError(f.name, f"is a {type(t).__name__}, not a tensor", f"pass {f.name} as a torch tensor",
                                 value=type(t).__name__)
@@ -118,7 +122,7 @@ def validate_metadata(meta: AttentionMetadata, *, num_blocks: int, block_size: i
                                 value=t.dtype)
     qsl, seq, bt, slots, pos = (meta.query_start_loc, meta.seq_lens, meta.block_table, meta.slot_mapping,
                                 meta.positions)
-    devices = {t.device for t in (qsl, seq, bt, slots, pos)}
+    devices = {t.device for t in (qsl, seq, bt, slots, pos) if t is not None}
     if len(devices) > 1:
         raise MetadataError("metadata", f"fields are on several devices {sorted(map(str, devices))}",
                             "move the whole metadata with meta.to(device)")
@@ -144,13 +148,14 @@ def validate_metadata(meta: AttentionMetadata, *, num_blocks: int, block_size: i
         raise MetadataError("slot_mapping", f"has {T} tokens but the step has {num_tokens}",
                             "build the metadata for the same tokens as input_ids (pad slot_mapping with -1)",
                             value=T)
-    if pos.shape != slots.shape:
+    if pos is not None and pos.shape != slots.shape:
         raise MetadataError("positions", f"shape {tuple(pos.shape)} differs from slot_mapping's [T = {T}]",
                             "pass one position per token (0 for padding)", value=tuple(pos.shape))
 
     # -- values: every mask computed on clamped indices (nothing here may raise),
     # then one sync for all of them.
-    qsl64, seq64, bt64, slots64, pos64 = (x.long() for x in (qsl, seq, bt, slots, pos))
+    qsl64, seq64, bt64, slots64 = (x.long() for x in (qsl, seq, bt, slots))
+    pos64 = None if pos is None else pos.long()
     q_len = qsl64[1:] - qsl64[:-1]  # [B]
     nb = bt.shape[1]
     need = (seq64.clamp(min=0) + vbs - 1) // vbs  # [B] blocks each request reads
@@ -177,8 +182,9 @@ def validate_metadata(meta: AttentionMetadata, *, num_blocks: int, block_size: i
         "block": bad_block.any(),
         "slot": bad_slot.any(),
         "dup": dup.any(),
-        "pos": (real & (pos64 != p)).any(),
     }
+    if pos64 is not None:
+        masks["pos"] = (real & (pos64 != p)).any()
     flags = dict(zip(masks, torch.stack(list(masks.values())).tolist()))
     if not any(flags.values()):
         return
@@ -261,18 +267,12 @@ def _cache_geometry(kv_caches: Sequence[Sequence[torch.Tensor]]) -> tuple[int, i
 
 
 def _refuse_sharded_caches(kv_caches: Sequence[Sequence[torch.Tensor]]) -> None:
-    """No single-device attention op over a DCP / PCP-sharded cache (issue 19); the
-    cache knows its layout (`allocate_kv_cache` tags the tensors of a sharded cache)."""
-    for i, layer in enumerate(kv_caches):
-        for c in (layer if isinstance(layer, (list, tuple)) else (layer,)):
-            n = getattr(c, "cp_context_shards", 1)
-            if n > 1:
-                raise ConfigError(
-                    "a single-device attention op never runs over a DCP / PCP-sharded cache",
-                    f"layer {i}'s cache is this rank's 1/{n} shard (allocate_kv_cache at pcp * dcp = {n}) but the "
-                    "step runs the single-device ops (uncompiled forward, or a backend other than cp_ascend)",
-                    "compile the model with cp_compile.compile_model / @cp_compile.cp_module (the cp_ascend "
-                    "passes rewrite its attention into DCP / PCP ops), or run it at pcp * dcp = 1")
+    """No single-device attention op over a DCP / PCP-sharded cache (issue 19): the
+    cache knows its layout (`allocate_kv_cache` marks its storage, `sharded_cache`);
+    the ops refuse it too, this refuses it before the first layer runs."""
+    refuse_sharded(((f"layer {i}'s cache", c) for i, layer in enumerate(kv_caches)
+                    for c in (layer if isinstance(layer, (list, tuple)) else (layer,))),
+                   "the step runs the single-device ops (uncompiled forward, or a backend other than cp_ascend)")
 
 
 def validate_step(meta: AttentionMetadata, kv_caches: Sequence[Sequence[torch.Tensor]], dcp: int | None = None,

@@ -53,7 +53,8 @@ def gqa_paged_attention(
 
 def _gqa_step(attend, q, k, v, k_cache, v_cache, slot_mapping, block_table, seq_lens, query_start_loc, scale):
     """Check, write the caches, attend causally with `attend` (the reference, or the CPU kernel)."""
-    reference.check_paged_step((k_cache, v_cache), slot_mapping, block_table, seq_lens, query_start_loc)
+    reference.check_paged_step((k_cache, v_cache), slot_mapping, block_table, seq_lens, query_start_loc,
+                               op="cp::gqa_paged_attention")
     reference.write_cache(k_cache, k, slot_mapping)
     reference.write_cache(v_cache, v, slot_mapping)
     kv_lens = layout.causal_lens(query_start_loc, seq_lens, q.shape[0])  # [T], 0 for padding
@@ -108,7 +109,8 @@ def mla_attention(
 def _mla_step(attend, q_nope, q_pe, kv_c, k_pe, kv_cache, slot_mapping, block_table, seq_lens, query_start_loc,
               scale):
     """Check, write the latent cache, attend causally with `attend` (the reference, or the CPU kernel)."""
-    reference.check_paged_step((kv_cache,), slot_mapping, block_table, seq_lens, query_start_loc)
+    reference.check_paged_step((kv_cache,), slot_mapping, block_table, seq_lens, query_start_loc,
+                               op="cp::mla_attention")
     _write_latent(kv_cache, kv_c, k_pe, slot_mapping)
     kv_lens = layout.causal_lens(query_start_loc, seq_lens, q_nope.shape[0])
     return attend(q_nope, q_pe, kv_cache, block_table, query_start_loc, kv_lens, scale)[0]
@@ -147,7 +149,8 @@ def lightning_indexer(
     keys s = 0..pos (causal). Sorted by descending score, ties to the lower position;
     -1 padded when fewer than topk keys exist; padding tokens are all -1.
     """
-    reference.check_paged_step((index_cache,), slot_mapping, block_table, seq_lens, query_start_loc)
+    reference.check_paged_step((index_cache,), slot_mapping, block_table, seq_lens, query_start_loc,
+                               op="cp::lightning_indexer")
     reference.write_cache(index_cache, k_i, slot_mapping)
     T = q_i.shape[0]
     kv_lens = layout.causal_lens(query_start_loc, seq_lens, T)
@@ -183,7 +186,8 @@ def sparse_mla_attention(
     the indexer already restricted them to 0..pos, and under SFA DCP they are local
     coordinates where a causal bound would not line up.
     """
-    reference.check_paged_step((kv_cache,), slot_mapping, block_table, seq_lens, query_start_loc)
+    reference.check_paged_step((kv_cache,), slot_mapping, block_table, seq_lens, query_start_loc,
+                               op="cp::sparse_mla_attention")
     _write_latent(kv_cache, kv_c, k_pe, slot_mapping)
     L = q_nope.shape[-1]
     q = torch.cat([q_nope, q_pe], dim=-1)  # [T, H, L+R]

@@ -13,16 +13,20 @@ import torch
 
 from cp_compile.errors import MetadataError
 from cp_compile.ops.layout import request_index
+from cp_compile.ops.sharded_cache import SINGLE_DEVICE_OP_RUNS, refuse_sharded
 
 
 def check_paged_step(caches: tuple[torch.Tensor, ...], slot_mapping: torch.Tensor, block_table: torch.Tensor,
-                     seq_lens: torch.Tensor, query_start_loc: torch.Tensor) -> None:
+                     seq_lens: torch.Tensor, query_start_loc: torch.Tensor, op: str = "") -> None:
     """Refuse, before a single-device op writes anything, metadata that would make it
     fail half-way (one cache written, the next not; or written, then an IndexError
     while reading) or write the wrong slot. Cheap: dtypes, shapes and three ranges,
     one host sync. The full semantic check (slots match positions, seq_lens cover the
     new tokens, ...) is `cp_compile.metadata.validate_metadata`, run once per step
-    by the runtime and model entry points."""
+    by the runtime and model entry points. A DCP / PCP-sharded cache is refused
+    first (`sharded_cache`; `op` names the op in the message)."""
+    refuse_sharded(((f"the cache of {op or 'a single-device attention op'}", c) for c in caches),
+                   SINGLE_DEVICE_OP_RUNS)
     for name, t in (("slot_mapping", slot_mapping), ("block_table", block_table), ("seq_lens", seq_lens),
                     ("query_start_loc", query_start_loc)):
         if t.dtype not in (torch.int32, torch.int64):

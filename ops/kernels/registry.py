@@ -19,12 +19,15 @@ from __future__ import annotations
 import torch
 
 from cp_compile.ops import kernels
+from cp_compile.ops.attention import SINGLE_DEVICE_ATTENTION_OPS
 from cp_compile.ops.catalog import OPS
+from cp_compile.ops.sharded_cache import SINGLE_DEVICE_OP_RUNS, refuse_sharded
 from cp_compile.ops.spec import Absent, TritonAscend
 
 _REGISTERED: list[str] = []
 
 # op -> its accelerator (CUDA; NPU through triton-ascend) kernel, from the declarations.
+SINGLE_DEVICE = {op._qualified_op_name for op in SINGLE_DEVICE_ATTENTION_OPS}
 DEVICE_KERNELS = {d.name: d.cuda for d in OPS if callable(d.cuda)}
 
 
@@ -83,6 +86,22 @@ def device_types() -> list[str]:
     return types
 
 
+def _refusing_sharded_caches(op: str, fn):
+    """A single-device attention op's device kernel, refusing a DCP / PCP-sharded
+    cache first (as the CPU reference does in `check_paged_step`; issue 19)."""
+    schema = getattr(torch.ops.cp, op.split("::", 1)[1]).default._schema
+    written = [(i, a.name) for i, a in enumerate(schema.arguments)
+               if a.alias_info is not None and a.alias_info.is_write]
+
+    def run(*args, **kwargs):
+        refuse_sharded(((f"the cache of {op}", args[i] if i < len(args) else kwargs[n]) for i, n in written),
+                       SINGLE_DEVICE_OP_RUNS)
+        return fn(*args, **kwargs)
+
+    run.__name__ = getattr(fn, "__name__", "kernel")
+    return run
+
+
 def register_device_kernels() -> list[str]:
     """Idempotent; returns the '<op>@<device>' registrations made (refusals included)."""
     if _REGISTERED:
@@ -94,6 +113,8 @@ def register_device_kernels() -> list[str]:
             _REGISTERED.append(f"{decl.name}@cpu")
     for device in device_types():
         for op, fn in kernel_table(device, triton_ok).items():
+            if op in SINGLE_DEVICE:
+                fn = _refusing_sharded_caches(op, fn)
             torch.library.register_kernel(op, device, fn)
             _REGISTERED.append(f"{op}@{device}")
     return _REGISTERED
