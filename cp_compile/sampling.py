@@ -12,6 +12,12 @@ dropped), so a test can compare it with `transformers`' warpers on the same logi
 temperature == 0 is greedy: `int(logits.argmax())`, the same call as the greedy
 engine path (bitwise the same token; no filtering, no generator touched).
 
+`n` samples of one prompt are `n` requests (`for_sample(i)`): sample i's seed is
+`seed + i` (vLLM's rule), so each sample is reproducible and they differ. `logprobs`
+(vLLM's meaning): per generated token, the log-probability of the sampled token and
+of the `logprobs` most likely ones, from the model's raw logits (log_softmax before
+temperature / top-k / top-p, vLLM's default "raw_logprobs"); `token_logprobs` computes them.
+
 Every rank samples the same token because only one sampler runs: the driver's
 (cp_compile.llm.driver), on the logits rank 0 returns; the token reaches every rank
 in the next step's plan. A seeded request owns a `torch.Generator` seeded with
@@ -21,7 +27,7 @@ in the next step's plan. A seeded request owns a `torch.Generator` seeded with
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -54,6 +60,8 @@ class SamplingParams:
     stop: list[str] | str | None = None
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
+    n: int = 1
+    logprobs: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -76,6 +84,13 @@ class SamplingParams:
             raise SamplingError("max_tokens", self.max_tokens, "must be an integer >= 1")
         if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)):
             raise SamplingError("seed", self.seed, "must be an integer or None")
+        if not isinstance(self.n, int) or isinstance(self.n, bool) or self.n < 1:
+            raise SamplingError("n", self.n, "must be an integer >= 1 (samples per prompt)")
+        lp = self.logprobs
+        if lp is not None and (not isinstance(lp, int) or isinstance(lp, bool) or lp < 0
+                               or (vocab_size is not None and lp > vocab_size)):
+            raise SamplingError("logprobs", lp, "must be None (off) or an integer in [0, vocab_size] (the number of "
+                                "most likely tokens returned beside the sampled one)")
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise SamplingError("stop", self.stop, "must be non-empty strings")
         if vocab_size is not None:
@@ -86,6 +101,31 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+    def for_sample(self, index: int) -> "SamplingParams":
+        """Sample `index` of `n`: one request of its own (n = 1), seed + index when seeded."""
+        return replace(self, n=1, seed=None if self.seed is None else self.seed + index)
+
+
+@dataclass(frozen=True)
+class Logprob:
+    """vLLM's `Logprob`: log-probability, 1-based rank in the vocabulary, the token's text."""
+
+    logprob: float
+    rank: int
+    decoded_token: str | None = None
+
+
+def token_logprobs(logits: torch.Tensor, token: int, top: int) -> dict[int, Logprob]:
+    """logits [vocab] (raw) -> {token id: Logprob} for the `top` most likely tokens
+    and the sampled `token` (vLLM's per-position dict; the sampled one first)."""
+    lp = torch.log_softmax(logits.float(), dim=-1)
+    out = {token: Logprob(float(lp[token]), int((lp > lp[token]).sum()) + 1)}
+    if top > 0:
+        vals, ids = torch.topk(lp, top)
+        for r, (v, i) in enumerate(zip(vals.tolist(), ids.tolist())):
+            out.setdefault(i, Logprob(v, r + 1))
+    return out
 
 
 def filter_logits(logits: torch.Tensor, temperature: float, top_k: int = -1, top_p: float = 1.0) -> torch.Tensor:

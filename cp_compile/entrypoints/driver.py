@@ -13,13 +13,13 @@ rank gets the chosen tokens in the next plan, so ranks cannot disagree.
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Protocol
 
 import torch
 
 from cp_compile.hf.scheduler import Scheduler, Sequence, StepPlan
-from cp_compile.sampling import RequestError, Sampler, SamplingParams
+from cp_compile.sampling import Logprob, RequestError, Sampler, SamplingParams, token_logprobs
 
 
 class Executor(Protocol):
@@ -47,6 +47,8 @@ class RequestState:
     params: SamplingParams
     generator: torch.Generator | None
     on_token: Callable[[Sequence], str | None] | None  # -> a finish reason to stop early (stop strings)
+    logprobs: list[dict[int, Logprob]] = field(default_factory=list)  # per output token, when params.logprobs
+    cumulative_logprob: float = 0.0
 
 
 class Driver:
@@ -120,6 +122,12 @@ class Driver:
         tokens = [self.sampler.sample(lg, s.payload.params, s.payload.generator) for s, lg in zip(running, last)]
         if self.share_tokens is not None:
             tokens = self.share_tokens(tokens)
+        for s, lg, tok in zip(running, last, tokens):
+            st: RequestState = s.payload
+            if st.params.logprobs is not None:
+                entry = token_logprobs(lg, tok, st.params.logprobs)
+                st.logprobs.append(entry)
+                st.cumulative_logprob += entry[tok].logprob
         self.scheduler.commit(tokens)
         for seq in running:
             cb = seq.payload.on_token

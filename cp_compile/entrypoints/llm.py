@@ -28,7 +28,7 @@ from cp_compile.entrypoints.driver import Driver
 from cp_compile.entrypoints.executors import EngineArgs, LocalExecutor, SpawnedExecutor, build_engine
 from cp_compile.hf.scheduler import Sequence
 from cp_compile.parallel_state import destroy_parallel
-from cp_compile.sampling import SamplingParams
+from cp_compile.sampling import Logprob, SamplingParams
 
 
 @dataclass
@@ -36,8 +36,8 @@ class CompletionOutput:
     index: int
     text: str
     token_ids: list[int]
-    cumulative_logprob: float | None = None
-    logprobs: Any = None
+    cumulative_logprob: float | None = None  # set when SamplingParams.logprobs is
+    logprobs: list[dict[int, Logprob]] | None = None  # per token: sampled + top-`logprobs` (vLLM's shape)
     finish_reason: str | None = None  # "stop" (EOS, stop token or string), "length", "abort"
     stop_reason: int | str | None = None
 
@@ -185,17 +185,18 @@ class LLM:
             except ValueError as e:
                 e.args = (f"prompt {i}: {e}",)
                 raise
-        subs = [self.submit(ids, sp) for ids, sp in zip(encoded, plist)]
+        # n samples of a prompt are n requests (sample i seeded seed + i), batched together.
+        groups = [[self.submit(ids, sp.for_sample(i)) for i in range(sp.n)] for ids, sp in zip(encoded, plist)]
         bar = None
         if use_tqdm:
             from tqdm.auto import tqdm
 
-            bar = tqdm(total=len(subs), desc="Processed prompts", unit="req")
+            bar = tqdm(total=len(groups), desc="Processed prompts", unit="req")
         done = 0
 
         def progress(_: list[Sequence]) -> None:
             nonlocal done
-            now = sum(s.finish_reason is not None for s, _ in subs)
+            now = sum(all(s.finish_reason is not None for s, _ in g) for g in groups)
             if bar is not None:
                 bar.update(now - done)
             done = now
@@ -204,16 +205,29 @@ class LLM:
         if bar is not None:
             bar.close()
         outs = []
-        for (seq, text), prompt in zip(subs, prompts):
+        for group, prompt in zip(groups, prompts):
             self._count += 1
-            stop_reason = text.stop_reason if text.stop_reason is not None else (
-                seq.output[-1] if seq.finish_reason == "stop" and seq.output else None)
             outs.append(RequestOutput(
                 request_id=str(self._count - 1), prompt=prompt if isinstance(prompt, str) else None,
-                prompt_token_ids=list(seq.prompt), finished=True,
-                outputs=[CompletionOutput(0, text.text, list(seq.output), finish_reason=seq.finish_reason,
-                                          stop_reason=stop_reason)]))
+                prompt_token_ids=list(group[0][0].prompt), finished=True,
+                outputs=[self.completion(i, seq, text) for i, (seq, text) in enumerate(group)]))
         return outs
+
+    def completion(self, index: int, seq: Sequence, text: TextState) -> CompletionOutput:
+        """One finished (or running) request as vLLM's CompletionOutput."""
+        stop_reason = text.stop_reason if text.stop_reason is not None else (
+            seq.output[-1] if seq.finish_reason == "stop" and seq.output else None)
+        st = seq.payload
+        logprobs = cumulative = None
+        if st.params.logprobs is not None:
+            logprobs = [{t: Logprob(lp.logprob, lp.rank, self.decode_token(t)) for t, lp in pos.items()}
+                        for pos in st.logprobs]
+            cumulative = st.cumulative_logprob
+        return CompletionOutput(index, text.text, list(seq.output), cumulative, logprobs, seq.finish_reason,
+                                stop_reason)
+
+    def decode_token(self, token: int) -> str | None:
+        return None if self.tokenizer is None else self.tokenizer.decode([token])
 
     def close(self) -> None:
         """Tear the ranks down (also at exit)."""

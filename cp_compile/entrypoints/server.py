@@ -28,6 +28,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator
 
+from cp_compile.entrypoints import openai_logprobs
 from cp_compile.entrypoints.llm import LLM, TextState
 from cp_compile.hf.scheduler import Sequence
 from cp_compile.sampling import RequestError, SamplingParams
@@ -38,7 +39,8 @@ class Stream:
     """One request's events, from the engine thread to its handler's event loop."""
 
     loop: asyncio.AbstractEventLoop
-    events: asyncio.Queue = field(default_factory=asyncio.Queue)
+    events: asyncio.Queue = field(default_factory=asyncio.Queue)  # shared by a request's n samples
+    index: int = 0  # which of the n samples
     seq: Sequence | None = None
     text: TextState | None = None
 
@@ -68,12 +70,12 @@ class EngineLoop:
 
             def on_update(seq: Sequence, text: TextState, stream: Stream = stream) -> None:
                 done = seq.finish_reason is not None or text.stop_reason is not None
-                stream.loop.call_soon_threadsafe(stream.events.put_nowait, ("token", done))
+                stream.loop.call_soon_threadsafe(stream.events.put_nowait, ("token", stream.index, done))
 
             try:
                 stream.seq, stream.text = self.llm.submit(ids, params, on_update)
             except Exception as e:  # noqa: BLE001 - reported to the handler (checked before, so rare)
-                stream.loop.call_soon_threadsafe(stream.events.put_nowait, ("error", e))
+                stream.loop.call_soon_threadsafe(stream.events.put_nowait, ("error", stream.index, e))
         elif cmd[0] == "abort":
             seq = cmd[1].seq
             if seq is not None and seq.finish_reason is None:
@@ -120,11 +122,22 @@ def _error(message: str, param: str | None, status: int = 400) -> Any:
         "param": param, "code": status}})
 
 
-_SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "max_tokens", "seed", "stop", "stop_token_ids", "ignore_eos")
+_SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "max_tokens", "seed", "stop", "stop_token_ids", "ignore_eos",
+                    "n")
 
 
-def _sampling(body: dict[str, Any]) -> SamplingParams:
+def _sampling(body: dict[str, Any], chat: bool) -> SamplingParams:
     kw = {k: body[k] for k in _SAMPLING_FIELDS if k in body and body[k] is not None}
+    if chat:  # chat: `logprobs` is a bool, `top_logprobs` the count
+        on, top = body.get("logprobs"), body.get("top_logprobs")
+        if on is not None and not isinstance(on, bool):
+            raise RequestError("logprobs", on, "must be true or false in a chat request (top_logprobs: the count)")
+        if top is not None and not on:
+            raise RequestError("top_logprobs", top, "needs logprobs: true")
+        if on:
+            kw["logprobs"] = 0 if top is None else top
+    elif body.get("logprobs") is not None:
+        kw["logprobs"] = body["logprobs"]
     kw.setdefault("max_tokens", 16 if "messages" not in body else None)
     if "max_completion_tokens" in body and body["max_completion_tokens"] is not None:
         kw["max_tokens"] = body["max_completion_tokens"]
@@ -169,10 +182,7 @@ def build_app(llm: LLM, served_model_name: str) -> Any:
         if body.get("model") not in (served_model_name, None):
             raise RequestError("model", body.get("model"), f"unknown model; this server serves {served_model_name!r}"
                                " (GET /v1/models)")
-        n = body.get("n", 1)
-        if n != 1:
-            raise RequestError("n", n, "only n=1 is served")
-        params = _sampling(body)
+        params = _sampling(body, chat)
         ids = prompt_ids(body, chat)
         llm.driver.check(ids, params)
         return ids, params
@@ -192,70 +202,94 @@ def build_app(llm: LLM, served_model_name: str) -> Any:
             return _error(str(e), e.field)
         except (TypeError, ValueError) as e:
             return _error(str(e), None)
-        stream = Stream(asyncio.get_running_loop())
-        engine.submit(ids, params, stream)
+        # n samples are n requests (sample i seeded seed + i), all reporting to one queue.
+        events: asyncio.Queue = asyncio.Queue()
+        streams = [Stream(asyncio.get_running_loop(), events, index=i) for i in range(params.n)]
+        for i, stream in enumerate(streams):
+            engine.submit(ids, params.for_sample(i), stream)
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
         model = served_model_name
         extra = {"token_ids"} if body.get("return_token_ids") else set()
+        decode = llm.decode_token if llm.tokenizer is not None else str
 
         def usage() -> dict[str, int]:
-            n_out = len(stream.seq.output) if stream.seq is not None else 0
+            n_out = sum(len(st.seq.output) for st in streams if st.seq is not None)
             return {"prompt_tokens": len(ids), "completion_tokens": n_out, "total_tokens": len(ids) + n_out}
 
-        def finish_reason() -> str | None:
+        def finish_reason(stream: Stream) -> str | None:
             # A stop string is seen before the engine thread marks the request finished.
             if stream.text is not None and stream.text.stop_reason is not None:
                 return "stop"
             return None if stream.seq is None else stream.seq.finish_reason
 
-        async def next_event() -> tuple[str, Any]:
-            return await stream.events.get()
+        def logprobs(stream: Stream, start: int, stop: int, offset: int) -> dict[str, Any] | None:
+            """OpenAI's logprobs object for output tokens [start, stop) of one sample."""
+            if params.logprobs is None:
+                return None
+            toks, entries = stream.seq.output[start:stop], stream.seq.payload.logprobs[start:stop]
+            if chat:
+                return openai_logprobs.chat_logprobs(toks, entries, decode, params.logprobs)
+            return openai_logprobs.completion_logprobs(toks, entries, decode, offset)
+
+        def abort_all() -> None:
+            for stream in streams:
+                engine.abort(stream)  # frees its KV; no-op when finished
 
         if body.get("stream"):
-            async def events() -> AsyncIterator[str]:
-                sent = ""
+            async def sse() -> AsyncIterator[str]:
+                sent = [""] * len(streams)  # text sent per sample
+                sent_tok = [0] * len(streams)  # tokens whose logprobs were sent
+                left = len(streams)
                 try:
                     if chat:
-                        yield _sse(rid, model, created, chat, {"role": "assistant", "content": ""}, None)
-                    while True:
-                        kind, payload = await next_event()
+                        for st in streams:
+                            yield _sse(rid, model, created, chat, st.index, {"role": "assistant", "content": ""},
+                                       None)
+                    while left:
+                        kind, index, payload = await events.get()
                         if kind == "error":
                             yield f"data: {json.dumps({'error': {'message': str(payload)}})}\n\n"
                             break
-                        text = stream.text.text
-                        delta, sent = text[len(sent):], text
-                        reason = finish_reason() if payload else None
-                        if delta or reason:
+                        st = streams[index]
+                        text, n_tok = st.text.text, len(st.seq.output)
+                        delta, offset, sent[index] = text[len(sent[index]):], len(sent[index]), text
+                        reason = finish_reason(st) if payload else None
+                        lp = logprobs(st, sent_tok[index], n_tok, offset) if n_tok > sent_tok[index] else None
+                        sent_tok[index] = n_tok
+                        if delta or reason or lp:
                             chunk = {"content": delta} if chat else delta
-                            yield _sse(rid, model, created, chat, chunk, reason,
-                                       list(stream.seq.output) if "token_ids" in extra and reason else None)
-                        if payload:
-                            break
+                            yield _sse(rid, model, created, chat, index, chunk, reason,
+                                       list(st.seq.output) if "token_ids" in extra and reason else None, lp)
+                        left -= bool(payload)
                     yield "data: [DONE]\n\n"
                 finally:
-                    engine.abort(stream)  # a closed stream (client gone) frees its KV; no-op when finished
-            return StreamingResponse(events(), media_type="text/event-stream")
+                    abort_all()  # a closed stream (client gone) frees its KV
+            return StreamingResponse(sse(), media_type="text/event-stream")
 
-        while True:
+        left = len(streams)
+        while left:
             try:
-                kind, payload = await asyncio.wait_for(next_event(), timeout=0.25)
+                kind, index, payload = await asyncio.wait_for(events.get(), timeout=0.25)
             except asyncio.TimeoutError:
                 if await request.is_disconnected():
-                    engine.abort(stream)
+                    abort_all()
                     return JSONResponse(status_code=499, content={})
                 continue
             if kind == "error":
+                abort_all()
                 return _error(str(payload), getattr(payload, "field", None))
-            if payload:
-                break
-        text, reason = stream.text.text, finish_reason()
-        choice: dict[str, Any] = ({"index": 0, "message": {"role": "assistant", "content": text},
-                                   "finish_reason": reason} if chat else
-                                  {"index": 0, "text": text, "logprobs": None, "finish_reason": reason})
-        if extra:
-            choice["token_ids"] = list(stream.seq.output)
+            left -= bool(payload)
+        choices = []
+        for st in streams:
+            text, reason, lp = st.text.text, finish_reason(st), logprobs(st, 0, len(st.seq.output), 0)
+            choice: dict[str, Any] = ({"index": st.index, "message": {"role": "assistant", "content": text},
+                                       "logprobs": lp, "finish_reason": reason} if chat else
+                                      {"index": st.index, "text": text, "logprobs": lp, "finish_reason": reason})
+            if extra:
+                choice["token_ids"] = list(st.seq.output)
+            choices.append(choice)
         return {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": created,
-                "model": model, "choices": [choice], "usage": usage()}
+                "model": model, "choices": choices, "usage": usage()}
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Any:
@@ -287,12 +321,12 @@ def build_app(llm: LLM, served_model_name: str) -> Any:
     return app
 
 
-def _sse(rid: str, model: str, created: int, chat: bool, delta: Any, reason: str | None,
-         token_ids: list[int] | None = None) -> str:
+def _sse(rid: str, model: str, created: int, chat: bool, index: int, delta: Any, reason: str | None,
+         token_ids: list[int] | None = None, logprobs: dict[str, Any] | None = None) -> str:
     if chat:
-        choice: dict[str, Any] = {"index": 0, "delta": delta, "finish_reason": reason}
+        choice: dict[str, Any] = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": reason}
     else:
-        choice = {"index": 0, "text": delta, "logprobs": None, "finish_reason": reason}
+        choice = {"index": index, "text": delta, "logprobs": logprobs, "finish_reason": reason}
     if token_ids is not None:
         choice["token_ids"] = token_ids
     obj = {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion", "created": created,

@@ -2,14 +2,19 @@
 
 In this process (world 1): greedy tokens equal HF's `generate` on the same
 directory, generation stops at EOS / stop tokens / stop strings, bad requests are
-refused before anything runs. Spawned (PCP 2, two CPU gloo worker processes): the
-same greedy and seeded-sampling tokens as in this process (one sampler: the driver's).
+refused before anything runs; logprobs equal log_softmax of HF's logits; `n` seeded
+samples are reproducible and distinct. Under torchrun (PCP 2, two CPU gloo ranks, the
+default case) and spawned (PCP 2, two worker processes, `slow`): the same greedy and
+seeded-sampling tokens as in this process (one sampler).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -96,22 +101,56 @@ def test_bad_requests_refused_before_any_step(llm, prompt, params, field):
     assert llm.driver.steps == steps and not llm.driver.has_work()
 
 
-def test_spawned_pcp_ranks_give_the_in_process_tokens(ckpt, llm):
+GREEDY = SamplingParams(temperature=0, max_tokens=8)
+SAMPLED = SamplingParams(temperature=0.8, top_p=0.95, top_k=20, max_tokens=8, seed=5)  # = torchrun_llm_script's
+
+
+@pytest.fixture(scope="module")
+def in_process_tokens(llm) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in llm.generate(PROMPTS, [GREEDY, SAMPLED, SAMPLED], use_tqdm=False)]
+
+
+@pytest.mark.slow  # the torchrun test below covers the same engine at PCP 2 on 2 CPU ranks
+def test_spawned_pcp_ranks_give_the_in_process_tokens(ckpt, in_process_tokens):
     """Two spawned worker ranks (PCP 2: prefill token-sharded, decode over the 2-way
     sharded cache) produce the in-process tokens, greedy and seeded sampling: only the
     driver samples, and the ranks' logits agree with one device's."""
-    greedy = SamplingParams(temperature=0, max_tokens=8)
-    sampled = SamplingParams(temperature=0.8, top_p=0.95, top_k=20, max_tokens=8, seed=5)
-    want = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, [greedy, sampled, sampled], use_tqdm=False)]
     with LLM(model=ckpt, prefill_context_parallel_size=2, block_size=4, lowering="aot_eager",
              max_model_len=64) as spawned:
-        got = [o.outputs[0].token_ids for o in spawned.generate(PROMPTS, [greedy, sampled, sampled],
+        got = [o.outputs[0].token_ids for o in spawned.generate(PROMPTS, [GREEDY, SAMPLED, SAMPLED],
                                                                 use_tqdm=False)]
         procs = list(spawned.executor.procs)
         cap = spawned.kv_capacity
-    assert got == want
+    assert got == in_process_tokens
     assert all(p.poll() is not None for p in procs)  # torn down
     assert len(cap) == 2 and cap[0]["kv_bytes_per_rank"] * 2 == cap[0]["kv_bytes_per_rank_dcp1"]
+
+
+def test_llm_under_torchrun_gives_the_in_process_tokens(ckpt, in_process_tokens):
+    """`LLM` launched by torchrun on 2 CPU gloo ranks (PCP 2, no spawned workers: each
+    process is a rank, rank 0's sampled tokens broadcast): every rank's tokens equal
+    the in-process run's (which the slow spawned test equals too), greedy and seeded."""
+    script = Path(__file__).with_name("torchrun_llm_script.py")
+    env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1", "TRANSFORMERS_VERBOSITY": "error"}
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+                           str(script), ckpt, json.dumps(PROMPTS)], capture_output=True, text=True, timeout=900,
+                          env=env)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    lines = [json.loads(ln[len("TOKENS "):]) for ln in proc.stdout.splitlines() if ln.startswith("TOKENS ")]
+    assert sorted(d["rank"] for d in lines) == [0, 1], proc.stdout
+    for d in lines:
+        assert d["tokens"] == in_process_tokens, (d, in_process_tokens)
+        cap = d["capacity"][0]
+        assert cap["kv_bytes_per_rank"] * 2 == cap["kv_bytes_per_rank_dcp1"]  # this rank holds half the KV
+
+
+def test_llm_under_torchrun_refuses_a_wrong_world(ckpt, monkeypatch):
+    """WORLD_SIZE must equal tensor_parallel_size * prefill_context_parallel_size,
+    refused before any process group or engine is built."""
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    with pytest.raises(cp_compile.ConfigError, match="WORLD_SIZE=4"):
+        LLM(model=ckpt, prefill_context_parallel_size=2)
 
 
 def test_constructor_refuses_before_starting_ranks(tmp_path, ckpt):
@@ -123,3 +162,66 @@ def test_constructor_refuses_before_starting_ranks(tmp_path, ckpt):
         LLM(model=ckpt, tensor_parallel_size=2, decode_context_parallel_size=3)
     with pytest.raises(ValueError, match="dtype='float8'"):
         LLM(model=ckpt, dtype="float8")
+
+
+def _hf_log_softmax(path: str, prompt_ids: list[int], output_ids: list[int]) -> torch.Tensor:
+    """One device, one forward over prompt + output: log_softmax of the logits that
+    predicted each output token, [len(output), vocab]."""
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt_ids + output_ids])).logits[0]
+    n = len(prompt_ids)
+    return torch.log_softmax(logits[n - 1:n - 1 + len(output_ids)].float(), -1)
+
+
+def test_logprobs_equal_log_softmax_of_the_reference_logits(ckpt, llm):
+    """vLLM's raw logprobs, greedy (top 5) and sampled (top 3) in one batch: per token
+    the sampled token's log-probability, its rank, and the top `logprobs`, from the
+    model's logits before temperature / top-k (a sampled token can rank below 1);
+    cumulative_logprob is their sum."""
+    plist = [SamplingParams(temperature=0, max_tokens=6, logprobs=5),
+             SamplingParams(temperature=0.8, top_k=20, max_tokens=6, logprobs=3, seed=3)]
+    outs = llm.generate(PROMPTS[:2], plist, use_tqdm=False)
+    tok = llm.get_tokenizer()
+    worst = 0.0
+    for params, o in zip(plist, outs):
+        c = o.outputs[0]
+        ref = _hf_log_softmax(ckpt, o.prompt_token_ids, c.token_ids)
+        assert len(c.logprobs) == len(c.token_ids) == params.max_tokens
+        for pos, (t, entry) in enumerate(zip(c.token_ids, c.logprobs)):
+            assert list(entry)[0] == t and entry[t].decoded_token == tok.decode([t])
+            assert entry[t].rank == int((ref[pos] > ref[pos, t]).sum()) + 1
+            assert set(ref[pos].topk(params.logprobs).indices.tolist()) <= set(entry)
+            for i, lp in entry.items():
+                worst = max(worst, abs(lp.logprob - ref[pos, i].item()))
+            if params.temperature:  # raw, not the tempered distribution the sample came from
+                tempered = torch.log_softmax(ref[pos] / params.temperature, -1)  # log_softmax(logits / t)
+                assert abs(entry[t].logprob - tempered[t].item()) > 1e-3
+        assert c.cumulative_logprob == pytest.approx(sum(e[t].logprob for t, e in zip(c.token_ids, c.logprobs)))
+    assert worst < 1e-4, worst
+    print(f"\nLOGPROBS greedy top 5 + sampled (t 0.8, top-k 20) top 3, 6 tokens each: "
+          f"max |logprob - HF log_softmax| = {worst:.1e}")
+
+
+def test_n_samples_are_reproducible_with_distinct_seeds(llm):
+    """n = 4 seeded samples of one prompt: the samples differ, and sample i is the
+    n = 1 request seeded seed + i (vLLM's rule) run in another batch (reproducible);
+    greedy n = 2 repeats itself."""
+    sp = SamplingParams(temperature=1.0, max_tokens=8, seed=11, n=4, logprobs=0)
+    out = llm.generate(PROMPTS[:2], [sp, SamplingParams(temperature=0, max_tokens=8, n=2)], use_tqdm=False)
+    assert [c.index for c in out[0].outputs] == [0, 1, 2, 3] and len(out[1].outputs) == 2
+    samples = [c.token_ids for c in out[0].outputs]
+    assert len({tuple(s) for s in samples}) == 4, samples  # distinct seeds -> distinct samples
+    single = llm.generate([PROMPTS[0]] * 4, [SamplingParams(temperature=1.0, max_tokens=8, seed=11 + i)
+                                             for i in range(4)], use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in single] == samples
+    assert out[1].outputs[0].token_ids == out[1].outputs[1].token_ids
+    assert out[0].outputs[0].cumulative_logprob is not None and single[0].outputs[0].cumulative_logprob is None
+
+
+@pytest.mark.parametrize("kw,field", [(dict(n=0), "n"), (dict(n=True), "n"), (dict(logprobs=-1), "logprobs"),
+                                      (dict(logprobs=True), "logprobs")])
+def test_bad_n_and_logprobs_are_refused(kw, field):
+    with pytest.raises(RequestError) as e:
+        SamplingParams(**kw)
+    assert e.value.field == field and f"{field}=" in str(e.value)

@@ -65,6 +65,13 @@ def server(ckpt):
     proc.wait(timeout=60)
 
 
+@pytest.fixture(scope="module")
+def offline(ckpt):
+    """The offline API on the same directory, once per module (the reference for every test)."""
+    with LLM(model=ckpt, block_size=4, lowering="eager", max_model_len=MAX_LEN, max_num_seqs=4) as llm:
+        yield llm
+
+
 def _client(base: str) -> "openai.OpenAI":
     return openai.OpenAI(base_url=base + "/v1", api_key="none", max_retries=0, timeout=300)
 
@@ -94,7 +101,7 @@ def _stream_completion(base: str, model: str, prompt: str, **kw) -> tuple[str, l
     return text, ids, reason
 
 
-def test_concurrent_streams_equal_the_offline_api(server, ckpt):
+def test_concurrent_streams_equal_the_offline_api(server, ckpt, offline):
     greedy = dict(temperature=0, max_tokens=10)
     sampled = dict(temperature=0.8, top_p=0.95, max_tokens=10, seed=7)
     kinds = [greedy, sampled, greedy, sampled]
@@ -109,8 +116,7 @@ def test_concurrent_streams_equal_the_offline_api(server, ckpt):
         chat_text = chat.result()
     wall = time.time() - t0
     stats = _stats(server)
-    with LLM(model=ckpt, block_size=4, lowering="eager", max_model_len=MAX_LEN, max_num_seqs=4) as llm:
-        want = llm.generate(PROMPTS, [SamplingParams(**kw) for kw in kinds], use_tqdm=False)
+    want = offline.generate(PROMPTS, [SamplingParams(**kw) for kw in kinds], use_tqdm=False)
     for (text, ids, reason), w in zip(got, want):
         assert ids == w.outputs[0].token_ids and text == w.outputs[0].text and reason == "length"
     assert chat_text == want[0].outputs[0].text  # no chat template: the content is the prompt
@@ -139,21 +145,39 @@ BAD = [
     (dict(prompt="the a", top_p=1.5), "top_p"),
     (dict(prompt="the a", extra_body={"top_k": -5}), "top_k"),
     (dict(prompt=[1, 2, 10_000]), "prompt"),
+    (dict(prompt="the a", n=0), "n"),
+    (dict(prompt="the a", logprobs=-1), "logprobs"),
+    (dict(prompt="the a", logprobs=10_000), "logprobs"),  # more than the vocabulary
 ]
 
 
-@pytest.mark.parametrize("kw,field", BAD + [({"prompt": "the a", "model": "gpt-4"}, "model")],
-                         ids=[f"{f}-{i}" for i, (_, f) in enumerate(BAD)] + ["model"])
-def test_bad_requests_get_400_naming_the_field_and_the_server_keeps_serving(server, ckpt, kw, field):
-    kw = dict(kw)
-    model = kw.pop("model", ckpt)
-    with pytest.raises(openai.BadRequestError) as e:
-        _client(server).completions.create(model=model, **kw)
-    assert e.value.status_code == 400
-    body = e.value.body if isinstance(e.value.body, dict) else {}
-    err = body.get("error", body)
-    assert err["param"] == field and field in err["message"], err
-    ok = _client(server).completions.create(model=ckpt, prompt="the a", max_tokens=2, temperature=0)
+def _idle_steps(base: str) -> int:
+    """The step count once the engine is idle (a finished request's blocks are freed by one more step)."""
+    last = -1
+    while (now := _stats(base)["steps"]) != last:
+        last = now
+        time.sleep(0.5)
+    return now
+
+
+def test_bad_requests_get_400_naming_the_field_and_the_server_keeps_serving(server, ckpt):
+    """Every bad request in turn (one server, no steps run for them), then a normal
+    request is served: none of the refusals left the server broken."""
+    c = _client(server)
+    steps = _idle_steps(server)
+    cases = [(c.completions.create, dict(kw, model=ckpt), f) for kw, f in BAD]
+    cases += [(c.completions.create, dict(prompt="the a", model="gpt-4"), "model"),
+              (c.chat.completions.create, dict(model=ckpt, messages=[{"role": "user", "content": "a"}],
+                                               top_logprobs=2), "top_logprobs")]
+    for create, kw, field in cases:
+        with pytest.raises(openai.BadRequestError) as e:
+            create(**kw)
+        assert e.value.status_code == 400
+        body = e.value.body if isinstance(e.value.body, dict) else {}
+        err = body.get("error", body)
+        assert err["param"] == field and field in err["message"], (kw, err)
+    assert _idle_steps(server) == steps  # refused before joining the batch
+    ok = c.completions.create(model=ckpt, prompt="the a", max_tokens=2, temperature=0)
     assert len(ok.choices[0].text.split()) == 2
 
 
@@ -173,3 +197,40 @@ def test_disconnected_stream_frees_its_kv_blocks(server, ckpt):
     assert s["reserved_blocks"] == 0 and s["running"] == 0 and s["free_blocks"] == free_before, s
     ok = _client(server).completions.create(model=ckpt, prompt="the a", max_tokens=2, temperature=0)
     assert ok.choices[0].finish_reason == "length"
+
+
+def test_n_samples_and_logprobs_equal_the_offline_api(server, ckpt, offline):
+    """`n` choices (sample i seeded seed + i) and `logprobs`, non-streaming completions
+    and streaming chat: the same tokens and logprobs as the offline `LLM` with the same
+    SamplingParams (whose logprobs tests/entrypoints/test_llm.py checks against HF)."""
+    sp = dict(temperature=1.0, max_tokens=6, seed=5)
+    want = offline.generate(PROMPTS[0], SamplingParams(n=3, logprobs=2, **sp), use_tqdm=False)[0].outputs
+    c = _client(server)
+    r = c.completions.create(model=ckpt, prompt=PROMPTS[0], n=3, logprobs=2, extra_body={"return_token_ids": True},
+                             **sp)
+    assert [ch.index for ch in r.choices] == [0, 1, 2] and r.usage.completion_tokens == 18
+    assert len({ch.text for ch in r.choices}) == 3  # distinct samples
+    worst = 0.0
+    for ch, w in zip(r.choices, want):
+        assert (ch.model_extra or {}).get("token_ids") == w.token_ids and ch.text == w.text
+        lp = ch.logprobs
+        assert lp.tokens == [offline.decode_token(t) for t in w.token_ids]
+        worst = max(worst, max(abs(a - e[t].logprob) for a, t, e in zip(lp.token_logprobs, w.token_ids, w.logprobs)))
+        assert all(len(top) >= 2 for top in lp.top_logprobs)
+    assert worst < 1e-5, worst
+    # Streaming chat, n = 2, logprobs with top_logprobs = 2: chunks of both choices interleave.
+    want2 = offline.generate(PROMPTS[1], SamplingParams(n=2, logprobs=2, **sp), use_tqdm=False)[0].outputs
+    text, lps = ["", ""], [[], []]
+    for chunk in c.chat.completions.create(model=ckpt, messages=[{"role": "user", "content": PROMPTS[1]}], n=2,
+                                           stream=True, logprobs=True, top_logprobs=2, **sp):
+        for ch in chunk.choices:
+            text[ch.index] += ch.delta.content or ""
+            if ch.logprobs is not None:
+                lps[ch.index] += ch.logprobs.content
+    assert text == [w.text for w in want2]
+    for got, w in zip(lps, want2):
+        assert [x.token for x in got] == [offline.decode_token(t) for t in w.token_ids]
+        assert all(abs(x.logprob - e[t].logprob) < 1e-5 and len(x.top_logprobs) == 2
+                   for x, t, e in zip(got, w.token_ids, w.logprobs))
+    print(f"\nSERVER n=3 completions + n=2 streaming chat with logprobs: tokens equal offline, "
+          f"max |logprob diff| {worst:.1e}")
