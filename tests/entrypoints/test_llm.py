@@ -79,12 +79,21 @@ def test_stops_at_eos_stop_token_and_stop_string(ckpt, llm, tmp_path):
     gen["eos_token_id"] = eos
     with open(os.path.join(path, "generation_config.json"), "w") as f:
         json.dump(gen, f)
-    with LLM(model=path, block_size=4, lowering="eager", max_model_len=64) as other:
-        o = other.generate(PROMPTS[0], SamplingParams(temperature=0, max_tokens=10), use_tqdm=False)[0].outputs[0]
+    with LLM(model=path, block_size=4, lowering="eager", max_model_len=64) as other:  # nothing compiled yet
+        limits = other.driver.limits
+    assert limits.eos_token_ids == (eos,)  # read from the directory's generation_config.json
+    # Those limits on the module's engine (same weights; saves a second compile): EOS
+    # ends generation after it, unless ignore_eos.
+    own = llm.driver.limits
+    llm.driver.limits = limits
+    try:
+        o = llm.generate(PROMPTS[0], SamplingParams(temperature=0, max_tokens=10), use_tqdm=False)[0].outputs[0]
         assert o.token_ids == base.token_ids[:cut + 1] and o.finish_reason == "stop"
-        o = other.generate(PROMPTS[0], SamplingParams(temperature=0, max_tokens=10, ignore_eos=True),
-                           use_tqdm=False)[0].outputs[0]
+        o = llm.generate(PROMPTS[0], SamplingParams(temperature=0, max_tokens=10, ignore_eos=True),
+                         use_tqdm=False)[0].outputs[0]
         assert o.token_ids == base.token_ids
+    finally:
+        llm.driver.limits = own
 
 
 @pytest.mark.parametrize("prompt,params,field", [
