@@ -36,7 +36,7 @@ class CompletionOutput:
     index: int
     text: str
     token_ids: list[int]
-    cumulative_logprob: float | None = None  # set when SamplingParams.logprobs is
+    cumulative_logprob: float | None = None  # set when SamplingParams.logprobs is not None
     logprobs: list[dict[int, Logprob]] | None = None  # per token: sampled + top-`logprobs` (vLLM's shape)
     finish_reason: str | None = None  # "stop" (EOS, stop token or string), "length", "abort"
     stop_reason: int | str | None = None
