@@ -17,23 +17,31 @@ from torch.utils._python_dispatch import TorchDispatchMode
 _c10d = torch.ops._c10d_functional
 
 
-def decode_comm_bytes_per_layer(num_tokens: int, heads_per_rank: int, q_dim: int, v_dim: int, dtype_bytes: int,
-                                dcp: int, merge: str = "ag_rs") -> int:
-    """Bytes one rank sends per DCP attention layer and step (independent of context length).
+def merge_collectives(num_tokens: int, heads_per_rank: int, q_dim: int, v_dim: int, dtype_bytes: int, dcp: int,
+                      merge: str = "ag_rs") -> list[tuple[str, int]]:
+    """(collective kind, bytes this rank sends) of one DCP attention layer and step, in order.
 
     Q all-gather: (N-1)*T*H*dq*bytes. AG+RS merge: LSE all-gather (N-1)*T*N*H*4 plus
-    reduce-scatter (N-1)*T*H*dv*bytes; total (N-1)*T*H*((dq+dv)*bytes + 4N).
-    All-to-all merge: (N-1)*T*H*(dv*bytes + 4) ([out | lse], lse as 4 raw bytes).
+    reduce-scatter (N-1)*T*H*dv*bytes. All-to-all merge: (N-1)*T*H*(dv*bytes + 4)
+    ([out | lse], lse as 4 raw bytes).
     """
     n, t, h = dcp, num_tokens, heads_per_rank
+    if merge not in ("ag_rs", "a2a"):
+        raise ValueError(f"merge={merge!r}: use 'ag_rs' or 'a2a'")
     if n == 1:
-        return 0
-    q = (n - 1) * t * h * q_dim * dtype_bytes
+        return []
+    q = ("all_gather", (n - 1) * t * h * q_dim * dtype_bytes)
     if merge == "ag_rs":
-        return q + (n - 1) * t * h * (v_dim * dtype_bytes + 4 * n)
-    if merge == "a2a":
-        return q + (n - 1) * t * h * (v_dim * dtype_bytes + 4)
-    raise ValueError(f"merge={merge!r}: use 'ag_rs' or 'a2a'")
+        return [q, ("all_gather", (n - 1) * t * n * h * 4), ("reduce_scatter", (n - 1) * t * h * v_dim * dtype_bytes)]
+    return [q, ("all_to_all", (n - 1) * t * h * (v_dim * dtype_bytes + 4))]
+
+
+def decode_comm_bytes_per_layer(num_tokens: int, heads_per_rank: int, q_dim: int, v_dim: int, dtype_bytes: int,
+                                dcp: int, merge: str = "ag_rs") -> int:
+    """Bytes one rank sends per DCP attention layer and step (independent of context length):
+    the sum over `merge_collectives`; AG+RS (N-1)*T*H*((dq+dv)*bytes + 4N), A2A
+    (N-1)*T*H*((dq+dv)*bytes + 4)."""
+    return sum(b for _, b in merge_collectives(num_tokens, heads_per_rank, q_dim, v_dim, dtype_bytes, dcp, merge))
 
 
 def _bytes(t: torch.Tensor) -> int:

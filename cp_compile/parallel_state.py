@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 
 from cp_compile.config import ConfigError, CPConfig
+from cp_compile.merge_cost import CollectiveCosts, calibrate
 
 
 @dataclass
@@ -48,6 +49,8 @@ class ParallelState:
     # built by hand without it (then it is the DCP group: pcp = 1).
     cp_group: dist.ProcessGroup | None = None
     cp_rank: int = 0
+    # dcp_merge="auto": the CP group's measured collective costs (merge_cost.calibrate).
+    collective_costs: CollectiveCosts | None = None
 
     @property
     def tp_size(self) -> int:
@@ -206,10 +209,13 @@ def init_parallel(cfg: CPConfig, device: torch.device | str | None = None,
                 cp_group = cgrp
     assert cp_group is not None
     pcp_rank, dcp_rank = rank // tp, (rank % tp) % dcp
+    # The merge's cost model needs the collectives' costs on the group decode merges over.
+    costs = calibrate(cp_group, device) if cfg.dcp_merge == "auto" and cfg.context_parallel_size > 1 else None
     _STATE = ParallelState(cfg=cfg, rank=rank, world_size=world, device=device, backend=backend,
                            tp_group=tp_group, tp_rank=rank % tp, dcp_group=dcp_group,
                            dcp_rank=dcp_rank, pcp_group=pcp_group, pcp_rank=pcp_rank,
-                           timeout_s=timeout_s, cp_group=cp_group, cp_rank=pcp_rank * dcp + dcp_rank)
+                           timeout_s=timeout_s, cp_group=cp_group, cp_rank=pcp_rank * dcp + dcp_rank,
+                           collective_costs=costs)
     return _STATE
 
 

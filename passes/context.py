@@ -16,6 +16,7 @@ from typing import Protocol
 from torch import nn
 
 from cp_compile.config import DECODE_KINDS, AttentionSpec, BatchKind, ConfigError, CPConfig
+from cp_compile.merge_cost import CollectiveCosts
 from cp_compile.ops.parallel.dcp import DCPContext
 from cp_compile.ops.parallel.dsa_cp import DSACPContext
 from cp_compile.ops.parallel.pcp import PCPContext
@@ -115,6 +116,9 @@ class CompileContext:
     # "prefill" when `config.graph_per_batch_kind` splits them, "verify" for speculative
     # verification steps (decorator.CompiledForward).
     batch_kind: BatchKind | None = None
+    # dcp_merge="auto": the measured collective costs the DCP / PCP passes choose the
+    # merge with (cp_compile/merge_cost.py); None without init_parallel.
+    collective_costs: CollectiveCosts | None = None
 
     def __post_init__(self) -> None:
         if self.batch_kind not in (None, "decode", "prefill", "verify"):
@@ -145,7 +149,8 @@ class CompileContext:
                    dcp=GroupInfo(cfg.dcp, state.dcp_rank, state.dcp_group.group_name),
                    pcp=GroupInfo(cfg.pcp, state.pcp_rank, state.pcp_group.group_name),
                    cp=GroupInfo(cfg.context_parallel_size, state.cp_rank, state.cp_group_name),
-                   attention=attention, roles=roles, batch_kind=batch_kind)
+                   attention=attention, roles=roles, batch_kind=batch_kind,
+                   collective_costs=getattr(state, "collective_costs", None))
 
     @classmethod
     def for_test(cls, config: CPConfig, *, rank: int = 0, attention: AttentionSpec | None = None,

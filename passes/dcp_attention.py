@@ -23,6 +23,7 @@ from cp_compile.passes.context import CompileContext
 from cp_compile.ops.parallel import dcp as dcp_compose
 from cp_compile.passes.base import CPPass
 from cp_compile.passes.fx_utils import ShapedProxy, bind_op_args
+from cp_compile.passes.merge_choice import resolve_merge
 
 
 class AttentionPattern:
@@ -103,6 +104,7 @@ class DCPAttentionPass(CPPass):
 
     def __call__(self, gm: fx.GraphModule) -> int:
         self.prepare(gm)
+        self.dcp, self.decision = resolve_merge(self.ctx, self.dcp, gm, self.patterns)
         graph = gm.graph
         tracer = fx.proxy.GraphAppendingTracer(graph)
         wrap = lambda a: fx.map_arg(a, lambda n: ShapedProxy(n, tracer))  # noqa: E731

@@ -38,6 +38,9 @@ class PassRecord:
     rewrites: int
     before: dict[str, int]
     after: dict[str, int]
+    # What the pass decided beyond its rewrites (dcp_attention / pcp_attention: the
+    # merge, why, and the predicted cost of each; passes/merge_choice.py).
+    decision: dict | None = None
 
 
 @dataclass
@@ -64,7 +67,7 @@ class PassManager:
             propagate_fake_values(gm)
             after = count_ops(gm)
             self._dump(dump_dir, gid, i, p.name, "after", gm)
-            self.history.append(PassRecord(p.name, n, before, after))
+            self.history.append(PassRecord(p.name, n, before, after, getattr(p, "decision", None)))
             log.info("pass %s: %d rewrites", p.name, n)
         return gm
 

@@ -43,6 +43,7 @@ from cp_compile.ops.parallel import pcp as pcp_compose
 from cp_compile.passes.base import CPPass
 from cp_compile.passes.dcp_attention import AttentionPattern, rewrite_attention_nodes
 from cp_compile.passes.fx_utils import FakeTracer, fake_value
+from cp_compile.passes.merge_choice import resolve_merge
 
 # The argument name the compiled entry gives this rank's token indices (decorator.py).
 TOKEN_INDEX_ARG = "cp_pcp_token_index"
@@ -109,6 +110,7 @@ class PCPAttentionPass(CPPass):
         graph = gm.graph
         if self.ctx.batch_kind is None:
             raise self._refuse("a graph serving every batch kind")
+        self.pcp, self.decision = resolve_merge(self.ctx, self.pcp, gm, self.patterns)
         ti = token_index_placeholder(gm)
         if ti is None:
             raise self._refuse(f"a prefill graph without the `{TOKEN_INDEX_ARG}` input")

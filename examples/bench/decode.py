@@ -280,6 +280,16 @@ def _side(args: BenchArgs, model: torch.nn.Module, cfg: cp_compile.CPConfig, mer
     return Side(cfg, merge, dcp_rank, cache, geom, compiled, lambda: len(compiled.backend.pass_managers))
 
 
+def merge_decision(side: Side) -> dict | None:
+    """The DCP pass's merge decision in the side's latest compiled graph (merge, reason,
+    predicted seconds per layer of each merge; passes/merge_choice.py), None at dcp = 1."""
+    for pm in reversed(getattr(getattr(side.compiled, "backend", None), "pass_managers", None) or []):
+        for rec in pm.history:
+            if getattr(rec, "decision", None):
+                return rec.decision
+    return None
+
+
 def init_world(args: BenchArgs, world: World, device: torch.device) -> Any:
     """`init_parallel` for a (dcp, merge) world of `args.tp` ranks; its parallel state."""
     dcp, merge = world
@@ -355,9 +365,14 @@ def measure(rank: int, args: BenchArgs, model: torch.nn.Module, sides: list[Side
     rows = []
     for side, alloc, (step_ms, recompiles, per_rank) in zip(sides, allocs, results):
         graphs = side.graphs()
-        row = decode_row(args, model, side.cfg, side.merge, context, batch, step_ms,
+        decision = merge_decision(side)
+        cfg = side.cfg
+        if cfg.dcp_merge == "auto" and decision is not None:  # the bytes of the merge the pass chose
+            cfg = dataclasses.replace(cfg, dcp_merge=decision["merge"])
+        row = decode_row(args, model, cfg, side.merge, context, batch, step_ms,
                          side.geom.num_blocks - alloc.num_free, side.cache, graphs, recompiles, per_rank,
                          source.real_layers, world)
+        row["merge_decision"] = decision
         bd = row["breakdown_ms"]
         parts = ", ".join(f"{k} {bd[k]:.1f}" for k in CATEGORIES) if bd else "no profile"
         log(rank, f"[dcp={side.cfg.dcp} {side.merge}] context={context:>6} batch={batch:>3}: TPOT "

@@ -124,6 +124,9 @@ def merge_heads(out: Tensor, lse: Tensor, ctx: DCPContext, heads: int, v_dim: in
     Sizes and dtype are passed in (not read off `out`) so that the function also
     traces with FX proxies, which carry no shapes.
     """
+    if ctx.merge not in ("ag_rs", "a2a"):  # "auto" is resolved by the pass (passes/merge_choice.py)
+        raise ValueError(f"merge={ctx.merge!r} reached the composition unresolved; the DCP / PCP pass must "
+                         "replace 'auto' by the merge it chose ('ag_rs' or 'a2a')")
     if ctx.merge == "ag_rs":
         # All-gather the LSEs, weight the local partial, reduce-scatter the sum.
         lse_all = _c10d.all_gather_into_tensor.default(dense(lse.transpose(0, 1)), ctx.dcp, ctx.group_name)

@@ -98,7 +98,8 @@ def test_kv_transfer_needs_block_interleave():
 def test_dcp_merge_choice():
     CPConfig(dcp_merge="ag_rs")
     CPConfig(dcp_merge="a2a")
-    with raises("dcp_merge is ag_rs|a2a", "dcp_merge='ring'"):
+    assert CPConfig().dcp_merge == "auto"
+    with raises("dcp_merge is auto|ag_rs|a2a", "dcp_merge='ring'"):
         CPConfig(dcp_merge="ring")
 
 

@@ -18,6 +18,7 @@ import pytest
 import torch
 
 import cp_compile
+from cp_compile import merge_cost
 from cp_compile.testing.multirank import run_on_ranks
 from examples.models.tiny import VOCAB, example_from_config, hf_deepseek_sfa, hf_deepseek_v3, hf_qwen3
 from examples.serving import layer_caches, run_schedule, tiny_schedule
@@ -57,6 +58,10 @@ def _dcp_world(rank: int, world: int, kind: str, dcp: int, lowering: str, merge:
     pms = compiled.backend.pass_managers
     return dict(results=res, graphs=len(pms), history=[(h.name, h.rewrites, h.before, h.after)
                                                        for h in pms[0].history],
+                decision=pms[0].history[0].decision,
+                costs=state.collective_costs and state.collective_costs.to_json(),
+                costs_cached=state.collective_costs is None or merge_cost.calibrate(
+                    state.cp_group, torch.device("cpu")) is state.collective_costs,
                 kv_bytes=cache.sharded_bytes, replicated_bytes=cache.replicated_bytes,
                 ctx=compiled.backend.contexts[0])
 
@@ -92,7 +97,7 @@ def _count(hist: dict[str, int], needle: str) -> int:
 @pytest.mark.parametrize("kind,tp,dcp,lowering,merge", [
     ("qwen3", 2, 2, "inductor", "ag_rs"),
     ("mla", 4, 4, "inductor", "a2a"),
-    ("qwen3", 4, 2, "aot_eager", "a2a"),
+    ("qwen3", 2, 2, "aot_eager", "auto"),  # the cost model chooses (measured at init_parallel)
 ])
 def test_compiled_dcp_model_matches_single_device(kind, tp, dcp, lowering, merge):
     hf = _hf(kind)
@@ -115,7 +120,17 @@ def test_compiled_dcp_model_matches_single_device(kind, tp, dcp, lowering, merge
         assert _count(before, "_c10d_functional.all_reduce") == _count(after, "_c10d_functional.all_reduce") > 0
         assert _count(after, "cp.dcp_localize_metadata") == 1
         q_gathers = 1  # GQA gathers q; MLA one fused [q_nope | q_pe]
-        if merge == "ag_rs":
+        if merge == "auto":  # what the cost model chose, from costs every rank shares
+            assert out["decision"] == per_rank[0]["decision"] and set(out["decision"]["predicted_s"]) == {
+                "ag_rs", "a2a"}
+            chosen = out["decision"]["merge"]
+            # measured at init_parallel on the DCP group, the max over ranks: the same on every rank, cached
+            assert out["costs"] == per_rank[0]["costs"] and out["costs"]["group_size"] == dcp
+            assert out["costs_cached"]
+        else:
+            assert out["decision"] == {"merge": merge, "reason": "explicit dcp_merge"} and out["costs"] is None
+            chosen = merge
+        if chosen == "ag_rs":
             assert _count(after, "all_gather_into_tensor") == layers * (q_gathers + 1)
             assert _count(after, "reduce_scatter_tensor") == layers
         else:

@@ -1,0 +1,59 @@
+"""`dcp_merge="auto"` resolved per compiled graph: the cost model's choice (issue 26).
+
+The DCP and PCP passes call `resolve_merge` before rewriting: it reads the first
+attention node's query (tokens T at the graph's example size, heads per rank, q and
+v head dims, dtype), asks `merge_cost.choose` with the collective costs measured at
+`init_parallel`, and returns the pass's context with `merge` set, plus the decision
+recorded in the pass history (`PassRecord.decision`). An explicit `dcp_merge` is
+used as given. The choice is made on sizes only, so every rank of the group (same
+graph, same measured costs) makes the same one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+import torch.fx as fx
+
+from cp_compile import merge_cost
+from cp_compile.passes.context import CompileContext
+from cp_compile.passes.fx_utils import fake_value
+
+
+def _hint(size: Any) -> int:
+    """A size as an int: its example value when symbolic (dynamic shapes)."""
+    if isinstance(size, torch.SymInt):
+        hint = size.node.hint
+        return int(hint) if hint is not None else 1
+    return int(size)
+
+
+def attention_sizes(gm: fx.GraphModule, patterns: tuple) -> dict[str, int] | None:
+    """tokens, heads, q_dim, v_dim, dtype_bytes of the graph's first attention node (None: none)."""
+    for node in gm.graph.nodes:
+        pattern = next((p for p in patterns if p.matches(node)), None)
+        if pattern is None:
+            continue
+        args = pattern.bind(node)
+        if "q" in args:  # GQA: q [T, Hq, D], v [T, Hkv, Dv]
+            q, dq, dv = fake_value(args["q"]), None, _hint(fake_value(args["v"]).shape[-1])
+        else:  # MLA: q_nope [T, H, L], q_pe [T, H, R]; values are the L latent columns
+            q = fake_value(args["q_nope"])
+            dv = _hint(q.shape[-1])
+            dq = dv + _hint(fake_value(args["q_pe"]).shape[-1])
+        return dict(tokens=_hint(q.shape[0]), heads=_hint(q.shape[1]), q_dim=dq or _hint(q.shape[-1]), v_dim=dv,
+                    dtype_bytes=q.dtype.itemsize)
+    return None
+
+
+def resolve_merge(ctx: CompileContext, view: Any, gm: fx.GraphModule, patterns: tuple) -> tuple[Any, dict | None]:
+    """(`view` with a concrete merge, the decision) for a DCP / PCP pass's context view."""
+    if view.merge != "auto":
+        return view, {"merge": view.merge, "reason": "explicit dcp_merge"}
+    sizes = attention_sizes(gm, patterns)
+    if sizes is None:  # nothing to rewrite: any concrete value will do
+        return dataclasses.replace(view, merge="ag_rs"), None
+    choice = merge_cost.choose(ctx.collective_costs, **sizes)
+    return dataclasses.replace(view, merge=choice.merge), choice.to_json()
