@@ -63,12 +63,14 @@ def _world(rank: int, world: int, hf_config, sd, qwen_config, qwen_sd) -> dict:
         q_nope, q_pe = torch.randn(6, 2, L, generator=g), torch.randn(6, 2, 4, generator=g)
         kv_c, k_pe = torch.randn(6, L, generator=g), torch.randn(6, 4, generator=g)
         own = OwnModel()
+        # Metadata of the cache's own 4-token pages, as a user who ignores DCP builds it:
+        # every check passes and, unrefused, the op attends this rank's half of the tokens.
+        plain = cp_compile.build_attention_metadata([(0, 6)], cp_compile.BlockAllocator(8, 4))
         for name, c in (("own", latent), ("own_slice", latent[:]), ("own_view", latent.view(latent.shape)),
                         ("own_narrow", latent.narrow(0, 0, latent.shape[0]))):
-            out[name] = _refusal(lambda c=c: own(q_nope, q_pe, kv_c, k_pe, c, meta))
+            out[name] = _refusal(lambda c=c: own(q_nope, q_pe, kv_c, k_pe, c, plain))
         out["untouched"] = all(int(t.count_nonzero()) == 0 for layer in layers for t in layer)
-        # A copy is a plain (dcp = 1) cache: metadata of 4-token blocks, and it runs.
-        plain = cp_compile.build_attention_metadata([(0, 6)], cp_compile.BlockAllocator(8, 4))
+        # A copy is new memory, a plain (dcp = 1) cache: it runs.
         out["clone_runs"] = _refusal(lambda: own(q_nope, q_pe, kv_c, k_pe, latent.clone(), plain)) == "ran"
         logits = cp_compile.compile_model(model, lowering="eager")(ids, meta.positions, layers, meta)
     out["compiled_finite"] = bool(torch.isfinite(logits).all())
