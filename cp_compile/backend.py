@@ -83,10 +83,11 @@ class CpAscendBackend:
         state = parallel_state_or_none()
         if state is None:
             cfg = self.config or CPConfig()
-            if cfg.dcp > 1 or cfg.pcp > 1 or cfg.tp > 1:
+            tp, dcp, pcp = cfg.tensor_parallel_size, cfg.decode_context_parallel_size, cfg.prefill_context_parallel_size
+            if dcp > 1 or pcp > 1 or tp > 1:
                 raise ConfigError("parallel compiles need an initialised parallel state",
-                                  f"tensor_parallel_size={cfg.tp}, decode_context_parallel_size={cfg.dcp}, "
-                                  f"prefill_context_parallel_size={cfg.pcp} but init_parallel was not called",
+                                  f"tensor_parallel_size={tp}, decode_context_parallel_size={dcp}, "
+                                  f"prefill_context_parallel_size={pcp} but init_parallel was not called",
                                   "call cp_compile.init_parallel(cfg) on every rank before compiling")
             ctx = CompileContext(config=cfg, attention=self.attention, roles=self.roles, batch_kind=self.batch_kind)
         else:
@@ -99,9 +100,10 @@ class CpAscendBackend:
         cfg = ctx.config
         if ctx.attention is not None:
             cfg.validate_for(ctx.attention)
-        elif cfg.dcp > 1 or cfg.pcp > 1:
+        elif cfg.decode_context_parallel_size > 1 or cfg.prefill_context_parallel_size > 1:
             raise ConfigError("the model declares its attention under DCP / PCP",
-                              f"decode_context_parallel_size={cfg.dcp}, prefill_context_parallel_size={cfg.pcp} "
+                              f"decode_context_parallel_size={cfg.decode_context_parallel_size}, "
+                              f"prefill_context_parallel_size={cfg.prefill_context_parallel_size} "
                               f"and no AttentionSpec",
                               "give the model an attention_spec() method returning cp_compile.AttentionSpec "
                               "(cp_module / compile_model read it), or pass attention= to cp_compile.backend")

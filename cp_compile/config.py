@@ -133,33 +133,16 @@ class CPConfig:
             raise ConfigError("dcp_merge is auto|ag_rs|a2a", f"dcp_merge={self.dcp_merge!r}",
                               "use 'auto' (the cost model chooses), 'ag_rs' or 'a2a'")
 
-    # Short aliases used throughout the code.
-    @property
-    def tp(self) -> int:
-        return self.tensor_parallel_size
-
-    @property
-    def dcp(self) -> int:
-        return self.decode_context_parallel_size
-
-    @property
-    def pcp(self) -> int:
-        return self.prefill_context_parallel_size
-
-    @property
-    def interleave(self) -> int:
-        return self.cp_kv_cache_interleave_size
-
     @property
     def world_size(self) -> int:
-        return self.tp * self.pcp
+        return self.tensor_parallel_size * self.prefill_context_parallel_size
 
     @property
     def context_parallel_size(self) -> int:
         """Ranks one request's KV cache is sharded over: pcp * dcp (docs/pcp.md).
         Under PCP the cache is laid out by the §5 rule at N = pcp * dcp, context-parallel
         rank = pcp_rank * dcp + dcp_rank, so a decode on the same ranks reads it as is."""
-        return self.pcp * self.dcp
+        return self.prefill_context_parallel_size * self.decode_context_parallel_size
 
     @property
     def virtual_block_size(self) -> int:
@@ -178,7 +161,7 @@ class CPConfig:
         if not isinstance(spec, AttentionSpec):
             raise ConfigError("validate_for takes an AttentionSpec", f"got {type(spec).__name__}",
                               "pass model.attention_spec() (a cp_compile.AttentionSpec)")
-        tp, dcp = self.tp, self.dcp
+        tp, dcp, pcp = self.tensor_parallel_size, self.decode_context_parallel_size, self.prefill_context_parallel_size
         if spec.kind in ("mla", "sfa"):
             if tp < dcp or tp % dcp != 0:
                 raise ConfigError("tp >= dcp and tp % dcp == 0 (MLA/SFA)",
@@ -208,15 +191,15 @@ class CPConfig:
                                   f"tensor_parallel_size={tp}, num_kv_heads={kv}, decode_context_parallel_size={dcp}",
                                   "choose tp as a multiple of num_kv_heads so every KV head is replicated "
                                   "on tp // num_kv_heads ranks")
-        if spec.kind == "sfa" and self.pcp > 1:
+        if spec.kind == "sfa" and pcp > 1:
             # PCP compositions exist for dense GQA and MLA only (ops/parallel/pcp.py);
             # a sparse MLA layer under PCP would meet no pass and be refused at compile.
             raise ConfigError("prefill_context_parallel_size == 1 for SFA (PCP covers GQA and MLA)",
-                              f"attention kind='sfa', prefill_context_parallel_size={self.pcp}, "
+                              f"attention kind='sfa', prefill_context_parallel_size={pcp}, "
                               f"tensor_parallel_size={tp}, decode_context_parallel_size={dcp}",
                               "set prefill_context_parallel_size=1 (SFA shards its cache with DCP: "
                               f"decode_context_parallel_size={tp})")
-        if spec.kind == "sfa" and self.pcp == 1 and dcp > 1 and dcp != tp:
+        if spec.kind == "sfa" and pcp == 1 and dcp > 1 and dcp != tp:
             raise ConfigError("dcp == tp for SFA DCP with replicated indexer",
                               f"tensor_parallel_size={tp}, decode_context_parallel_size={dcp}",
                               f"set decode_context_parallel_size={tp}")
@@ -228,6 +211,7 @@ class CPConfig:
     def validate_world_size(self, world_size: int) -> None:
         if world_size != self.world_size:
             raise ConfigError("world size == tp * pcp",
-                              f"world_size={world_size}, tensor_parallel_size={self.tp}, "
-                              f"prefill_context_parallel_size={self.pcp} (tp * pcp = {self.world_size})",
+                              f"world_size={world_size}, tensor_parallel_size={self.tensor_parallel_size}, "
+                              f"prefill_context_parallel_size={self.prefill_context_parallel_size} "
+                              f"(tp * pcp = {self.world_size})",
                               f"launch {self.world_size} ranks or change tp / pcp so that tp * pcp == {world_size}")

@@ -74,7 +74,7 @@ def tp_kv_head_ids(num_kv_heads: int, tp_size: int, tp_rank: int) -> tuple[int, 
 
 def _layout(cfg: CPConfig, spec: KVCacheSpec, num_blocks: int, dtype: torch.dtype) -> dict[str, Any]:
     return dict(asdict(spec), num_blocks=num_blocks, block_size=cfg.block_size, dtype=str(dtype),
-                interleave=cfg.interleave)
+                interleave=cfg.cp_kv_cache_interleave_size)
 
 
 def check_dcp_layout(cfg: CPConfig, spec: KVCacheSpec, num_blocks: int, dtype: torch.dtype) -> None:
@@ -96,7 +96,8 @@ def check_dcp_layout(cfg: CPConfig, spec: KVCacheSpec, num_blocks: int, dtype: t
     for r, other in enumerate(layouts[1:], start=1):
         diff = {k: (ref[k], other[k]) for k in ref if ref[k] != other[k]}
         if diff:
-            who = "DCP" if cfg.pcp == 1 else "CP"  # the group's ranks: DCP ranks, or cp ranks under PCP
+            # The group's ranks: DCP ranks, or cp ranks under PCP.
+            who = "DCP" if cfg.prefill_context_parallel_size == 1 else "CP"
             shown = ", ".join(f"{k}: {who} rank 0 (global {ranks[0]}) has {a!r}, {who} rank {r} "
                               f"(global {ranks[r]}) has {b!r}" for k, (a, b) in diff.items())
             fix = ("DCP ranks must share KV heads: choose tp, num_kv_heads and dcp so that dcp divides "
@@ -137,7 +138,7 @@ def allocate_kv_cache(cfg: CPConfig, spec: KVCacheSpec, num_blocks: int,
                               "allocate the DCP cache with the CPConfig passed to cp_compile.init_parallel")
         if spec.kind == "gqa" and not spec.kv_head_ids and attention is not None:
             spec = KVCacheSpec(**{**asdict(spec), "kv_head_ids": tp_kv_head_ids(
-                attention.num_kv_heads, cfg.tp, state.tp_rank)})
+                attention.num_kv_heads, cfg.tensor_parallel_size, state.tp_rank)})
     if check_layout and torch.device(device).type != "meta":
         check_dcp_layout(cfg, spec, num_blocks, dtype)
     bs = cfg.block_size

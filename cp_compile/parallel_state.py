@@ -54,11 +54,11 @@ class ParallelState:
 
     @property
     def tp_size(self) -> int:
-        return self.cfg.tp
+        return self.cfg.tensor_parallel_size
 
     @property
     def dcp_size(self) -> int:
-        return self.cfg.dcp
+        return self.cfg.decode_context_parallel_size
 
     @property
     def dcp_group_name(self) -> str:
@@ -170,7 +170,7 @@ def init_parallel(cfg: CPConfig, device: torch.device | str | None = None,
         dist.init_process_group(backend=backend, timeout=pg_timeout)
     world, rank = dist.get_world_size(), dist.get_rank()
     cfg.validate_world_size(world)  # raises ConfigError; before any group is created
-    tp, dcp, pcp = cfg.tp, cfg.dcp, cfg.pcp
+    tp, dcp, pcp = cfg.tensor_parallel_size, cfg.decode_context_parallel_size, cfg.prefill_context_parallel_size
     if tp % dcp != 0:
         raise ConfigError("tp % dcp == 0", f"tensor_parallel_size={tp}, decode_context_parallel_size={dcp}",
                           "choose a decode_context_parallel_size that divides tensor_parallel_size")

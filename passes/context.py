@@ -128,8 +128,9 @@ class CompileContext:
             # Same ranks as the DCP group (pcp = 1) or the PCP group (dcp = 1).
             cp = self.dcp if self.pcp.size == 1 else self.pcp if self.dcp.size == 1 else GroupInfo()
             object.__setattr__(self, "cp", cp)
-        for name, g, want in (("tp", self.tp, self.config.tp), ("dcp", self.dcp, self.config.dcp),
-                              ("pcp", self.pcp, self.config.pcp),
+        cfg = self.config
+        for name, g, want in (("tp", self.tp, cfg.tensor_parallel_size), ("dcp", self.dcp, cfg.decode_context_parallel_size),
+                              ("pcp", self.pcp, cfg.prefill_context_parallel_size),
                               ("cp", self.cp, self.config.context_parallel_size)):
             if g.size != want or not 0 <= g.rank < g.size:
                 raise ConfigError(f"{name} group matches the config",
@@ -145,9 +146,9 @@ class CompileContext:
         """The context of a compile on this rank of an initialised parallel state."""
         cfg = state.cfg
         return cls(config=cfg,
-                   tp=GroupInfo(cfg.tp, state.tp_rank, state.tp_group.group_name),
-                   dcp=GroupInfo(cfg.dcp, state.dcp_rank, state.dcp_group.group_name),
-                   pcp=GroupInfo(cfg.pcp, state.pcp_rank, state.pcp_group.group_name),
+                   tp=GroupInfo(cfg.tensor_parallel_size, state.tp_rank, state.tp_group.group_name),
+                   dcp=GroupInfo(cfg.decode_context_parallel_size, state.dcp_rank, state.dcp_group.group_name),
+                   pcp=GroupInfo(cfg.prefill_context_parallel_size, state.pcp_rank, state.pcp_group.group_name),
                    cp=GroupInfo(cfg.context_parallel_size, state.cp_rank, state.cp_group_name),
                    attention=attention, roles=roles, batch_kind=batch_kind,
                    collective_costs=getattr(state, "collective_costs", None))
@@ -160,12 +161,12 @@ class CompileContext:
         def grp(kind: str, size: int) -> GroupInfo:
             return GroupInfo(size, rank % size, f"test_{kind}" if size > 1 else "")
 
-        dcp, pcp = grp("dcp", config.dcp), grp("pcp", config.pcp)
+        dcp, pcp = grp("dcp", config.decode_context_parallel_size), grp("pcp", config.prefill_context_parallel_size)
         cp = None
         if dcp.size > 1 and pcp.size > 1:
             cp = GroupInfo(config.context_parallel_size, pcp.rank * dcp.size + dcp.rank, "test_cp")
-        return cls(config=config, tp=grp("tp", config.tp), dcp=dcp, pcp=pcp, cp=cp, attention=attention,
-                   roles=roles, batch_kind=batch_kind)
+        return cls(config=config, tp=grp("tp", config.tensor_parallel_size), dcp=dcp, pcp=pcp, cp=cp,
+                   attention=attention, roles=roles, batch_kind=batch_kind)
 
     @property
     def decode_like(self) -> bool:
@@ -183,7 +184,7 @@ class CompileContext:
     def dcp_view(self) -> DCPContext:
         """The narrow view the DCP compositions are specialised on."""
         cfg = self.config
-        return DCPContext(dcp=self.dcp.size, rank=self.dcp.rank, interleave=cfg.interleave,
+        return DCPContext(dcp=self.dcp.size, rank=self.dcp.rank, interleave=cfg.cp_kv_cache_interleave_size,
                           block_size=cfg.block_size, group_name=self.dcp.name, merge=cfg.dcp_merge)
 
     def decode_view(self) -> DCPContext:
@@ -194,8 +195,8 @@ class CompileContext:
         cfg = self.config
         cp = self.cp
         assert cp is not None  # filled by __post_init__
-        return DCPContext(dcp=cp.size, rank=cp.rank, interleave=cfg.interleave, block_size=cfg.block_size,
-                          group_name=cp.name, merge=cfg.dcp_merge)
+        return DCPContext(dcp=cp.size, rank=cp.rank, interleave=cfg.cp_kv_cache_interleave_size,
+                          block_size=cfg.block_size, group_name=cp.name, merge=cfg.dcp_merge)
 
     def pcp_view(self) -> PCPContext:
         """The narrow view the PCP compositions are specialised on: both groups (the
@@ -203,7 +204,7 @@ class CompileContext:
         cfg = self.config
         return PCPContext(pcp=self.pcp.size, pcp_rank=self.pcp.rank, pcp_group_name=self.pcp.name,
                           dcp=self.dcp.size, dcp_rank=self.dcp.rank, dcp_group_name=self.dcp.name,
-                          interleave=cfg.interleave, block_size=cfg.block_size, merge=cfg.dcp_merge)
+                          interleave=cfg.cp_kv_cache_interleave_size, block_size=cfg.block_size, merge=cfg.dcp_merge)
 
     def tp_view(self) -> DSACPContext:
         """The narrow view the DSA-CP compositions are specialised on: the TP group,
@@ -214,7 +215,8 @@ class CompileContext:
         """One line for error messages."""
         cfg = self.config
         kind = self.attention.kind if self.attention is not None else "unknown"
-        return (f"tensor_parallel_size={cfg.tp}, decode_context_parallel_size={cfg.dcp}, "
-                f"prefill_context_parallel_size={cfg.pcp}, enable_dsa_cp={cfg.enable_dsa_cp}, "
+        return (f"tensor_parallel_size={cfg.tensor_parallel_size}, "
+                f"decode_context_parallel_size={cfg.decode_context_parallel_size}, "
+                f"prefill_context_parallel_size={cfg.prefill_context_parallel_size}, enable_dsa_cp={cfg.enable_dsa_cp}, "
                 f"attention kind={kind}, batch kind={self.batch_kind or 'any'}")
 

@@ -269,7 +269,7 @@ def compile_probe(model: torch.nn.Module, dcp_side: Side, base: Side, args: Benc
 
 def _side(args: BenchArgs, model: torch.nn.Module, cfg: cp_compile.CPConfig, merge: str, dcp_rank: int,
           plain: bool, device: torch.device, tokens_per_req: int) -> Side:
-    geom = world_geometry(args.block_size, cfg.dcp, tokens_per_req, max(args.batch), 0)
+    geom = world_geometry(args.block_size, cfg.decode_context_parallel_size, tokens_per_req, max(args.batch), 0)
     cache = cp_compile.allocate_kv_cache(cfg, model.kv_cache_spec(), geom.num_blocks, dtype=args.torch_dtype,
                                          device=device, attention=model.attention_spec())
     if plain:
@@ -316,7 +316,7 @@ def build_sides(rank: int, world_size: int, args: BenchArgs, world: World, sourc
         sides.append(_side(args, model, base_cfg, "none", 0, True, device, tokens_per_req))
     sides.append(_side(args, model, state.cfg, merge, state.dcp_rank, False, device, tokens_per_req))
     log(rank, f"[dcp={dcp} {merge}] {args.shape} tp={args.tp}: model built in {time.perf_counter() - t0:.1f} s; "
-              + "; ".join(f"dcp={s.cfg.dcp} pool {s.geom.num_blocks} pages x {args.block_size} tokens/rank "
+              + "; ".join(f"dcp={s.cfg.decode_context_parallel_size} pool {s.geom.num_blocks} pages x {args.block_size} tokens/rank "
                           f"({s.cache.sharded_bytes / 2**20:.2f} MiB KV/rank)" for s in sides)
               + f"; compiling with {args.lowering}")
     return model, sides
@@ -375,7 +375,7 @@ def measure(rank: int, args: BenchArgs, model: torch.nn.Module, sides: list[Side
         row["merge_decision"] = decision
         bd = row["breakdown_ms"]
         parts = ", ".join(f"{k} {bd[k]:.1f}" for k in CATEGORIES) if bd else "no profile"
-        log(rank, f"[dcp={side.cfg.dcp} {side.merge}] context={context:>6} batch={batch:>3}: TPOT "
+        log(rank, f"[dcp={side.cfg.decode_context_parallel_size} {side.merge}] context={context:>6} batch={batch:>3}: TPOT "
                   f"{row['tpot_ms']:8.2f} ms (steps {', '.join(f'{t:.1f}' for t in step_ms)}), KV/rank "
                   f"{row['kv_cache_bytes_per_rank'] / 2**20:.2f} MiB, graphs {graphs}"
                   f"{f' RECOMPILED {recompiles} AFTER WARM-UP' if recompiles else ''}; profiled ms: {parts}")

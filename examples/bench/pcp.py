@@ -75,7 +75,7 @@ def build_pcp_sides(rank: int, args: PrefillArgs, source: ModelSource, state: An
         geom = world_geometry(args.block_size, cfg.context_parallel_size, tokens_per_req, max(args.batch), 0)
         cache = cp_compile.allocate_kv_cache(cfg, model.kv_cache_spec(), geom.num_blocks, dtype=args.torch_dtype,
                                              device=device, attention=model.attention_spec())
-        if cfg.pcp > 1:
+        if cfg.prefill_context_parallel_size > 1:
             compiled = cp_compile.compile_model(model, lowering=args.lowering)
 
             def graphs(c: Any = compiled) -> int:  # one per batch kind that ran (prefill only here)
@@ -88,7 +88,7 @@ def build_pcp_sides(rank: int, args: PrefillArgs, source: ModelSource, state: An
                               lambda b=backend: b.graphs))
     log(rank, f"[pcp={args.pcp}] {args.shape} tp={args.tp} (world {args.ranks}): model built in "
               f"{time.perf_counter() - t0:.1f} s; "
-              + "; ".join(f"pcp={s.cfg.pcp} pool {s.geom.num_blocks} pages x {args.block_size} tokens/rank "
+              + "; ".join(f"pcp={s.cfg.prefill_context_parallel_size} pool {s.geom.num_blocks} pages x {args.block_size} tokens/rank "
                           f"({s.cache.sharded_bytes / 2**20:.2f} MiB KV/rank)" for s in sides)
               + f"; compiling with {args.lowering}")
     return model, sides

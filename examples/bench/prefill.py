@@ -106,7 +106,7 @@ def measure(rank: int, args: PrefillArgs, model: torch.nn.Module, sides: list[Si
                           world)
         bd = row["breakdown_ms"]
         parts = ", ".join(f"{k} {bd[k]:.1f}" for k in CATEGORIES) if bd else "no profile"
-        log(rank, f"[dcp={side.cfg.dcp} pcp={side.cfg.pcp} {side.merge}] prompt={prompt:>6} prefix={prefix:>6} batch={batch:>3}: TTFT "
+        log(rank, f"[dcp={side.cfg.decode_context_parallel_size} pcp={side.cfg.prefill_context_parallel_size} {side.merge}] prompt={prompt:>6} prefix={prefix:>6} batch={batch:>3}: TTFT "
                   f"{row['ttft_ms']:9.1f} ms (steps {', '.join(f'{t:.1f}' for t in step_ms)}), graphs "
                   f"{row['graphs_compiled']}{f' RECOMPILED {recompiles} AFTER WARM-UP' if recompiles else ''}; "
                   f"profiled ms: {parts}")

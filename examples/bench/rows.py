@@ -31,7 +31,7 @@ def kv_budget(args: BenchArgs, model: torch.nn.Module, cfg: cp_compile.CPConfig,
     return dict(kv_budget_gib=args.kv_budget_gib, kv_budget_layers=real_layers,
                 kv_bytes_per_token_per_rank=page.sharded_bytes // cfg.block_size,
                 kv_budget_tokens_per_rank=pages * cfg.block_size,
-                kv_budget_max_context=pages // batch * cfg.block_size * cfg.dcp)
+                kv_budget_max_context=pages // batch * cfg.block_size * cfg.decode_context_parallel_size)
 
 
 def breakdown_fields(per_rank: list[dict[str, float]], num_layers: int) -> dict[str, Any]:
@@ -57,9 +57,9 @@ def decode_row(args: BenchArgs, model: torch.nn.Module, cfg: cp_compile.CPConfig
     dtype = args.torch_dtype
     # Right-sized shard for this config (the pages it used), measured off a meta allocation.
     used = cp_compile.allocate_kv_cache(cfg, model.kv_cache_spec(), used_blocks, dtype=dtype, device="meta")
-    dcp_bytes, tp_bytes = comm_bytes_per_step(model, batch, args.tp, cfg.dcp, cfg.dcp_merge, dtype)
+    dcp_bytes, tp_bytes = comm_bytes_per_step(model, batch, args.tp, cfg.decode_context_parallel_size, cfg.dcp_merge, dtype)
     return dict(
-        kind=args.model, tp=args.tp, dcp=cfg.dcp, interleave=args.interleave, batch=batch, context_len=context,
+        kind=args.model, tp=args.tp, dcp=cfg.decode_context_parallel_size, interleave=args.interleave, batch=batch, context_len=context,
         **summarize(step_ms),
         step_ms=step_ms,
         kv_cache_bytes_per_rank=used.sharded_bytes, max_context_tokens_per_rank=used.tokens_per_rank,
@@ -90,16 +90,16 @@ def prefill_row(args: BenchArgs, model: torch.nn.Module, cfg: cp_compile.CPConfi
     new = prompt - prefix
     used = cp_compile.allocate_kv_cache(cfg, model.kv_cache_spec(), used_blocks, dtype=dtype, device="meta")
     # The decode traffic model is per query token, so a step of batch x new tokens sends that many tokens' worth.
-    dcp_bytes, tp_bytes = comm_bytes_per_step(model, batch * new, args.tp, cfg.dcp, cfg.dcp_merge, dtype)
+    dcp_bytes, tp_bytes = comm_bytes_per_step(model, batch * new, args.tp, cfg.decode_context_parallel_size, cfg.dcp_merge, dtype)
     if cfg.enable_dsa_cp:  # its context-parallel traffic: the two all-to-alls per layer
         from examples.bench.dsa_cp import dsa_cp_comm_bytes_per_step
 
         dcp_bytes = dsa_cp_comm_bytes_per_step(model, batch * new, args.tp, dtype)
-    if cfg.pcp > 1:  # PCP traffic is not modelled here: the profiler's dcp_comm (= PCP collectives) measures it
+    if cfg.prefill_context_parallel_size > 1:  # PCP traffic is not modelled here: the profiler's dcp_comm (= PCP collectives) measures it
         dcp_bytes = None
     ttft = summarize(step_ms, "ttft")
     return dict(
-        kind=args.model, shape=args.shape, tp=args.tp, dcp=cfg.dcp, pcp=cfg.pcp, merge=merge, world=list(world),
+        kind=args.model, shape=args.shape, tp=args.tp, dcp=cfg.decode_context_parallel_size, pcp=cfg.prefill_context_parallel_size, merge=merge, world=list(world),
         dsa_cp=cfg.enable_dsa_cp,
         interleave=args.interleave, block_size=args.block_size, batch=batch, variant="chunked" if prefix else "full",
         prompt_len=prompt, context_len=prefix, new_tokens=new, metric="ttft", **ttft, step_ms=step_ms,

@@ -35,10 +35,14 @@ def test_public_api_and_error_type():
     assert cp_compile.ConfigError is ConfigError
     assert issubclass(ConfigError, ValueError)
     cfg = CPConfig()
-    assert (cfg.tp, cfg.dcp, cfg.pcp, cfg.interleave, cfg.block_size) == (1, 1, 1, 1, 128)
+    assert (cfg.tensor_parallel_size, cfg.decode_context_parallel_size, cfg.prefill_context_parallel_size,
+            cfg.cp_kv_cache_interleave_size, cfg.block_size) == (1, 1, 1, 1, 128)
+    # One name per field: the short aliases (tp, dcp, pcp, interleave) are gone (issue 20).
+    assert not any(hasattr(cfg, a) for a in ("tp", "dcp", "pcp", "interleave"))
     cfg = CPConfig(tensor_parallel_size=8, decode_context_parallel_size=4,
                    prefill_context_parallel_size=2, cp_kv_cache_interleave_size=16, block_size=64)
-    assert (cfg.tp, cfg.dcp, cfg.pcp, cfg.interleave) == (8, 4, 2, 16)
+    assert (cfg.tensor_parallel_size, cfg.decode_context_parallel_size, cfg.prefill_context_parallel_size,
+            cfg.cp_kv_cache_interleave_size) == (8, 4, 2, 16)
     assert cfg.world_size == 16
     assert cfg.virtual_block_size == 64 * 4 * 2  # the cache is sharded over pcp * dcp ranks (docs/pcp.md)
 

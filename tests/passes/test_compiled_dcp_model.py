@@ -162,7 +162,7 @@ def test_compiled_sfa_dcp_model_matches_single_device(interleave, merge, lowerin
     for rank, out in enumerate(per_rank):
         worst = max(worst, _assert_matches_reference(rank, out, ref))
         ctx = out["ctx"]
-        assert (ctx.dcp.size, ctx.dcp.rank, ctx.attention.kind, ctx.config.interleave) == (dcp, rank, "sfa",
+        assert (ctx.dcp.size, ctx.dcp.rank, ctx.attention.kind, ctx.config.cp_kv_cache_interleave_size) == (dcp, rank, "sfa",
                                                                                             interleave)
         hist = {name: (rewrites, before, after) for name, rewrites, before, after in out["history"]}
         assert list(hist) == ["dcp_attention", "sfa_dcp", "unsharded_attention_check"]

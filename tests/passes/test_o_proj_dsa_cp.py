@@ -197,7 +197,7 @@ def _sfa_model(hf_config, state_dict, tp: int, rank: int, group, quant):
 
 def _eager_run(cfg: CPConfig, state, hf_config, state_dict, quant) -> dict:
     """One schedule with the eager full-weight switch, one without (TP), one injected failure."""
-    model = _sfa_model(hf_config, state_dict, cfg.tp, state.tp_rank, state.tp_group, quant)
+    model = _sfa_model(hf_config, state_dict, cfg.tensor_parallel_size, state.tp_rank, state.tp_group, quant)
     fw = ofw.OProjFullWeight(model)
     before = _snapshot(model)
     intact, pool_ptrs = [], []
@@ -238,7 +238,7 @@ def _eager_run(cfg: CPConfig, state, hf_config, state_dict, quant) -> dict:
     return dict(runs=runs, intact=intact, pool_ptrs=pool_ptrs, raised=raised, calls=calls[0],
                 intact_after_raise=_same(before, model) and not any("forward" in m.__dict__ for m in fw.modules),
                 pool_keys=[k[0] for k in fw.pool], pool_bytes=fw.pool_bytes(), kind=kind,
-                want_pool_bytes=sum(p.numel() * p.element_size() * cfg.tp for n, p in
+                want_pool_bytes=sum(p.numel() * p.element_size() * cfg.tensor_parallel_size for n, p in
                                     fw.modules[0].named_parameters() if n in dict(INPUT_SHARDED[kind])),
                 layers=len(fw.modules))
 
