@@ -107,9 +107,11 @@ def build(cfg: cp_compile.CPConfig, hf_config: Any, state_dict: dict[str, torch.
 
 def decoder(models: SpecModels, cfg: cp_compile.CPConfig, num_blocks: int, temperature: float = 0.0,
             seed: int = 0, padding: int = 0, max_blocks_per_req: int | None = None,
-            on_rollback: Callable[[Rollback], None] | None = None, device: str = "cpu") -> SpecDecoder:
+            on_rollback: Callable[[Rollback], None] | None = None, device: str = "cpu", top_k: int = -1,
+            top_p: float = 1.0) -> SpecDecoder:
     """A `SpecDecoder` over the models, with a fresh allocator (virtual blocks of the config)."""
     alloc = cp_compile.BlockAllocator(num_blocks, cfg.virtual_block_size)
-    return SpecDecoder(models.target, models.target_caches, alloc, models.proposer, Sampler(temperature, seed),
+    sampler = Sampler(temperature, seed, top_k=top_k, top_p=top_p)
+    return SpecDecoder(models.target, models.target_caches, alloc, models.proposer, sampler,
                        padding=padding, max_blocks_per_req=max_blocks_per_req, device=device,
                        on_rollback=on_rollback)

@@ -1,6 +1,9 @@
 """Proposers and rollback pieces in one process: the MTP layer read from a checkpoint's
 `model.layers.{num_layers}.*` tensors, `BlockAllocator.truncate`, and single-device
-speculative decoding equal to plain greedy decoding for every proposer."""
+speculative decoding equal to plain greedy decoding for every proposer (the layer-skip
+case samples at temperature 1 with top_k = 1 on the speculative side: the filtered
+distributions are one-hot, so only a sampler that filters the target's logits, as
+the draft's, gives the greedy tokens)."""
 
 from __future__ import annotations
 
@@ -53,10 +56,12 @@ def test_single_device_speculation_equals_greedy(kind, proposer, k):
     g = torch.Generator().manual_seed(3)
     prompts = {r: torch.randint(0, VOCAB, (n,), generator=g).tolist() for r, n in {0: 9, 1: 2, 2: 5}.items()}
 
+    sampling = dict(temperature=1.0, top_k=1) if proposer == "layer_skip" else {}
+
     def run(kk: int):
         models = spec.build(cfg, hf.config, sd, proposer if kk else None, kk, 32,
                             draft_hf=None if dcfg is None else (dcfg, dsd), padding=1, max_blocks_per_req=6)
-        dec = spec.decoder(models, cfg, 32, padding=1, max_blocks_per_req=6)
+        dec = spec.decoder(models, cfg, 32, padding=1, max_blocks_per_req=6, **(sampling if kk else {}))
         return dec.generate(prompts, 9), dec
 
     base, _ = run(0)
