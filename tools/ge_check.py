@@ -405,11 +405,12 @@ MODEL_WORLD = 4
 BUILDING_RANKS = (0, 1, 2, 3)  # all: the value check runs the TP all-reduce, which needs every rank
 # SFA DCP needs dcp == tp, which the tp = 4 world cannot give at dcp = 2: its own world
 # of 2 ranks (both build; the DCP group is the TP group).
-SFA_CONFIGS = [("sfa", 2, "ag_rs")]
-# `--model sfa:1:dsa_cp` builds the DSA-CP prefill graph with a W8A8 o_proj: it does not
-# lower to GE today (pad_tokens' F.pad of a symbolic amount -> aten.constant_pad_nd, which
-# torchair cannot convert; a torch.cat of zero rows converts but makes Dynamo guard on the
-# pad being 0, a recompile per token-count parity). Not in the default set until fixed.
+# The DSA-CP prefill graph (tp = 2, W8A8 o_proj through the o_proj pass). Its token pad is
+# `F.pad` by a symbolic amount -> aten.constant_pad_nd with a tensor pad, which torchair's own
+# converter refuses: ops/ge/aten_pad.py converts it (PadV3); the check runs a second step of
+# another token-count parity with error_on_recompile (a torch.cat of zero rows instead of the
+# pad would guard on the pad being 0: a recompile per parity).
+SFA_CONFIGS = [("sfa", 2, "ag_rs"), ("sfa", 1, "dsa_cp")]
 SFA_WORLD = 2
 
 
@@ -477,6 +478,15 @@ def _rank_main(rank: int, world: int, configs: list, dump: str | None) -> list[d
                 with torch.no_grad():
                     # SFA: each layer's tuple also holds its replicated indexer cache.
                     compiled(ids, meta.positions, layers, meta)
+                    if dsa:
+                        # DSA-CP pads the token dim to tp * ceil(T / tp) (aten.constant_pad_nd of
+                        # a symbolic amount, ops/ge/aten_pad.py): a second chunk of the same
+                        # requests with an odd T (7: pad 1, the first step's 10: pad 0) must
+                        # reuse the graph. A recompile raises here, and a second GE graph fails
+                        # compile_and_load ("expected one GE graph").
+                        second = cp_compile.build_attention_metadata([(5, 4), (3, 3)], alloc, max_blocks_per_req=4)
+                        with torch._dynamo.config.patch(error_on_recompile=True):
+                            compiled(torch.zeros(7, dtype=torch.long), second.positions, layers, second)
 
             # A bf16 model: every layer's activations are bf16 on both paths, rounded at
             # different points (GE's decompositions vs the FX kernels).

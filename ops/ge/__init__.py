@@ -48,4 +48,7 @@ def register_converters() -> list[str]:
         op = getattr(torch.ops.cp, decl.name.split("::", 1)[1]).default
         torchair.register_fx_node_ge_converter(op)(getattr(module, GE.converter(decl.name)))
         _registered.append(decl.name)
+    # aten.constant_pad_nd of a symbolic amount (the DSA-CP token pad); imported like the
+    # converter modules (it imports torchair).
+    importlib.import_module(f"{__name__}.aten_pad").register()
     return sorted(_registered)

@@ -94,6 +94,20 @@ def test_sfa_model_graph_keeps_the_indexer_and_attends_sparse(check) -> None:
         assert {g["type"] for g in r["groups"]} == {"HcomAllGather", "HcomReduceScatter", "HcomAllReduce"}
 
 
+def test_dsa_cp_prefill_graph_lowers_without_recompiling(check) -> None:
+    """The DSA-CP prefill graph (tp = 2, W8A8 o_proj pass): its symbolic token pad lowers
+    (PadV3, ops/ge/aten_pad.py), a second step of the other token-count parity reuses
+    the graph (error_on_recompile), and both steps' GE values equal FX on both ranks."""
+    rc, data, output = check
+    dsa = [r for r in data.get("results", []) if r["name"] == "sfa tp=2 dcp=1 dsa_cp"]
+    assert sorted(r["rank"] for r in dsa) == [0, 1], output
+    for r in dsa:
+        assert r["status"] == "ok", (r["rank"], r["message"])
+        assert r["ge_ops"].get("PadV3") and r["ge_ops"].get("QuantBatchMatmulV3"), r["ge_ops"]
+        outputs = [v for v in r["values"] if v["what"] == "output 0"]
+        assert len(outputs) == 4 and all(v["ok"] for v in r["values"])  # 2 steps x 2 FIA-LSE readings
+
+
 def test_an_op_without_converter_fails_the_check(torchair_python: str, tmp_path: Path) -> None:
     rc, data, output = run_check(torchair_python, tmp_path / "neg.json", "--with-unconverted-op", "--op", "cp::cache_write")
     assert rc == 1, output

@@ -539,6 +539,20 @@ def _range(ctx, ins, a):
     return torch.arange(start.item(), limit.item(), delta.item(), dtype=start.dtype)
 
 
+@op("PadV3")
+def _pad_v3(ctx, ins, a):
+    # CANN PadV3 IR (torch-npu 2.13.0's ge_apis): paddings_contiguous true = [begin0, end0,
+    # begin1, end1, ...] from dim 0; mode "constant" pads with constant_values (0 if absent).
+    x, paddings, value = (ins + [None])[:3]
+    if a.get("mode", "constant") != "constant" or not a.get("paddings_contiguous", True):
+        raise ctx.fail(f"mode {a.get('mode')!r} / paddings_contiguous {a.get('paddings_contiguous')} not implemented")
+    p = _ints(paddings)
+    if len(p) != 2 * x.dim() or min(p) < 0:
+        raise ctx.fail(f"paddings {p} for a rank-{x.dim()} input: want 2 * rank non-negative entries")
+    torch_order = [v for d in reversed(range(x.dim())) for v in (p[2 * d], p[2 * d + 1])]
+    return torch.nn.functional.pad(x, torch_order, value=0 if value is None else value.item())
+
+
 @op("Fill")
 def _fill(ctx, ins, a):
     dims, value = ins
