@@ -133,7 +133,7 @@ class CpAscendBackend:
         compiled = lower(gm, example_inputs, self.lowering, self.torchair_mode)
         if check is None or check.empty:
             return compiled
-        check.bind(gm)
+        check.bind(gm, cp=self.contexts[-1].cp.size)  # the context this graph was compiled in
         return checked(compiled, check)
 
 

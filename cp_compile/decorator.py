@@ -116,11 +116,11 @@ def _num_tokens(arguments: dict[str, Any]) -> int | None:
     return None if meta is None else meta.num_tokens
 
 
-def validation_dcp(backend: Any) -> int | None:
-    """The shard count a forward compiled with `backend` is validated at: None (the
-    parallel state's pcp * dcp) under cp_ascend; 1 under any other backend, which runs
-    the single-device ops as written over unsharded caches."""
-    return None if isinstance(backend, CpAscendBackend) else 1
+def validation_cp(backend: Any, cp: int) -> int:
+    """The shard count a forward compiled with `backend` is validated at: `cp` (the
+    compile context's cache group size, pcp * dcp) under cp_ascend; 1 under any other
+    backend, which runs the single-device ops as written over unsharded caches."""
+    return cp if isinstance(backend, CpAscendBackend) else 1
 
 class CompiledForward:
     """A module's forward compiled with the cp_ascend backend, with dynamic token dims.
@@ -165,6 +165,7 @@ class CompiledForward:
         self._compiled: dict[BatchKind | None, Callable[..., Any]] = {}
         self._validated = False
         self._pcp_size, self._pcp_rank = 1, 0
+        self._cp_size = 1  # the cache's context-parallel group (pcp * dcp), from the compile context
         # Check each step's metadata against the caches before the graph runs (outside
         # it; `validate_forward_args`). Set False only for a measured hot path.
         self.validate_inputs = True
@@ -177,6 +178,7 @@ class CompiledForward:
         if self.num_speculative_tokens > 0:
             kinds += ("verify",)
         self._pcp_size, self._pcp_rank = ctx.pcp.size, ctx.pcp.rank
+        self._cp_size = ctx.cp.size
         if isinstance(self.backend, CpAscendBackend):
             # This entry validates each step itself (validate_forward_args, with the
             # unflattened arguments): the backend's per-call check would repeat it.
@@ -237,7 +239,7 @@ class CompiledForward:
         bound = self.signature.bind(*args, **kwargs)
         if self.validate_inputs:
             # Global metadata: every rank refuses the same step, before any collective.
-            validate_forward_args(bound.arguments, dcp=validation_dcp(self.backend))
+            validate_forward_args(bound.arguments, cp=validation_cp(self.backend, self._cp_size))
         kind = self.batch_kind_of(bound.arguments)
         compiled = self._compiled[kind]
         pad = self._pads_single_token and _num_tokens(bound.arguments) == 1

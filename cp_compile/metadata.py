@@ -4,7 +4,8 @@ The metadata is what one device would see: identical on every rank. Block ids
 name *virtual* blocks of `block_size * pcp * dcp` tokens (`CPConfig.virtual_block_size`:
 the cache is sharded over the pcp * dcp ranks of the context-parallel group); each
 rank's page with the same id holds its `block_size` of them, so block tables need no
-localisation. The `dcp` arguments below are that shard count (pcp * dcp under PCP).
+localisation. The `cp` arguments below are that shard count: the size of the cache's
+context-parallel group (pcp * dcp; the DCP group at pcp = 1).
 
 Validation (`validate_metadata`, `AttentionMetadata.validate`, `validate_step`)
 runs before any cache write. It reads only the global metadata and the cache
@@ -56,10 +57,10 @@ class AttentionMetadata:
     def to(self, device: torch.device | str) -> "AttentionMetadata":
         return AttentionMetadata(**{f.name: getattr(self, f.name).to(device) for f in fields(self)})
 
-    def validate(self, *, num_blocks: int, block_size: int, dcp: int = 1, num_tokens: int | None = None) -> None:
+    def validate(self, *, num_blocks: int, block_size: int, cp: int = 1, num_tokens: int | None = None) -> None:
         """Raise `MetadataError` unless this step is safe for a cache of `num_blocks`
-        pages of `block_size` tokens per rank (virtual blocks of block_size * dcp)."""
-        validate_metadata(self, num_blocks=num_blocks, block_size=block_size, dcp=dcp, num_tokens=num_tokens)
+        pages of `block_size` tokens per rank (virtual blocks of block_size * cp)."""
+        validate_metadata(self, num_blocks=num_blocks, block_size=block_size, cp=cp, num_tokens=num_tokens)
 
 
 def batch_kind(meta: AttentionMetadata, num_speculative_tokens: int = 0) -> BatchKind:
@@ -89,13 +90,13 @@ def _first(mask: torch.Tensor) -> int:
     return int(torch.nonzero(mask.flatten())[0, 0])
 
 
-def validate_metadata(meta: AttentionMetadata, *, num_blocks: int, block_size: int, dcp: int = 1,
+def validate_metadata(meta: AttentionMetadata, *, num_blocks: int, block_size: int, cp: int = 1,
                       num_tokens: int | None = None) -> None:
     """Every check a step needs before it writes a cache; `MetadataError` on the first failure.
 
     num_blocks: pages per layer cache (the block-id range); block_size: tokens per
-    page on this rank; dcp: ranks a block is sharded over, pcp * dcp (a block id covers
-    block_size * dcp tokens);
+    page on this rank; cp: ranks a block is sharded over, the cache's context-parallel
+    group (pcp * dcp; a block id covers block_size * cp tokens);
     num_tokens: the step's token count (input_ids / q rows) when known.
 
     Checks, in order: field types and dtypes (int32/int64), shapes, a non-empty
@@ -107,7 +108,7 @@ def validate_metadata(meta: AttentionMetadata, *, num_blocks: int, block_size: i
     `meta.positions` is None: a graph that never reads it). Values are checked with
     vectorised ops and one host sync; locating a failure costs more, but only then.
     """
-    vbs = block_size * dcp
+    vbs = block_size * cp
     # -- types, dtypes, shapes: host-side, free.
     for f in fields(AttentionMetadata):
         t = getattr(meta, f.name)
@@ -275,13 +276,14 @@ def _refuse_sharded_caches(kv_caches: Sequence[Sequence[torch.Tensor]]) -> None:
                    "the step runs the single-device ops (uncompiled forward, or a backend other than cp_ascend)")
 
 
-def validate_step(meta: AttentionMetadata, kv_caches: Sequence[Sequence[torch.Tensor]], dcp: int | None = None,
+def validate_step(meta: AttentionMetadata, kv_caches: Sequence[Sequence[torch.Tensor]], cp: int | None = None,
                   num_tokens: int | None = None, single_device_ops: bool = False) -> None:
     """Validate one step's metadata against this rank's caches before anything is written.
 
     kv_caches: one tuple of cache tensors per layer, each [num_blocks, block_size, ...]
-    (this rank's shard). dcp: ranks a virtual block is spread over; defaults to the
-    initialised parallel state's pcp * dcp (1 without one). Run on every rank: the
+    (this rank's shard). cp: ranks a virtual block is spread over (the cache's
+    context-parallel group); defaults to the initialised parallel state's pcp * dcp
+    (1 without one): eager callers only, the compiled entry passes it. Run on every rank: the
     verdict depends only on global data, so all ranks
     refuse the same step before any collective. single_device_ops: the step runs the
     single-device attention ops as written (an eager forward, a backend other than
@@ -289,15 +291,15 @@ def validate_step(meta: AttentionMetadata, kv_caches: Sequence[Sequence[torch.Te
     """
     if single_device_ops:
         _refuse_sharded_caches(kv_caches)
-    if dcp is None:
+    if cp is None:
         state = parallel_state_or_none()
-        dcp = state.cfg.context_parallel_size if state is not None else 1
+        cp = state.cfg.context_parallel_size if state is not None else 1
     num_blocks, block_size, device = _cache_geometry(kv_caches)
     sm = meta.slot_mapping
     if isinstance(sm, torch.Tensor) and sm.device != device:
         raise MetadataError("metadata", f"is on {meta.slot_mapping.device} but the KV cache is on {device}",
                             f"move it with meta.to({str(device)!r})", value=str(meta.slot_mapping.device))
-    validate_metadata(meta, num_blocks=num_blocks, block_size=block_size, dcp=dcp, num_tokens=num_tokens)
+    validate_metadata(meta, num_blocks=num_blocks, block_size=block_size, cp=cp, num_tokens=num_tokens)
 
 
 def _check_count(name: str, value: Any, minimum: int) -> int:
@@ -489,14 +491,15 @@ def build_attention_metadata(
 
 
 
-def validate_forward_args(arguments: Mapping[str, Any], dcp: int | None = None) -> None:
+def validate_forward_args(arguments: Mapping[str, Any], cp: int | None = None) -> None:
     """`validate_step` for a model forward's bound arguments (the compiled entry).
 
     Finds the `AttentionMetadata` argument, the KV caches (`kv_caches`, else the first
     list of per-layer tuples of tensors) and the token count (`input_ids`); warns
-    (and checks nothing) when the forward takes no metadata or caches. `dcp` as for `validate_step`
-    (the compiled entry passes 1 for a backend other than cp_ascend:
-    `decorator.validation_dcp`).
+    (and checks nothing) when the forward takes no metadata or caches. `cp` as for
+    `validate_step` (the compiled entry passes its context's cp size under cp_ascend, 1
+    under any other backend: `decorator.validation_cp`); at cp = 1 the step runs the
+    single-device ops, so a sharded cache is refused.
     """
     meta = next((v for v in arguments.values() if isinstance(v, AttentionMetadata)), None)
     caches = arguments.get("kv_caches")
@@ -513,5 +516,5 @@ def validate_forward_args(arguments: Mapping[str, Any], dcp: int | None = None) 
                       "validate_inputs = False on the compiled entry to skip checking on purpose", stacklevel=2)
         return
     ids = arguments.get("input_ids")
-    validate_step(meta, caches, dcp=dcp, num_tokens=ids.shape[0] if isinstance(ids, torch.Tensor) else None,
-                  single_device_ops=dcp == 1)
+    validate_step(meta, caches, cp=cp, num_tokens=ids.shape[0] if isinstance(ids, torch.Tensor) else None,
+                  single_device_ops=cp == 1)

@@ -88,14 +88,18 @@ class StepCheck:
                 layers.append(caches)
         self._nodes = groups
         self.groups: tuple[_Group, ...] = ()
+        self.cp = 1  # set by bind: the compile context's pcp * dcp
         self.unchecked = tuple(unchecked)
 
     @property
     def empty(self) -> bool:
         return not self._nodes
 
-    def bind(self, gm: fx.GraphModule) -> None:
-        """Record the placeholder indices in `gm` (the graph after the passes)."""
+    def bind(self, gm: fx.GraphModule, cp: int) -> None:
+        """Record the placeholder indices in `gm` (the graph after the passes) and the
+        cache's context-parallel size `cp` (pcp * dcp) of the compile context, which
+        the check validates at (virtual blocks of block_size * cp)."""
+        self.cp = cp
         index = {n: i for i, n in enumerate(n for n in gm.graph.nodes if n.op == "placeholder")}
         self.groups = tuple(_Group(fields=tuple((f, index[n]) for f, n in fields),
                                    layers=tuple(tuple(index[c] for c in layer) for layer in layers))
@@ -114,7 +118,7 @@ class StepCheck:
             meta = AttentionMetadata(query_start_loc=values["query_start_loc"], seq_lens=values["seq_lens"],
                                      block_table=values["block_table"], slot_mapping=values["slot_mapping"],
                                      positions=values.get("positions"))  # type: ignore[arg-type]
-            validate_step(meta, [tuple(args[i] for i in layer) for layer in g.layers])
+            validate_step(meta, [tuple(args[i] for i in layer) for layer in g.layers], cp=self.cp)
 
 
 def checked(compiled: Callable[..., Any], check: StepCheck) -> Callable[..., Any]:

@@ -3,7 +3,7 @@
 The backend builds one `CompileContext` per compiled graph, from the parallel state
 (`init_parallel`), the model's `AttentionSpec` and the roles declared on
 `@cp_module`, and hands it to the pass pipeline. Passes and the parallel
-compositions read only this (or a narrow view of it, such as `dcp_view()`), never
+compositions read only this (or a narrow view of it, such as `cp_view()`), never
 module-level parallel state, so a pass can be run and tested in one process on a
 context built by hand (`CompileContext.for_test`).
 """
@@ -181,21 +181,15 @@ class CompileContext:
         """The role whose module owns parameter `fqn` (a qualified name), if any."""
         return next((r.role for r in self.roles if fqn in r.parameters), None)
 
-    def dcp_view(self) -> DCPContext:
-        """The narrow view the DCP compositions are specialised on."""
-        cfg = self.config
-        return DCPContext(dcp=self.dcp.size, rank=self.dcp.rank, interleave=cfg.cp_kv_cache_interleave_size,
-                          block_size=cfg.block_size, group_name=self.dcp.name, merge=cfg.dcp_merge)
-
-    def decode_view(self) -> DCPContext:
-        """The view DCP attention runs on: the cache's context-parallel group. At
-        pcp = 1 it is `dcp_view()`; at pcp > 1 decode graphs attend the cache the PCP
+    def cp_view(self) -> DCPContext:
+        """The view DCP attention runs on: the cache's context-parallel group `cp`. At
+        pcp = 1 it is the DCP group; at pcp > 1 decode graphs attend the cache the PCP
         prefill laid out over N = pcp * dcp ranks, so N and the rank are the CP
         group's (docs/pcp.md §5)."""
         cfg = self.config
         cp = self.cp
         assert cp is not None  # filled by __post_init__
-        return DCPContext(dcp=cp.size, rank=cp.rank, interleave=cfg.cp_kv_cache_interleave_size,
+        return DCPContext(size=cp.size, rank=cp.rank, interleave=cfg.cp_kv_cache_interleave_size,
                           block_size=cfg.block_size, group_name=cp.name, merge=cfg.dcp_merge)
 
     def pcp_view(self) -> PCPContext:

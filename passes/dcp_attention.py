@@ -90,7 +90,7 @@ class DCPAttentionPass(CPPass):
         super().__init__(ctx)
         # The cache's context-parallel group: the DCP group at pcp = 1, the pcp * dcp
         # ranks the PCP prefill sharded the cache over at pcp > 1 (docs/pcp.md §5).
-        self.dcp = ctx.decode_view()
+        self.cp = ctx.cp_view()
 
     @classmethod
     def is_enabled(cls, ctx: CompileContext) -> bool:
@@ -104,14 +104,14 @@ class DCPAttentionPass(CPPass):
 
     def __call__(self, gm: fx.GraphModule) -> int:
         self.prepare(gm)
-        self.dcp, self.decision = resolve_merge(self.ctx, self.dcp, gm, self.patterns)
+        self.cp, self.decision = resolve_merge(self.ctx, self.cp, gm, self.patterns)
         graph = gm.graph
         tracer = fx.proxy.GraphAppendingTracer(graph)
         wrap = lambda a: fx.map_arg(a, lambda n: ShapedProxy(n, tracer))  # noqa: E731
         # Metadata localisation once per graph (per distinct metadata): every layer reuses it.
         count, _ = rewrite_attention_nodes(
-            graph, self.patterns, wrap, lambda *meta: dcp_compose.localize(self.dcp, *meta),
-            lambda pattern, args, local: pattern.composition(**args, ctx=self.dcp, local=local))
+            graph, self.patterns, wrap, lambda *meta: dcp_compose.localize(self.cp, *meta),
+            lambda pattern, args, local: pattern.composition(**args, ctx=self.cp, local=local))
         if count:
             # No dead-code elimination: the cache writes have no users by design.
             graph.lint()

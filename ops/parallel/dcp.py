@@ -11,7 +11,7 @@ serve both uses:
   proxies, which records the building blocks and the collectives as graph nodes.
 
 Compositions receive a `DCPContext`: the narrow view of the compile context
-(`cp_compile.passes.context.CompileContext.dcp_view()`) holding only what DCP attention is
+(`cp_compile.passes.context.CompileContext.cp_view()`) holding only what DCP attention is
 specialised on. Nothing here reads module-level parallel state.
 
 Head layout: collectives work on dim 0, so tensors cross the wire head-major
@@ -36,13 +36,19 @@ _cp = torch.ops.cp
 
 @dataclass(frozen=True)
 class DCPContext:
-    """Static facts a DCP graph is specialised on (baked into the traced graph)."""
+    """Static facts a DCP graph is specialised on (baked into the traced graph).
 
-    dcp: int
+    size / rank / group_name: the group the composition runs over. For attention
+    over the cache that is the cache's context-parallel group (`CompileContext.cp`:
+    the DCP group at pcp = 1, the pcp * dcp ranks at pcp > 1); for the head gather
+    inside a PCP prefill it is the DCP group (`PCPContext.dcp_group_view`).
+    """
+
+    size: int
     rank: int
     interleave: int
     block_size: int  # per-rank page size
-    group_name: str  # the DCP group's name for the functional collectives
+    group_name: str  # the group's name for the functional collectives
     merge: Literal["ag_rs", "a2a"] = "ag_rs"
 
 
@@ -55,7 +61,7 @@ class LocalMetadata(NamedTuple):
 
 def localize(ctx: DCPContext, slot_mapping: Tensor, query_start_loc: Tensor, seq_lens: Tensor) -> LocalMetadata:
     """Once per forward: the metadata every DCP layer of this rank shares."""
-    out = _cp.dcp_localize_metadata.default(slot_mapping, query_start_loc, seq_lens, ctx.dcp, ctx.rank,
+    out = _cp.dcp_localize_metadata.default(slot_mapping, query_start_loc, seq_lens, ctx.size, ctx.rank,
                                             ctx.interleave, ctx.block_size)
     return LocalMetadata(out[0], out[1], out[2], out[3])
 
@@ -69,7 +75,7 @@ def dense(x: Tensor) -> Tensor:
 
 def all_gather_heads(x: Tensor, ctx: DCPContext) -> Tensor:
     """[T, H, ...] on each rank -> [T, N*H, ...], heads in group rank order."""
-    g = _c10d.all_gather_into_tensor.default(dense(x.transpose(0, 1)), ctx.dcp, ctx.group_name)
+    g = _c10d.all_gather_into_tensor.default(dense(x.transpose(0, 1)), ctx.size, ctx.group_name)
     return _c10d.wait_tensor.default(g).transpose(0, 1)
 
 
@@ -111,9 +117,9 @@ def gathered_gqa_partial(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tabl
                          ctx: DCPContext) -> tuple[Tensor, Tensor]:
     """Every rank's query heads against this rank's shard: q [T, Hq, D] ->
     (out [T, N*Hq, Dv], lse [T, N*Hq]), heads rank-major, each with its own KV head."""
-    q_all = kv_major_heads(all_gather_heads(q, ctx), ctx.dcp, kv_heads)  # [T, N*Hq, D]
+    q_all = kv_major_heads(all_gather_heads(q, ctx), ctx.size, kv_heads)  # [T, N*Hq, D]
     part = _cp.paged_attention_lse.default(q_all, k_cache, v_cache, block_table, query_start_loc, kv_lens, scale)
-    return rank_major_heads(part[0], ctx.dcp, kv_heads), rank_major_heads(part[1], ctx.dcp, kv_heads)
+    return rank_major_heads(part[0], ctx.size, kv_heads), rank_major_heads(part[1], ctx.size, kv_heads)
 
 
 def merge_heads(out: Tensor, lse: Tensor, ctx: DCPContext, heads: int, v_dim: int,
@@ -129,21 +135,21 @@ def merge_heads(out: Tensor, lse: Tensor, ctx: DCPContext, heads: int, v_dim: in
                          "replace 'auto' by the merge it chose ('ag_rs' or 'a2a')")
     if ctx.merge == "ag_rs":
         # All-gather the LSEs, weight the local partial, reduce-scatter the sum.
-        lse_all = _c10d.all_gather_into_tensor.default(dense(lse.transpose(0, 1)), ctx.dcp, ctx.group_name)
+        lse_all = _c10d.all_gather_into_tensor.default(dense(lse.transpose(0, 1)), ctx.size, ctx.group_name)
         lse_all = _c10d.wait_tensor.default(lse_all)  # [N*N*H, T]
         rescaled = _cp.lse_rescale.default(out, lse, lse_all)
         scaled, total = rescaled[0], rescaled[1]
         summed = _c10d.reduce_scatter_tensor.default(dense(scaled.to(dtype).transpose(0, 1)), "sum",
-                                                     ctx.dcp, ctx.group_name)
+                                                     ctx.size, ctx.group_name)
         mine = _c10d.wait_tensor.default(summed).transpose(0, 1)  # [T, H, Dv]
         total = total.transpose(0, 1)[ctx.rank * heads:(ctx.rank + 1) * heads]  # this rank's heads
         return dense(mine), total.transpose(0, 1)
     # One all-to-all of [out | lse]; the fp32 LSE rides as raw bytes in out's dtype.
     packed = torch.cat([out, lse.unsqueeze(-1).view(dtype)], dim=-1)  # [T, N*H, Dv + w]
-    splits = [heads] * ctx.dcp
+    splits = [heads] * ctx.size
     recv = _c10d.all_to_all_single.default(dense(packed.transpose(0, 1)), splits, splits, ctx.group_name)
     recv = _c10d.wait_tensor.default(recv)  # [N*H, T, Dv + w]: chunk j = rank j's partial of my heads
-    parts = recv.unflatten(0, (ctx.dcp, heads))  # [N, H, T, Dv + w]
+    parts = recv.unflatten(0, (ctx.size, heads))  # [N, H, T, Dv + w]
     lses = dense(parts[..., v_dim:]).view(torch.float32).squeeze(-1)  # [N, H, T]
     merged = _cp.lse_combine.default(parts[..., :v_dim], lses)
     merged, total = merged[0], merged[1]
@@ -198,7 +204,7 @@ def dcp_sfa_attention(q_nope: Tensor, q_pe: Tensor, kv_c: Tensor, k_pe: Tensor, 
     if local is None:
         local = localize(ctx, slot_mapping, query_start_loc, seq_lens)
     _cp.cache_write.default(torch.cat([kv_c, k_pe], dim=-1), kv_cache, local.slot_mapping)
-    idx = _cp.dcp_sparse_indices.default(topk_indices, ctx.dcp, ctx.rank, ctx.interleave, ctx.block_size)
+    idx = _cp.dcp_sparse_indices.default(topk_indices, ctx.size, ctx.rank, ctx.interleave, ctx.block_size)
     L = q_nope.shape[-1]
     q_all = all_gather_heads_fused(q_nope, q_pe, ctx)  # [T, N*H, L+R]
     part = _cp.sparse_mla_partial_attention.default(q_all[..., :L], q_all[..., L:], kv_cache, block_table,

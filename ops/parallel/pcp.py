@@ -15,7 +15,7 @@ data-dependent Python control flow, so a pass can trace them):
    them back in global order;
 2. write this rank's shard of them: the cache is sharded over N = pcp * dcp ranks
    with the §5 rule, cp rank = pcp_rank * dcp + dcp_rank (a DCP decode with
-   `DCPContext(dcp=N, rank=cp rank)` reads it in place);
+   `DCPContext(size=N, rank=cp rank)` reads it in place);
 3. new-token part: this rank's queries attend causally to the gathered new tokens
    at their global positions (no collective);
 4. context part: queries all-gathered over DCP (heads) and PCP (tokens), every rank
@@ -69,12 +69,12 @@ class PCPContext:
     def layout_view(self) -> DCPContext:
         """The cache layout as `localize` sees it: N = pcp*dcp, rank = cp rank.
         Its group name is unused by `localize` (no collective)."""
-        return DCPContext(dcp=self.cp_size, rank=self.cp_rank, interleave=self.interleave,
+        return DCPContext(size=self.cp_size, rank=self.cp_rank, interleave=self.interleave,
                           block_size=self.block_size, group_name="")
 
     def dcp_group_view(self) -> DCPContext:
         """The DCP group, for the head gather / head merge of the context part."""
-        return DCPContext(dcp=self.dcp, rank=self.dcp_rank, interleave=self.interleave,
+        return DCPContext(size=self.dcp, rank=self.dcp_rank, interleave=self.interleave,
                           block_size=self.block_size, group_name=self.dcp_group_name, merge=self.merge)
 
 

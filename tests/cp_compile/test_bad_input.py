@@ -258,7 +258,7 @@ def _dcp_world(rank: int, world: int, hf_config, state_dict, ok_config, ok_state
     alloc = cp_compile.BlockAllocator(4, cfg.virtual_block_size)
     meta = cp_compile.build_attention_metadata([(0, 3)], alloc, num_padding_tokens=1)
     meta.slot_mapping[2] = 4 * cfg.virtual_block_size + 2  # position 2: owned by rank 0 (interleave 1)
-    ctx = D.DCPContext(dcp=2, rank=state.dcp_rank, interleave=1, block_size=4, group_name=state.dcp_group_name)
+    ctx = D.DCPContext(size=2, rank=state.dcp_rank, interleave=1, block_size=4, group_name=state.dcp_group_name)
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(meta.num_tokens, h, 8, generator=g) for h in (2, 1, 1))
     before = _clone(cache.layers)
@@ -282,7 +282,7 @@ def _dcp_world(rank: int, world: int, hf_config, state_dict, ok_config, ok_state
     out["compiled_graphs"] = len(compiled.backend.pass_managers)
     # A forward compiled with another backend runs the single-device ops as written:
     # its (dcp = 1) caches are checked at dcp = 1 even on this DCP state.
-    from cp_compile.decorator import validation_dcp
+    from cp_compile.decorator import validation_cp
     from cp_compile.metadata import validate_forward_args
 
     plain_alloc = cp_compile.BlockAllocator(4, 4)  # dcp = 1 blocks of 4 tokens
@@ -291,14 +291,14 @@ def _dcp_world(rank: int, world: int, hf_config, state_dict, ok_config, ok_state
     # Plain (unsharded) caches of the same shapes: copies carry no shard tag.
     plain_layers = [tuple(t.clone() for t in layer) for layer in cache.layers]
     plain_args = {"input_ids": torch.zeros(1, dtype=torch.long), "kv_caches": plain_layers, "meta": plain}
-    validate_forward_args(plain_args, dcp=validation_dcp("inductor"))
+    validate_forward_args(plain_args, cp=validation_cp("inductor", 2))
     # This rank's DCP shard under the single-device ops is refused (issue 19), before any write.
     try:
-        validate_forward_args({**plain_args, "kv_caches": cache.layers}, dcp=validation_dcp("inductor"))
+        validate_forward_args({**plain_args, "kv_caches": cache.layers}, cp=validation_cp("inductor", 2))
     except cp_compile.ConfigError as e:
         out["sharded_under_plain"] = str(e)
     try:
-        validate_forward_args(plain_args, dcp=validation_dcp(compiled.backend))
+        validate_forward_args(plain_args, cp=validation_cp(compiled.backend, 2))
     except MetadataError as e:
         out["plain_under_dcp"] = str(e)
     # The group is still in step: a valid step runs on both ranks.

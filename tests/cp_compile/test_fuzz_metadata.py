@@ -151,7 +151,7 @@ def oracle(meta: AttentionMetadata, q: torch.Tensor, k: torch.Tensor, v: torch.T
 def run_single(meta: AttentionMetadata, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kc: torch.Tensor,
                vc: torch.Tensor) -> torch.Tensor | MetadataError:
     try:
-        cp_compile.validate_step(meta, [(kc, vc)], dcp=1, num_tokens=q.shape[0])
+        cp_compile.validate_step(meta, [(kc, vc)], cp=1, num_tokens=q.shape[0])
         return torch.ops.cp.gqa_paged_attention(q, k, v, kc, vc, meta.slot_mapping, meta.block_table,
                                                 meta.seq_lens, meta.query_start_loc, SCALE)
     except MetadataError as e:
@@ -223,7 +223,7 @@ def _dcp_cases(rank: int, world: int, cases_: list[dict]) -> list[tuple]:
 
     cfg = cp_compile.CPConfig(tensor_parallel_size=2, decode_context_parallel_size=2, block_size=VBS // 2)
     state = cp_compile.init_parallel(cfg, device="cpu", timeout=30)
-    ctx = D.DCPContext(dcp=2, rank=state.dcp_rank, interleave=1, block_size=VBS // 2,
+    ctx = D.DCPContext(size=2, rank=state.dcp_rank, interleave=1, block_size=VBS // 2,
                        group_name=state.dcp_group_name)
     out = []
     for case in cases_:
@@ -234,7 +234,7 @@ def _dcp_cases(rank: int, world: int, cases_: list[dict]) -> list[tuple]:
         kc, vc = rank_caches(case["seed"], rank)
         kc0, vc0 = kc.clone(), vc.clone()
         try:
-            cp_compile.validate_step(meta, [(kc, vc)], num_tokens=T)  # dcp from the parallel state
+            cp_compile.validate_step(meta, [(kc, vc)], num_tokens=T)  # cp from the parallel state
             o = D.dcp_gqa_attention(q, k, v, kc, vc, meta.slot_mapping, meta.block_table, meta.seq_lens,
                                     meta.query_start_loc, SCALE, ctx)
             out.append(("ok", o, kc, vc))

@@ -149,7 +149,7 @@ def _run(rank: int, world: int, cases: list[Case]):
                                             *_meta_args(meta), row, 0.2, pctx)
                 outs.append((row, o))
             else:  # decode on the same cache through the DCP composition at N = pcp*dcp
-                dctx = D.DCPContext(dcp=pctx.cp_size, rank=cp_rank, interleave=case.interleave,
+                dctx = D.DCPContext(size=pctx.cp_size, rank=cp_rank, interleave=case.interleave,
                                     block_size=BLOCK, group_name=cp_name, merge=case.merge)
                 if case.kind == "gqa":
                     o = D.dcp_gqa_attention(x["q"], x["k"], x["v"], *caches, *_meta_args(meta), 0.25, dctx)

@@ -95,7 +95,7 @@ def _run_cases(rank: int, world: int, cases: list[Case]) -> list[list[torch.Tens
                                   cp_kv_cache_interleave_size=case.interleave, block_size=BLOCK,
                                   dcp_merge=case.merge)
         state = cp_compile.init_parallel(cfg, device="cpu")
-        ctx = CompileContext.from_state(state).dcp_view()
+        ctx = CompileContext.from_state(state).cp_view()
         caches = _caches(case, BLOCK, 1, case.dtype)
         outs = []
         for step, meta in enumerate(_metas(case)):

@@ -42,8 +42,8 @@ def _run(rank: int, world: int, cases: list[tuple]) -> list[list[torch.Tensor]]:
     for kv, fn, merge, batch in cases:
         cfg = cp_compile.CPConfig(prefill_context_parallel_size=PCP, block_size=BLOCK, dcp_merge=merge)
         state = cp_compile.init_parallel(cfg, device="cpu")
-        ctx = CompileContext.from_state(state).decode_view()  # what the PCP decode graph runs on
-        assert (ctx.dcp, ctx.rank) == (PCP, rank)
+        ctx = CompileContext.from_state(state).cp_view()  # what the PCP decode graph runs on
+        assert (ctx.size, ctx.rank) == (PCP, rank)
         caches = _caches(kv, BLOCK)
         compose = D.dcp_gqa_attention
         steps = []

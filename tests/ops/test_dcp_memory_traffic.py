@@ -33,7 +33,7 @@ def _measure(rank, world, cases):
         cfg = cp_compile.CPConfig(tensor_parallel_size=world, decode_context_parallel_size=dcp, block_size=4,
                                   dcp_merge=merge)
         st = cp_compile.init_parallel(cfg, device="cpu")
-        ctx = CompileContext.from_state(st).dcp_view()
+        ctx = CompileContext.from_state(st).cp_view()
         alloc = cp_compile.BlockAllocator(8, 4 * dcp)
         cp_compile.build_attention_metadata([(0, 6), (0, 3), (0, 9)], alloc)
         meta = cp_compile.build_attention_metadata([(6, 1), (3, 1), (9, 1)], alloc)

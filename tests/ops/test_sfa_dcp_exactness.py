@@ -85,7 +85,7 @@ def _run_cases(rank: int, world: int, cases: list[Case]) -> list[list[tuple[torc
                                   cp_kv_cache_interleave_size=case.interleave, block_size=BLOCK,
                                   dcp_merge=case.merge)
         state = cp_compile.init_parallel(cfg, device="cpu")
-        ctx = CompileContext.from_state(state).dcp_view()
+        ctx = CompileContext.from_state(state).cp_view()
         latent = torch.zeros(NUM_BLOCKS, BLOCK, L + R, dtype=case.dtype)  # this rank's shard
         index_cache = _index_cache(case)
         hl = H // world
