@@ -183,6 +183,9 @@ class Rope:
     cos: fx.Node  # [..., R/2] source of cos (reshaped to [T, R/2] for the op)
     sin: fx.Node
     mode: str
+    # cos / sin are full width [..., R] with equal halves (HF `cat((freqs, freqs))`, the
+    # rotate_half form): the op takes their first half.
+    full_width: bool = False
 
 
 def _rotation(sub: Any, add: Any) -> tuple[Any, Any, Any, Any] | None:
@@ -216,8 +219,57 @@ def _angle_source(c: Any, dtype: torch.dtype) -> Any:
     return n
 
 
+def _duplicated_halves(n: Any) -> bool:
+    """n is elementwise of `cat((f, f), -1)` (HF's rotary table: `emb = cat((freqs, freqs))`,
+    `cos = emb.cos() * scaling`, cast): its two halves hold equal values."""
+    while True:
+        if _method(n, "to", "cos", "sin", "float") or _fn(n, torch.cos, torch.sin):
+            n = n.args[0]
+        elif _fn(n, operator.mul, torch.mul) and len(n.args) == 2 and _is_float_literal(n.args[1]):
+            n = n.args[0]
+        elif _fn(n, operator.mul, torch.mul) and len(n.args) == 2 and _is_float_literal(n.args[0]):
+            n = n.args[1]
+        elif isinstance(n, fx.Node) and n is not strip(n):
+            n = strip(n)
+        else:
+            break
+    pair = _cat_pair(n)
+    return pair is not None and pair[0] is pair[1]
+
+
+def _rotate_half(n: Any) -> Rope | None:
+    """HF `apply_rotary_pos_emb` (rope_interleave=False): add(x * cos, cat((-x2, x1), -1) * sin),
+    x1 / x2 = x's halves, cos / sin full width. The op's neox mode computes the same
+    x1 * c - x2 * s, x2 * c + x1 * s (a + (-b) == a - b in IEEE arithmetic), with c the
+    first half of cos; taken only where the table's halves are provably equal."""
+    if not (_fn(n, operator.add) and len(n.args) == 2):
+        return None
+    straight, rotated = _mul_operands(n.args[0]), _mul_operands(n.args[1])
+    if straight is None or rotated is None:
+        return None
+    (x, c), (rot, s) = straight, rotated
+    pair = _cat_pair(rot)
+    if pair is None or not _fn(pair[0], operator.neg, torch.neg):
+        return None
+    x2, x1 = pair[0].args[0], pair[1]
+    t = _tensor(x)
+    if t is None or not (_fn(x1, operator.getitem) and _fn(x2, operator.getitem)) \
+            or x1.args[0] is not x or x2.args[0] is not x:
+        return None
+    half = t.shape[-1] // 2
+    if _last_dim_slice(x1) != slice(None, half, None) or _last_dim_slice(x2) != slice(half, None, None):
+        return None
+    cos, sin = _angle_source(c, t.dtype), _angle_source(s, t.dtype)
+    if not (_duplicated_halves(cos) and _duplicated_halves(sin)):
+        return None
+    return Rope(x, cos, sin, "neox", full_width=True)
+
+
 def match_rope(n: Any) -> Rope | None:
-    """The three rope layouts of `mla_preprocess_reference.rope`, on the last dim."""
+    """The three rope layouts of `mla_preprocess_reference.rope`, on the last dim (neox also
+    in HF's rotate_half form)."""
+    if (r := _rotate_half(n)) is not None:
+        return r
     rot, mode = None, None
     if _method(n, "flatten") and tuple(n.args[1:]) == (-2,) and _fn(n.args[0], torch.stack) \
             and _arg(n.args[0], 1, "dim") == -1 and len(n.args[0].args[0]) == 2:
@@ -266,6 +318,7 @@ class LayerMatch:
     sin: fx.Node
     rope_mode: str
     q_resid: fx.Node | None  # the unfused q_resid node (its other readers get the op's)
+    full_width: bool = False  # cos / sin [..., R] with equal halves (Rope.full_width)
 
 
 def _split_part(n: Any, sizes: list[int]) -> tuple[fx.Node, int] | None:
@@ -357,7 +410,8 @@ def match_layer(attention: fx.Node) -> LayerMatch | None:
                 != (nope_part[0], 1):
             return None
         q_lin = _token_major_q(nope_part[0], nope + R)
-    if q_lin is None or q_rope.mode != k_rope.mode or strip(q_rope.cos) is not strip(k_rope.cos) \
+    if q_lin is None or (q_rope.mode, q_rope.full_width) != (k_rope.mode, k_rope.full_width) \
+            or strip(q_rope.cos) is not strip(k_rope.cos) \
             or strip(q_rope.sin) is not strip(k_rope.sin):
         return None
     q_b = match_linear(strip(q_lin))
@@ -377,7 +431,7 @@ def match_layer(attention: fx.Node) -> LayerMatch | None:
     if _tensor(x) is None or _tensor(x).dim() not in (2, 3):
         return None
     return LayerMatch(attention, x, q_a, q_a_norm, q_eps, q_b, kv_a, kv_norm, kv_eps, w_uk, k_rope.cos, k_rope.sin,
-                      k_rope.mode, q_resid)
+                      k_rope.mode, q_resid, k_rope.full_width)
 
 
 # ----------------------------------------------------------------------------- rewriting
@@ -432,13 +486,18 @@ def drop_unread_buffers(graph: fx.Graph) -> list[fx.Node]:
     return freed
 
 
-def _cos_sin_for_op(graph: fx.Graph, src: fx.Node) -> fx.Node:
-    """cos / sin as the op takes them: [T, R/2] (the example's [T, R/2], HF's [1, T, R/2] slice)."""
+def _cos_sin_for_op(graph: fx.Graph, src: fx.Node, full_width: bool) -> fx.Node:
+    """cos / sin as the op takes them: [T, R/2] (the example's [T, R/2], HF's [1, T, R/2] slice;
+    HF's full-width rotate_half table [1, T, R]: its first half)."""
     t = _tensor(src)
-    if t.dim() == 2:
+    width = t.shape[-1] // 2 if full_width else t.shape[-1]
+    if full_width:
+        with graph.inserting_after(src):
+            src = graph.call_function(operator.getitem, (src, (Ellipsis, slice(None, width, None))))
+    if t.dim() == 2 and not full_width:
         return src
     with graph.inserting_after(src):
-        return graph.call_method("reshape", (src, -1, t.shape[-1]))
+        return graph.call_method("reshape", (src, -1, width))
 
 
 def _flat_x(graph: fx.Graph, x: fx.Node) -> fx.Node:
@@ -451,7 +510,7 @@ def _flat_x(graph: fx.Graph, x: fx.Node) -> fx.Node:
 
 def rewrite_layer(graph: fx.Graph, m: LayerMatch) -> fx.Node:
     """Insert the op after the last of its inputs; the attention reads its outputs."""
-    cos, sin = _cos_sin_for_op(graph, m.cos), _cos_sin_for_op(graph, m.sin)
+    cos, sin = _cos_sin_for_op(graph, m.cos, m.full_width), _cos_sin_for_op(graph, m.sin, m.full_width)
     x = _flat_x(graph, m.x)
     q_a = m.q_a or Linear(x, None)  # type: ignore[arg-type]
     inputs = [x, q_a.weight, q_a.scale, q_a.offset, m.q_a_norm, m.q_b.weight, m.q_b.scale, m.q_b.offset,

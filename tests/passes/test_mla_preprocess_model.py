@@ -50,15 +50,16 @@ def _count(hist: dict[str, int], name: str) -> int:
 
 
 def run_pair(rank: int, world: int, hf_config, state_dict, cfg_kwargs: dict, quant: bool,
-             lowering: str) -> dict:
+             lowering: str, dtype: torch.dtype = torch.float32) -> dict:
     """Off, then on: logits per step, pass records per graph."""
     out = {}
     for on in (False, True):
         cfg = cp_compile.CPConfig(block_size=BLOCK, enable_mla_preprocess=on, **cfg_kwargs)
         state = cp_compile.init_parallel(cfg, device="cpu") if world > 1 else None
         model = build(hf_config, state_dict, cfg.tensor_parallel_size, state.tp_rank if state else 0,
-                      state.tp_group if state else None, quant)
-        cache = cp_compile.allocate_kv_cache(cfg, model.kv_cache_spec(), NUM_BLOCKS, attention=model.attention_spec())
+                      state.tp_group if state else None, quant).to(dtype)
+        cache = cp_compile.allocate_kv_cache(cfg, model.kv_cache_spec(), NUM_BLOCKS, dtype=dtype,
+                                             attention=model.attention_spec())
         torch._dynamo.reset()
         compiled = cp_compile.compile_model(model, lowering=lowering, config=None if state else cfg)
 
@@ -79,14 +80,14 @@ def run_pair(rank: int, world: int, hf_config, state_dict, cfg_kwargs: dict, qua
     return out
 
 
-def check_pair(res: dict, quant: bool, lowering: str, folded: bool = True) -> list[dict]:
+def check_pair(res: dict, quant: bool, lowering: str, folded: bool = True, tol: float = 1e-5) -> list[dict]:
     off, on = res[False], res[True]
     assert on["tokens"] == off["tokens"]
     for a, b in zip(on["logits"], off["logits"]):
         if quant and lowering == "aot_eager":
             assert torch.equal(a, b)
         else:
-            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(a, b, rtol=tol, atol=tol)
     records = []
     for graph in on["graphs"]:
         rec = {name: (n, before, after) for name, n, before, after in graph}
@@ -113,12 +114,22 @@ def test_one_device_fused_equals_unfused(kind, quant):
     check_pair(res, quant, "aot_eager")
 
 
-def test_hf_deepseek_v3_every_layer_rewritten():
+def test_one_device_bf16_fused_equals_unfused():
+    """A bf16 model: the rms-norm / rope casts are matched in bf16 too (every layer rewritten),
+    logits within bf16's tolerance."""
+    hf = hf_deepseek_v3(q_lora_rank=None, num_layers=LAYERS)
+    check_pair(run_pair(0, 1, hf.config, hf.state_dict(), {}, False, "aot_eager", torch.bfloat16), False,
+               "aot_eager", tol=2e-2)
+
+
+@pytest.mark.parametrize("rope_interleave", [True, False], ids=["interleave", "rotate_half"])
+def test_hf_deepseek_v3_every_layer_rewritten(rope_interleave):
     """An unmodified HF DeepSeek-V3 through cp_compile.hf: its own projections, HF rope
-    (interleaved pairs split into halves), the head layout, the dead per-head K."""
+    (interleaved pairs split into halves, or rotate_half over a cat((freqs, freqs)) table),
+    the head layout, the dead per-head K."""
     from cp_compile.hf.engine import Engine
 
-    hf = hf_deepseek_v3(q_lora_rank=24, num_layers=LAYERS)
+    hf = hf_deepseek_v3(q_lora_rank=24, num_layers=LAYERS, rope_interleave=rope_interleave)
     prompts = [[1, 2, 3, 4, 5], [6, 7, 8]]
     outs = {}
     for on in (False, True):
