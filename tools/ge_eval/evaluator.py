@@ -633,10 +633,12 @@ def _scatter_nd_update(ctx, ins, a):
     bounds = torch.tensor(list(var.shape[:k]))
     inside = ((idx >= 0) & (idx < bounds)).all(dim=1)
     dropped = int((~inside).sum())
-    # CANN's ScatterNdUpdate page documents no behaviour for out-of-range rows (TF's
-    # CPU kernel raises, its GPU kernel skips them): the reference skips, and says so.
-    ctx.findings.assume(f"ScatterNdUpdate: rows with out-of-range indices are dropped (undocumented; "
-                        f"-1 cache slots rely on it)", dropped)
+    # CANN's aclnnScatterNdUpdate page (CANN 8.2.RC1.alpha002) says out-of-range indices
+    # are NOT supported ("indices中的索引数据不支持越界"); TF's CPU kernel raises, its GPU
+    # kernel skips them. The reference skips them and reports every graph that has them:
+    # the -1 cache slots of the GE cache writes (ops/ge/cache.py, open: issue 21).
+    ctx.findings.assume(f"ScatterNdUpdate: rows with out-of-range indices are dropped (CANN's aclnn page: "
+                        f"out-of-range indices unsupported; -1 cache slots rely on it)", dropped)
     idx, upd = idx[inside], upd[inside]
     if idx.shape[0] != torch.unique(idx, dim=0).shape[0]:
         raise ctx.fail("duplicate indices (the order of the writes is undocumented)")
