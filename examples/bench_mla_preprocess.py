@@ -69,19 +69,23 @@ def main(argv: list[str] | None = None) -> dict:
         runs[on] = dict(fn=compiled, cache=cache, compile_s=0.0, t0=t0)
     metas = _steps(args.tokens, args.decode_batch, block, num_blocks)
     times: dict[tuple[bool, str], list[float]] = {}
+    cpu: dict[tuple[bool, str], list[float]] = {}
     logits: dict[tuple[bool, str], torch.Tensor] = {}
     for step in range(args.steps + 1):  # step 0 compiles (prefill and decode share the graph)
         for kind, meta in metas.items():
             ids = torch.arange(meta.num_tokens) % 1000
             for on in (False, True):
                 r = runs[on]
-                t = time.perf_counter()
+                t, c = time.perf_counter(), time.process_time()
                 logits[(on, kind)] = r["fn"](ids, meta.positions, r["cache"].layers, meta)
-                dt = time.perf_counter() - t
+                dt, dc = time.perf_counter() - t, time.process_time() - c
                 if step == 0:
                     r["compile_s"] += dt
                 else:
                     times.setdefault((on, kind), []).append(dt)
+                    # CPU seconds of this process (all threads): less sensitive than wall time
+                    # to other jobs on a shared machine.
+                    cpu.setdefault((on, kind), []).append(dc)
     hist = {}
     for on in (False, True):
         pm = runs[on]["fn"].backend.pass_managers[0]
@@ -99,12 +103,24 @@ def main(argv: list[str] | None = None) -> dict:
                max_abs_logit_diff={k: float((logits[(True, k)] - logits[(False, k)]).abs().max()) for k in metas},
                median_s={f"{k}_{'on' if on else 'off'}": statistics.median(times[(on, k)])
                          for on in (False, True) for k in metas},
+               min_s={f"{k}_{'on' if on else 'off'}": min(times[(on, k)]) for on in (False, True) for k in metas},
+               max_s={f"{k}_{'on' if on else 'off'}": max(times[(on, k)]) for on in (False, True) for k in metas},
+               cpu_median_s={f"{k}_{'on' if on else 'off'}": statistics.median(cpu[(on, k)])
+                             for on in (False, True) for k in metas},
+               cpu_min_s={f"{k}_{'on' if on else 'off'}": min(cpu[(on, k)]) for on in (False, True) for k in metas},
+               cpu_max_s={f"{k}_{'on' if on else 'off'}": max(cpu[(on, k)]) for on in (False, True) for k in metas},
                compile_s={("on" if on else "off"): runs[on]["compile_s"] for on in (False, True)})
     print(f"MLAPO at deepseek-r1-tp8 ({LAYERS} layers, fp32, {args.lowering}); median of {args.steps} steps")
-    print(f"| step | off (s) | on (s) | on / off |\n|---|---|---|---|")
+    print(f"| step | off median [min, max] (s) | on median [min, max] (s) | on / off (medians) |\n|---|---|---|---|")
     for k in metas:
         a, b = out["median_s"][f"{k}_off"], out["median_s"][f"{k}_on"]
-        print(f"| {k} ({metas[k].num_tokens} tokens) | {a:.4f} | {b:.4f} | {b / a:.3f} |")
+        span = {on: f"[{out['min_s'][f'{k}_{on}']:.4f}, {out['max_s'][f'{k}_{on}']:.4f}]" for on in ("off", "on")}
+        print(f"| {k} ({metas[k].num_tokens} tokens) | {a:.4f} {span['off']} | {b:.4f} {span['on']} | {b / a:.3f} |")
+    print("process CPU seconds per step (all threads):")
+    for k in metas:
+        a, b = out["cpu_median_s"][f"{k}_off"], out["cpu_median_s"][f"{k}_on"]
+        span = {on: f"[{out['cpu_min_s'][f'{k}_{on}']:.4f}, {out['cpu_max_s'][f'{k}_{on}']:.4f}]" for on in ("off", "on")}
+        print(f"| {k} CPU | {a:.4f} {span['off']} | {b:.4f} {span['on']} | {b / a:.3f} |")
     print(f"graph ops: {hist['ops_before']} -> {hist['ops_after']} ({per_layer:.1f} fewer per layer; "
           f"{hist['rewrites']} layers rewritten, {hist['writes_folded']} cache writes folded)")
     print(json.dumps(out))

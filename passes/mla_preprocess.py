@@ -350,9 +350,22 @@ def _head_major_q(q4: Any, width: int) -> fx.Node | None:
     return None
 
 
+def _token_major_head(n: Any) -> fx.Node | None:
+    """t[0].transpose(0, 1) -> t ([1, H, T, d] -> [T, H, d])."""
+    if _method(n, "transpose") and tuple(n.args[1:]) == (0, 1) and _fn(n.args[0], operator.getitem) \
+            and n.args[0].args[1] == 0:
+        return n.args[0].args[0]
+    return None
+
+
 def _hf_query_parts(q_nope: Any, q_pe: Any, nope: int) -> tuple[fx.Node, fx.Node] | None:
     """HF: q = cat((q_pass, q_embed), -1)[0].transpose(0, 1); q_nope = q[..., :nope],
-    q_pe = q[..., nope:] -> (q_pass, q_embed), both [1, H, T, d]."""
+    q_pe = q[..., nope:] (cp_compile/hf/attention.py), or each part on its own,
+    q_nope = q_pass[0].transpose(0, 1), q_pe = q_embed[0].transpose(0, 1)
+    (cp_compile/hf/sfa.py) -> (q_pass, q_embed), both [1, H, T, d]."""
+    a, b = _token_major_head(q_nope), _token_major_head(q_pe)
+    if a is not None and b is not None and _tensor(a) is not None and _tensor(a).shape[-1] == nope:
+        return a, b
     s1, s2 = _last_dim_slice(q_nope), _last_dim_slice(q_pe)
     if s1 != slice(None, nope, None) or s2 != slice(nope, None, None) or q_nope.args[0] is not q_pe.args[0]:
         return None
