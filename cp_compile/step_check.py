@@ -91,10 +91,6 @@ class StepCheck:
         self.cp = 1  # set by bind: the compile context's pcp * dcp
         self.unchecked = tuple(unchecked)
 
-    @property
-    def empty(self) -> bool:
-        return not self._nodes
-
     def bind(self, gm: fx.GraphModule, cp: int) -> None:
         """Record the placeholder indices in `gm` (the graph after the passes) and the
         cache's context-parallel size `cp` (pcp * dcp) of the compile context, which

@@ -89,3 +89,16 @@ def test_step_check_is_not_duplicated_under_compile_model():
     assert all(not b.validate_steps for b in compiled.backends.values())
     with pytest.raises(MetadataError, match="seq_lens = 4 is smaller"):
         compiled(torch.zeros(8, dtype=torch.long), bad.positions, cache.layers, bad)
+
+
+def test_cache_write_with_in_graph_metadata_is_not_silently_unchecked():
+    """A cache write whose slots are computed inside the graph cannot be checked per
+    call: the backend says so at compile time (never silently nothing)."""
+
+    def step(new, cache, slots):
+        torch.ops.cp.cache_write(new, cache, slots + 0)
+        return cache.sum()
+
+    with pytest.warns(UserWarning, match="cannot check them per step"):
+        torch.compile(step, backend=cp_compile.backend(lowering="eager"), fullgraph=True)(
+            torch.ones(2, 3), torch.zeros(4, 2, 3), torch.tensor([0, 1]))
