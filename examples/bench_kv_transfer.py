@@ -8,7 +8,7 @@ time, so the transfer is timed on its own). P exports `--requests` requests of
 the P ranks that hold its tokens) and reports bytes and seconds. Prints per-rank and
 aggregate GB/s, bytes against the formula, and writes JSON rows to `--out`.
 
-    python -m examples.bench_kv_transfer --tokens 16384 --layers 8 --shape qwen3-235b-a22b-tp8
+    python -m examples.bench_kv_transfer --tokens 16384 --layers 8 --shape qwen3-235b-a22b-tp8 --compare
     python -m examples.bench_kv_transfer --tokens 16384 --layers 8 --shape deepseek-r1-tp8 --p-dcp 2 --d-dcp 2
 """
 
@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import sys
 import time
 
@@ -25,6 +26,8 @@ import torch
 import cp_compile
 from cp_compile.kv_transfer import KVConsumer, KVLayout, KVProducer, expected_bytes
 from cp_compile.kv_transfer.layout import KVGeometry
+from cp_compile.kv_transfer.plan import plan_rank
+from cp_compile.kv_transfer.reads import layer_reads
 from cp_compile.testing.two_worlds import run_two_worlds
 
 SHAPES = {  # per-rank attention of the deployments in examples/bench/shapes.py
@@ -71,12 +74,57 @@ def prefill_world(rank: int, world: int, port: int, cfg: cp_compile.CPConfig, a:
 
 def decode_world(rank: int, world: int, port: int, cfg: cp_compile.CPConfig, a: argparse.Namespace) -> dict:
     state, spec, attention, cache, alloc = _side(rank, cfg, a)
-    consumer = KVConsumer(_kv("kv_consumer", port), cfg, cache, spec, attention, rank, alloc)
+    consumer = KVConsumer(_kv("kv_consumer", port), cfg, cache, spec, attention, rank, alloc,
+                          coalesce=not a.no_coalesce)
     rows = []
     for r in range(a.requests):
         imp = consumer.import_request(r)
-        rows.append(dict(bytes=imp.bytes_moved, seconds=imp.seconds, src_ranks=list(imp.src_ranks)))
+        rows.append(dict(bytes=imp.bytes_moved, seconds=imp.seconds, src_ranks=list(imp.src_ranks),
+                         descriptors=imp.descriptors, uncoalesced=_uncoalesced(consumer, r)))
     return dict(rank=rank, rows=rows)
+
+
+def _uncoalesced(consumer: KVConsumer, req_id: int) -> int:
+    """Descriptors the same request takes with one per plan run (the reads before coalescing)."""
+    infos = consumer.producer()
+    ready = consumer.exchange.fetch_ready(req_id, len(infos), 10.0, 10.0)
+    plan = plan_rank(infos[0].layout, consumer.layout, consumer.geometry, ready.num_tokens, ready.block_table,
+                     consumer.allocator.blocks(req_id), consumer.rank)
+    remote = {s: infos[s].regions for s in plan.src_ranks()}
+    return sum(layer_reads(plan, consumer.regions, remote, layer, coalesce=False).num_descriptors
+               for layer in range(consumer.geometry.num_layers))
+
+
+def run_one(a: argparse.Namespace, p_interleave: int) -> dict:
+    """One pair of worlds: `a.requests` requests; per-request aggregate GB/s (bytes into
+    every D rank / the slowest D rank's seconds) and descriptors per D rank."""
+    p_cfg = cp_compile.CPConfig(tensor_parallel_size=a.p_tp, decode_context_parallel_size=a.p_dcp,
+                                cp_kv_cache_interleave_size=p_interleave, block_size=a.p_block_size)
+    d_cfg = cp_compile.CPConfig(tensor_parallel_size=a.d_tp, decode_context_parallel_size=a.d_dcp,
+                                cp_kv_cache_interleave_size=a.d_interleave, block_size=a.d_block_size)
+    p, d = run_two_worlds(prefill_world, a.p_tp, (p_cfg, a), decode_world, a.d_tp, (d_cfg, a), timeout=1200)
+    for out, who in ((p, "prefill"), (d, "decode")):
+        if isinstance(out, BaseException):
+            raise SystemExit(f"{who} instance failed: {out}")
+    spec, attention = _specs(a.shape, a.layers)
+    geo = KVGeometry.of(spec, attention, getattr(torch, a.dtype))
+    formula = expected_bytes(geo, KVLayout.from_config(d_cfg), a.tokens)
+    name = (f"P(tp{a.p_tp},dcp{a.p_dcp},I{p_interleave},bs{a.p_block_size}) -> D(tp{a.d_tp},dcp{a.d_dcp},"
+            f"I{a.d_interleave},bs{a.d_block_size})")
+    print(f"{a.shape}, {a.tokens} tokens, {a.layers} layers, {a.dtype}: {name}; formula {formula} B per request")
+    rows = []
+    for r in range(a.requests):
+        per = [o["rows"][r] for o in d]
+        total, slowest = sum(x["bytes"] for x in per), max(x["seconds"] for x in per)
+        rows.append(dict(request=r, bytes=total, formula=formula, seconds=slowest, gb_per_s=total / slowest / 1e9,
+                         per_rank=[dict(rank=o["rank"], **o["rows"][r],
+                                        gb_per_s=o["rows"][r]["bytes"] / o["rows"][r]["seconds"] / 1e9) for o in d]))
+        ranks = ", ".join(f"D{x['rank']} {x['bytes'] / 1e6:.1f} MB {x['seconds'] * 1e3:.1f} ms "
+                          f"({x['gb_per_s']:.2f} GB/s, {x['descriptors']} descriptors, uncoalesced "
+                          f"{x['uncoalesced']}) from P{x['src_ranks']}" for x in rows[-1]["per_rank"])
+        print(f"  request {r}: {total / 1e6:.1f} MB (== formula: {total == formula}) in {slowest * 1e3:.1f} ms "
+              f"= {rows[-1]['gb_per_s']:.3f} GB/s aggregate; {ranks}")
+    return dict(name=name, p_interleave=p_interleave, rows=rows, formula=formula)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -91,37 +139,27 @@ def main(argv: list[str] | None = None) -> int:
         ap.add_argument(f"--{side}-dcp", type=int, default=2 if side == "p" else 1)
         ap.add_argument(f"--{side}-interleave", type=int, default=1)
         ap.add_argument(f"--{side}-block-size", type=int, default=128)
+    ap.add_argument("--compare", action="store_true",
+                    help="block interleave (P interleave = block size) and token interleave (P interleave 1), "
+                         "one after the other, side by side")
+    ap.add_argument("--no-coalesce", action="store_true", help="one descriptor per plan run (before coalescing)")
     ap.add_argument("--out", default="results/bench_kv_transfer")
     a = ap.parse_args(argv)
-    p_cfg = cp_compile.CPConfig(tensor_parallel_size=a.p_tp, decode_context_parallel_size=a.p_dcp,
-                                cp_kv_cache_interleave_size=a.p_interleave, block_size=a.p_block_size)
-    d_cfg = cp_compile.CPConfig(tensor_parallel_size=a.d_tp, decode_context_parallel_size=a.d_dcp,
-                                cp_kv_cache_interleave_size=a.d_interleave, block_size=a.d_block_size)
-    p, d = run_two_worlds(prefill_world, a.p_tp, (p_cfg, a), decode_world, a.d_tp, (d_cfg, a), timeout=1200)
-    for out, who in ((p, "prefill"), (d, "decode")):
-        if isinstance(out, BaseException):
-            raise SystemExit(f"{who} instance failed: {out}")
-    spec, attention = _specs(a.shape, a.layers)
-    geo = KVGeometry.of(spec, attention, getattr(torch, a.dtype))
-    formula = expected_bytes(geo, KVLayout.from_config(d_cfg), a.tokens)
-    print(f"{a.shape}, {a.tokens} tokens, {a.layers} layers, {a.dtype}: P(tp{a.p_tp},dcp{a.p_dcp},"
-          f"I{a.p_interleave},bs{a.p_block_size}) -> D(tp{a.d_tp},dcp{a.d_dcp},I{a.d_interleave},"
-          f"bs{a.d_block_size}); formula {formula} B per request")
-    rows = []
-    for r in range(a.requests):
-        per = [o["rows"][r] for o in d]
-        total, slowest = sum(x["bytes"] for x in per), max(x["seconds"] for x in per)
-        rows.append(dict(request=r, bytes=total, formula=formula, seconds=slowest, gb_per_s=total / slowest / 1e9,
-                         per_rank=[dict(rank=o["rank"], **o["rows"][r],
-                                        gb_per_s=o["rows"][r]["bytes"] / o["rows"][r]["seconds"] / 1e9) for o in d]))
-        ranks = ", ".join(f"D{x['rank']} {x['bytes'] / 1e6:.1f} MB {x['seconds'] * 1e3:.1f} ms "
-                          f"({x['gb_per_s']:.2f} GB/s) from P{x['src_ranks']}" for x in rows[-1]["per_rank"])
-        print(f"request {r}: {total / 1e6:.1f} MB (== formula: {total == formula}) in {slowest * 1e3:.1f} ms "
-              f"= {rows[-1]['gb_per_s']:.2f} GB/s aggregate; {ranks}")
+    interleaves = [a.p_block_size, 1] if a.compare else [a.p_interleave]
+    runs = [run_one(a, i) for i in interleaves]
+    print(f"\n| P interleave | layout | descriptors per D rank per request (uncoalesced -> posted) | "
+          f"GB/s aggregate median [min, max] over {a.requests} requests | bytes == formula |")
+    print("|---|---|---|---|---|")
+    for run in runs:
+        g = sorted(r["gb_per_s"] for r in run["rows"])
+        desc = sorted({(x["uncoalesced"], x["descriptors"]) for r in run["rows"] for x in r["per_rank"]})
+        print(f"| {run['p_interleave']} | {run['name']} | {', '.join(f'{u} -> {c}' for u, c in desc)} | "
+              f"{statistics.median(g):.3f} [{g[0]:.3f}, {g[-1]:.3f}] | "
+              f"{all(r['bytes'] == run['formula'] for r in run['rows'])} |")
     os.makedirs(a.out, exist_ok=True)
     with open(os.path.join(a.out, "bench_kv_transfer.json"), "w") as f:
-        json.dump(dict(args=vars(a), rows=rows, time=time.time()), f, indent=1)
-    return 0 if all(r["bytes"] == formula for r in rows) else 1
+        json.dump(dict(args=vars(a), runs=runs, time=time.time()), f, indent=1)
+    return 0 if all(r["bytes"] == run["formula"] for run in runs for r in run["rows"]) else 1
 
 
 if __name__ == "__main__":

@@ -35,12 +35,20 @@ class NixlTransport:
         self._agent = nixl_agent(name, nixl_agent_config(backends=list(backends)))
         self._registered: list[Any] = []
 
-    def register(self, tensors: list[torch.Tensor]) -> None:
+    def register(self, tensors: list[torch.Tensor]) -> Any:
         for t in tensors:
             if not t.is_contiguous():
                 raise ValueError("NIXL registers contiguous tensors only; allocate caches with allocate_kv_cache")
-        if tensors:
-            self._registered.append(self._agent.register_memory(tensors))
+        if not tensors:
+            return None
+        reg = self._agent.register_memory(tensors)
+        self._registered.append(reg)
+        return reg
+
+    def deregister(self, handle: Any) -> None:
+        if handle is not None:
+            self._agent.deregister_memory(handle)
+            self._registered.remove(handle)
 
     def metadata(self) -> bytes:
         return self._agent.get_agent_metadata()

@@ -4,7 +4,7 @@ A transport moves bytes between registered cache memory of two instances' ranks.
 The connector pulls (the decode rank reads, as vLLM's NIXL connector does): it owns
 the destination blocks, so it alone decides when they may be written and freed.
 NIXL (`nixl.NixlTransport`) is the one built; a Mooncake or HCCL transport implements
-the same five calls.
+the same calls.
 """
 
 from __future__ import annotations
@@ -28,8 +28,12 @@ class KVOwnershipError(KVTransferError):
 class KVTransport(Protocol):
     name: str  # this agent's unique name
 
-    def register(self, tensors: list[torch.Tensor]) -> None:
-        """Make these (contiguous) cache tensors readable / writable by peers."""
+    def register(self, tensors: list[torch.Tensor]) -> Any:
+        """Make these (contiguous) tensors readable / writable by peers; returns a handle
+        for `deregister`."""
+
+    def deregister(self, handle: Any) -> None:
+        """Forget a registration (before its memory is freed: the staging buffer grows)."""
 
     def metadata(self) -> bytes:
         """What a peer needs to reach this agent (exchanged through the store)."""

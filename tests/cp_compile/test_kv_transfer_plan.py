@@ -14,12 +14,14 @@ from __future__ import annotations
 import ctypes
 import itertools
 
+import numpy as np
 import pytest
 import torch
 
 from cp_compile.kv_transfer.layout import KVGeometry, KVLayout, check_compatible
 from cp_compile.kv_transfer.plan import expected_bytes, expected_rank_bytes, plan_rank
-from cp_compile.kv_transfer.regions import check_in_regions, descriptors, regions_of
+from cp_compile.kv_transfer.reads import STAGE_BELOW, layer_reads
+from cp_compile.kv_transfer.regions import CacheRegion, check_in_regions, regions_of
 from cp_compile.errors import ConfigError
 from cp_compile.kv_cache import tp_kv_head_ids
 
@@ -94,8 +96,10 @@ def _flat(caches) -> list[torch.Tensor]:
     return list(itertools.chain(*layers)) + index
 
 
-def transfer(src: KVLayout, dst: KVLayout, geo: KVGeometry, n: int):
-    """Plan, execute by memmove, check against brute force. Returns (bytes moved, runs, descriptors)."""
+def transfer(src: KVLayout, dst: KVLayout, geo: KVGeometry, n: int, coalesce: bool = True,
+             stage_below: int = STAGE_BELOW):
+    """Plan, execute by memmove (staged rows: into a staging buffer, then its scatter),
+    check against brute force. Returns (bytes moved, runs, descriptors)."""
     nb = 2 * (-(-n // min(src.virtual_block_size, dst.virtual_block_size))) + 4
     sb, db = _blocks(src, n, 1), _blocks(dst, n, 0)
     p_caches = {r: _caches(geo, src, r, nb, n, sb) for r in range(src.world_size)}
@@ -109,20 +113,30 @@ def transfer(src: KVLayout, dst: KVLayout, geo: KVGeometry, n: int):
         assert set(plan.dst_blocks) == set(db)
         assert plan.bytes(geo) == expected_rank_bytes(geo, dst, n, d)
         local = regions_of(*got, geo.kind)
-        counts = regions_of(*written, geo.kind)
         runs += len(plan.runs)
-        for s, (loc, rem) in descriptors(plan, local, p_regions).items():
-            check_in_regions(loc, local, "decode")
-            check_in_regions(rem, p_regions[s], "prefill")
-            ndesc += len(loc)
-            for (la, ln, _), (ra, rn, _) in zip(loc.tolist(), rem.tolist()):
-                assert ln == rn
-                ctypes.memmove(la, ra, ln)
-                moved += ln
-                # count writes: local address -> same offset in the counts tensors
-                reg = next(i for i, r in enumerate(local) if r.addr <= la < r.addr + r.nbytes)
-                off = la - local[reg].addr
-                _flat(written)[reg].view(-1)[off // 4: (off + ln) // 4] += 1  # fp32 elements
+        for layer in range(geo.num_layers):
+            reads = layer_reads(plan, local, p_regions, layer, coalesce=coalesce, stage_below=stage_below)
+            staging = torch.zeros(max(reads.staging_bytes, 1), dtype=torch.uint8)
+            stage_region = CacheRegion("staging", -1, staging.data_ptr(), staging.numel(), 1, 1)
+            for s, (loc, rem) in reads.bind(staging.data_ptr(), 0).items():
+                check_in_regions(loc, local + (stage_region,), "decode")
+                check_in_regions(rem, p_regions[s], "prefill")
+                ndesc += len(loc)
+                for (la, ln, _), (ra, rn, _) in zip(loc.tolist(), rem.tolist()):
+                    assert ln == rn
+                    ctypes.memmove(la, ra, ln)
+                    moved += ln
+                    if stage_region.addr <= la < stage_region.addr + stage_region.nbytes:
+                        continue  # counted when scattered
+                    # count writes: local address -> same offset in the counts tensors
+                    reg = next(i for i, r in enumerate(local) if r.addr <= la < r.addr + r.nbytes)
+                    off = la - local[reg].addr
+                    _flat(written)[reg].view(-1)[off // 4: (off + ln) // 4] += 1  # fp32 elements
+            reads.scatter(_flat(got), staging)
+            for sc in reads.scatters:  # index_add_: a slot scattered twice counts twice
+                rows = _flat(written)[sc.region].view(-1, sc.row_bytes // 4)
+                idx = torch.from_numpy(sc.dst_slots)
+                rows.index_add_(0, idx, torch.ones(len(idx), rows.shape[1]))
         for g, w, c in zip(_flat(got), _flat(want), _flat(written)):
             torch.testing.assert_close(g, w, rtol=0, atol=0)
             assert int(c.max()) <= 1, "a destination element was written twice"
@@ -174,6 +188,52 @@ def test_block_interleave_moves_whole_blocks():
     assert len(q.runs) == 4 and all(r.num_tokens == 8 for r in q.runs)  # same layout: pages align too
     mixed = plan_rank(tok, same, geo, n, sb, db, 0)
     assert len(mixed.runs) == n // 2 and all(r.num_tokens == 1 for r in mixed.runs)  # token path
+
+
+@pytest.mark.parametrize("stage_below", [STAGE_BELOW, 1])
+def test_coalesced_reads_equal_uncoalesced(stage_below):
+    """Token interleave P(tp2,dcp2,I1) -> D(tp2,dcp1): every run is one token; coalesced,
+    each P rank's tokens are one descriptor per cache tensor (staged, then scattered),
+    the same bytes, exact. stage_below 1: nothing staged, runs merged where both sides
+    are contiguous only (here none are: as many descriptors as runs)."""
+    geo = _geometry("gqa", 1)
+    src, dst, n = L(2, 1, 2, 1, 4), L(2, 1, 1, 1, 8), 37
+    moved0, runs, before = transfer(src, dst, geo, n, coalesce=False)
+    moved1, _, after = transfer(src, dst, geo, n, coalesce=True, stage_below=stage_below)
+    assert moved0 == moved1 == expected_bytes(geo, dst, n)
+    assert before == 2 * runs  # K and V: one descriptor per run
+    if stage_below == 1:
+        assert after == before
+    else:  # per D rank, P rank, K / V: one per P page (the test's P pages are not adjacent: 5 pages)
+        assert after == dst.world_size * 2 * 2 * -(-n // src.virtual_block_size), (before, after)
+
+
+def test_block_interleave_stays_direct():
+    """interleave == block_size on both sides: whole blocks, never staged (no extra copy)."""
+    geo = _geometry("mla", 0)
+    src, dst, n = L(2, 1, 2, 4, 4), L(2, 1, 2, 4, 4), 37
+    sb, db = _blocks(src, n, 1), _blocks(dst, n, 0)
+    p_regions = {r: regions_of(*_caches(geo, src, r, 30, n, sb), geo.kind) for r in range(2)}
+    local = regions_of(*_caches(geo, dst, 0, 30, n, None), geo.kind)
+    reads = layer_reads(plan_rank(src, dst, geo, n, sb, db, 0), local, p_regions, 0, stage_below=16)
+    assert reads.staging_bytes == 0 and not reads.scatters
+
+
+def test_mutated_scatter_is_caught():
+    """The brute-force check fails when the staged rows land one slot off."""
+    import cp_compile.kv_transfer.reads as reads_mod
+
+    real = reads_mod.Scatter
+
+    def shifted(region, offset, row_bytes, dst_slots):
+        return real(region, offset, row_bytes, np.roll(dst_slots, 1))
+
+    reads_mod.Scatter = shifted
+    try:
+        with pytest.raises(AssertionError):
+            transfer(L(2, 1, 2, 1, 4), L(2, 1, 1, 1, 8), _geometry("mla", 0), 9)
+    finally:
+        reads_mod.Scatter = real
 
 
 def test_no_decode_rank_reads_the_whole_request():
