@@ -62,7 +62,8 @@ class Case:
     num_kv_heads: int = 1
     prompt_lens: tuple[int, ...] = (13, 6)
     steps: int = 4
-    fault: str = ""  # "", "mismatch" (D serves another model), "ownership" (D drops the request mid-transfer)
+    fault: str = ""  # "", "mismatch" (D serves another model), "ownership" (D drops the request mid-transfer),
+    # "kill" (P rank 1 dies mid-transfer), "stall" (P rank 1 stays alive but never reports request 0 ready)
     timeout_s: float = 30.0
 
     def name(self) -> str:
@@ -119,12 +120,25 @@ def prefill_world(rank: int, world: int, store_port: int, cases: list[Case], mod
                                 alloc)
         producer.exchange.store.set(f"test/{i}/pid/{rank}", str(os.getpid()))
         prompts = prompts_of(case, hf_config.vocab_size)
-        last = prefill_and_export(forward, layer_caches(cache), alloc, prompts, producer)
+        exporter = _StalledOnFirst(producer) if case.fault == "stall" and rank == 1 else producer
+        last = prefill_and_export(forward, layer_caches(cache), alloc, prompts, exporter)
         verdicts = release_exported(producer, alloc, sorted(prompts))
         outs.append(dict(last=last, verdicts=verdicts, free=alloc.num_free))
         cp_compile.destroy_parallel()
         torch._dynamo.reset()
     return outs
+
+
+class _StalledOnFirst:
+    """Fault injection (tests): a producer rank that prefilled request 0 but never
+    reports it ready (hung after its forward, alive); later requests as usual."""
+
+    def __init__(self, producer: Any) -> None:
+        self.producer = producer
+
+    def export(self, req_id: int, *args: Any) -> None:
+        if req_id != 0:
+            self.producer.export(req_id, *args)
 
 
 def _kill_prefill_rank(store, case_index: int, rank: int) -> None:
@@ -152,6 +166,12 @@ def decode_world(rank: int, world: int, store_port: int, cases: list[Case], mode
         out: dict[str, Any] = dict(rank=rank)
         if case.fault:
             out.update(_decode_fault(case, i, consumer, alloc, rids))
+        if case.fault == "stall":  # request 0 failed; what it left, then the next request is served
+            out["cache_nonzero_after_fault"] = [int(t.count_nonzero()) for layer in layer_caches(cache) for t in layer]
+            out["free_after_fault"] = alloc.num_free
+            tokens, steps, imported = import_and_decode(forward, layer_caches(cache), alloc, consumer, rids[1:],
+                                                        case.steps)
+            out.update(tokens=tokens, steps=steps, imported=imported)
         else:
             tokens, steps, imported = import_and_decode(forward, layer_caches(cache), alloc, consumer, rids,
                                                         case.steps)
@@ -167,6 +187,8 @@ def decode_world(rank: int, world: int, store_port: int, cases: list[Case], mode
 def _decode_fault(case: Case, i: int, consumer, alloc, rids: list[int]) -> dict:
     from cp_compile.kv_transfer import KVOwnershipError, KVTransferError
 
+    if case.fault == "stall":  # time the verdict from P rank 0's report (P's prefill is not the bound)
+        consumer.exchange.store.wait([consumer.exchange._key("req", rids[0], "ready", 0)])
     t0 = time.monotonic()
     on_layer = None
     if case.fault == "kill":
@@ -263,6 +285,20 @@ def _decode_model(case: Case, model: tuple) -> tuple:
     return h.config, {k: v.detach().clone() for k, v in h.state_dict().items()}
 
 
+def check_layouts(case: Case) -> str:
+    """Both layouts against the model's attention, before any process starts ("" if fine)."""
+    from examples.models.tiny import example_from_config
+
+    h = hf_model(case.kind, case.num_kv_heads)
+    attention = example_from_config(h.config, h.state_dict()).attention_spec()
+    for who, side in (("prefill", case.p), ("decode", case.d)):
+        try:
+            side.config().validate_for(attention)
+        except cp_compile.ConfigError as exc:
+            return f"the {who} layout {side.describe()} is refused: {exc}"
+    return ""
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     for side in ("p", "d"):
@@ -275,17 +311,30 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--kv-heads", type=int, default=1, help="GQA KV heads")
     ap.add_argument("--prompt-lens", type=int, nargs="+", default=[13, 6])
     ap.add_argument("--steps", type=int, default=6)
+    ap.add_argument("--fault", choices=("mismatch", "ownership", "kill", "stall"), default="",
+                    help="inject a fault (the tests' cases): the run must then fail, with the D ranks' errors")
     a = ap.parse_args(argv)
     case = Case(a.model, Side(a.p_tp, a.p_pcp, a.p_dcp, a.p_interleave, a.p_block_size),
                 Side(a.d_tp, 1, a.d_dcp, a.d_interleave, a.d_block_size), num_kv_heads=a.kv_heads,
-                prompt_lens=tuple(a.prompt_lens), steps=a.steps)
+                prompt_lens=tuple(a.prompt_lens), steps=a.steps, fault=a.fault,
+                timeout_s=3.0 if a.fault == "stall" else 30.0)
+    bad = check_layouts(case)
+    if bad:
+        print(f"pd_disagg: {bad}", file=sys.stderr)
+        return 2
     print(f"case: {case.name()}  (P world {case.p.tp * case.p.pcp} ranks, D world {case.d.tp} ranks, "
           f"separate process groups, NIXL UCX over DRAM)")
     t0 = time.time()
     p_out, d_out, models = run_cases([case])
     for out, who in ((p_out, "prefill"), (d_out, "decode")):
-        if isinstance(out, BaseException):
-            raise SystemExit(f"{who} instance failed: {out}")
+        if isinstance(out, BaseException) and not (case.fault == "kill" and who == "prefill"):
+            print(f"pd_disagg: the {who} instance failed: {out}", file=sys.stderr)
+            return 1
+    if case.fault:
+        for o in d_out:
+            print(f"pd_disagg: D rank {o[0]['rank']}: request 0 failed after {o[0]['seconds']:.2f} s: "
+                  f"{o[0]['error']}", file=sys.stderr)
+        return 1
     ref = reference(case, *models[0])
     p_ranks, d_ranks = [o[0] for o in p_out], [o[0] for o in d_out]
     res = compare(case, ref, p_ranks, d_ranks, geometry_of(*models[0]))

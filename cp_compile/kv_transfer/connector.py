@@ -32,7 +32,8 @@ from cp_compile.kv_transfer.exchange import Exchange, RankInfo, ReadyRequest
 from cp_compile.kv_transfer.layout import KVGeometry, KVLayout, check_compatible
 from cp_compile.kv_transfer.nixl import NixlTransport
 from cp_compile.kv_transfer.plan import RankPlan, plan_rank
-from cp_compile.kv_transfer.regions import check_in_regions, descriptors, regions_of
+from cp_compile.kv_transfer.reads import layer_reads
+from cp_compile.kv_transfer.regions import CacheRegion, check_in_regions, regions_of
 from cp_compile.kv_transfer.transport import KVOwnershipError, KVTransferError, KVTransport
 from cp_compile.metadata import BlockAllocator
 
@@ -41,6 +42,10 @@ _POLL_S = 0.0005
 
 def _tensors(cache: KVCache) -> list[torch.Tensor]:
     return [t for layer in cache.layers for t in layer] + list(cache.replicated)
+
+
+def _device_id(t: torch.Tensor) -> int:
+    return t.device.index if t.device.index is not None else 0
 
 
 def _make_transport(name: str, cache: KVCache) -> KVTransport:
@@ -92,6 +97,7 @@ class ImportedRequest:
     bytes_moved: int  # into this rank
     seconds: float  # this rank's reads, first post to last completion
     src_ranks: tuple[int, ...]  # producer ranks this rank read from
+    descriptors: int = 0  # NIXL descriptors this rank posted (all layers)
 
 
 class KVConsumer(_Role):
@@ -99,7 +105,9 @@ class KVConsumer(_Role):
 
     def __init__(self, kv_transfer_config: Any, cfg: CPConfig, cache: KVCache, spec: KVCacheSpec,
                  attention: AttentionSpec, rank: int, allocator: BlockAllocator,
-                 group: dist.ProcessGroup | None = None, transport: KVTransport | None = None) -> None:
+                 group: dist.ProcessGroup | None = None, transport: KVTransport | None = None,
+                 coalesce: bool = True) -> None:
+        """coalesce=False: one descriptor per plan run (the uncoalesced reads, for comparison)."""
         super().__init__(kv_transfer_config, cfg, cache, spec, attention, rank, transport, "kv_consumer")
         if allocator.block_tokens != self.layout.virtual_block_size:
             raise ConfigError("the consumer's allocator hands out virtual blocks of block_size * pcp * dcp",
@@ -111,6 +119,9 @@ class KVConsumer(_Role):
         self._producer: dict[int, RankInfo] | None = None
         self._peers: dict[int, str] = {}
         self.quarantined: list[int] = []  # requests whose blocks an unreleasable transfer may still write
+        self.coalesce = coalesce
+        self._staging: torch.Tensor | None = None  # uint8, registered: staged reads land here (reads.py)
+        self._staging_reg: Any = None
 
     # -- producer description, checked once
     def producer(self) -> dict[int, RankInfo]:
@@ -139,19 +150,39 @@ class KVConsumer(_Role):
                 f"{owned} (freed or reassigned). Fix: plan the transfer from the request's current block table; "
                 f"an aborted request's transfer must not continue")
 
+    def _staging_for(self, nbytes: int) -> torch.Tensor:
+        """A registered staging buffer of at least `nbytes` (grown geometrically, the old one deregistered)."""
+        if self._staging is None or self._staging.numel() < nbytes:
+            if self._staging is not None:
+                self.transport.deregister(self._staging_reg)
+            size = max(nbytes, 2 * (self._staging.numel() if self._staging is not None else 0))
+            self._staging = torch.empty(size, dtype=torch.uint8, device=_tensors(self.cache)[0].device)
+            self._staging_reg = self.transport.register([self._staging])
+        return self._staging
+
     def read_plan(self, req_id: int, plan: RankPlan, deadline: float,
-                  on_layer: Callable[[int], None] | None = None) -> int:
+                  on_layer: Callable[[int], None] | None = None) -> tuple[int, int]:
         """Post the plan's reads layer by layer, each layer's to all its source ranks at
-        once; ownership re-checked before each layer. Returns bytes read."""
+        once (coalesced, `reads.layer_reads`); ownership re-checked before each layer and
+        before the staged rows are copied into the cache. Returns (bytes read, descriptors)."""
         remote = {s: self.producer()[s].regions for s in plan.src_ranks()}
-        moved = 0
+        moved = ndesc = 0
         for layer in range(self.geometry.num_layers):
             self.check_owned(req_id, plan)
-            per_src = descriptors(plan, self.regions, remote, layer=layer)
+            reads = layer_reads(plan, self.regions, remote, layer, coalesce=self.coalesce)
+            local_regions = self.regions
+            staging = None
+            if reads.staging_bytes:
+                staging = self._staging_for(reads.staging_bytes)
+                local_regions = self.regions + (CacheRegion("staging", -1, staging.data_ptr(), staging.numel(), 1, 1,
+                                                            _device_id(staging)),)
+            per_src = reads.bind(staging.data_ptr() if staging is not None else 0,
+                                 _device_id(staging) if staging is not None else 0)
+            ndesc += reads.num_descriptors
             handles = []
             try:
                 for s, (loc, rem) in per_src.items():
-                    check_in_regions(loc, self.regions, "decode")
+                    check_in_regions(loc, local_regions, "decode")
                     try:
                         handles.append((s, self.transport.read(self._peer(s), loc, rem)))
                     except KVTransferError as exc:
@@ -185,9 +216,12 @@ class KVConsumer(_Role):
                         self.transport.release(h)
                     except KVTransferError:  # may still write: the blocks must not be handed out again
                         self.quarantined.append(req_id)
+            if staging is not None:
+                self.check_owned(req_id, plan)  # the blocks may have been dropped while the reads ran
+                reads.scatter(_tensors(self.cache), staging)
             if on_layer is not None:
                 on_layer(layer)
-        return moved
+        return moved, ndesc
 
     def import_request(self, req_id: int, on_layer: Callable[[int], None] | None = None) -> ImportedRequest:
         """Bring request `req_id` of the producer into this instance. Collective over the
@@ -199,20 +233,17 @@ class KVConsumer(_Role):
                 self.exchange.publish_consumed(req_id, f"refused: {exc}")
             raise
         src_layout = infos[0].layout
-        ready = self.exchange.fetch_ready(req_id, len(infos), self.kv.handoff_timeout_s)
-        deadline = time.monotonic() + self.kv.transfer_timeout_s  # the reads' bound starts once P is ready
-        try:
-            self.allocator.ensure(req_id, ready.num_tokens)  # CapacityError: nothing allocated, nothing moved
-        except CapacityError as exc:
-            if self.rank == 0:
-                self.exchange.publish_consumed(req_id, f"refused: {exc}")
-            raise
         error: BaseException | None = None
-        moved, t0, plan = 0, time.perf_counter(), None
-        try:
+        moved, ndesc, t0, plan = 0, 0, time.perf_counter(), None
+        try:  # every failure from here reaches the agreement below (the ranks' verdicts may differ)
+            ready = self.exchange.fetch_ready(req_id, len(infos), self.kv.handoff_timeout_s,
+                                              self.kv.transfer_timeout_s)
+            deadline = time.monotonic() + self.kv.transfer_timeout_s  # the reads' bound starts once P is ready
+            t0 = time.perf_counter()
+            self.allocator.ensure(req_id, ready.num_tokens)  # CapacityError: nothing allocated, nothing moved
             plan = plan_rank(src_layout, self.layout, self.geometry, ready.num_tokens, ready.block_table,
                              self.allocator.blocks(req_id), self.rank)
-            moved = self.read_plan(req_id, plan, deadline, on_layer)
+            moved, ndesc = self.read_plan(req_id, plan, deadline, on_layer)
         except Exception as exc:  # noqa: BLE001 - every failure must reach the agreement below
             error = exc
         seconds = time.perf_counter() - t0
@@ -222,10 +253,14 @@ class KVConsumer(_Role):
             dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=self.group)
         if int(ok) == 0:
             why = str(error) if error is not None else "another consumer rank's reads failed"
+            if isinstance(error, CapacityError):  # nothing was allocated: refused, as before any byte moves
+                if self.rank == 0:
+                    self.exchange.publish_consumed(req_id, f"refused: {error}")
+                raise error
             if req_id in self.quarantined:  # a read NIXL could not release may still land: keep the blocks
                 fate = "its decode blocks stay reserved (cp_compile KVConsumer.quarantined): a read could not be released"
             else:
-                self.allocator.free(req_id)  # a no-op when the request was already dropped
+                self.allocator.free(req_id)  # a no-op when the request was already dropped or never allocated
                 fate = "its decode blocks were freed"
             msg = f"request {req_id}: KV transfer from {self.kv.remote_engine_id!r} failed on consumer rank " \
                   f"{self.rank}: {why}. The request is not scheduled; {fate}"
@@ -235,4 +270,4 @@ class KVConsumer(_Role):
         if self.rank == 0:
             self.exchange.publish_consumed(req_id, "ok")
         assert plan is not None
-        return ImportedRequest(req_id, ready.num_tokens, ready.first_token, moved, seconds, plan.src_ranks())
+        return ImportedRequest(req_id, ready.num_tokens, ready.first_token, moved, seconds, plan.src_ranks(), ndesc)

@@ -12,6 +12,7 @@ Keys (pickled values), under `cpkv/<producer engine_id>/`:
 from __future__ import annotations
 
 import pickle
+import time
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -21,6 +22,8 @@ from torch.distributed import TCPStore
 from cp_compile.kv_transfer.layout import KVGeometry, KVLayout
 from cp_compile.kv_transfer.regions import CacheRegion
 from cp_compile.kv_transfer.transport import KVTransferError
+
+_POLL_S = 0.005
 
 
 @dataclass(frozen=True)
@@ -74,9 +77,32 @@ class Exchange:
     def publish_ready(self, rank: int, ready: ReadyRequest) -> None:
         self._set(self._key("req", ready.req_id, "ready", rank), ready)
 
-    def fetch_ready(self, req_id: int, world_size: int, timeout_s: float) -> ReadyRequest:
-        got = [self._get(self._key("req", req_id, "ready", r), timeout_s, f"request {req_id} on producer rank {r}")
-               for r in range(world_size)]
+    def fetch_ready(self, req_id: int, world_size: int, timeout_s: float, rest_timeout_s: float) -> ReadyRequest:
+        """Every producer rank's `ReadyRequest` for `req_id`: the first may take `timeout_s`
+        (the prefill runs), the others must follow within `rest_timeout_s` of it (the
+        ranks finish one prefill together: a rank still silent then is stalled or lost)."""
+        keys = [self._key("req", req_id, "ready", r) for r in range(world_size)]
+        start = time.monotonic()
+        first_at: float | None = None
+        while True:
+            have = [r for r, k in enumerate(keys) if self.store.check([k])]
+            now = time.monotonic()
+            if len(have) == world_size:
+                break
+            if have and first_at is None:
+                first_at = now
+            if first_at is None and now - start > timeout_s:
+                raise KVTransferError(f"request {req_id}: no producer rank reported it ready within "
+                                      f"handoff_timeout_s={timeout_s} (store key {keys[0]!r} ...). Fix: check that "
+                                      f"producer {self.engine_id!r} is up, prefills the request and uses the same "
+                                      f"kv_ip / kv_port")
+            if first_at is not None and now - first_at > rest_timeout_s:
+                missing = [r for r in range(world_size) if r not in have]
+                raise KVTransferError(f"request {req_id}: producer rank(s) {missing} did not report it ready within "
+                                      f"transfer_timeout_s={rest_timeout_s} of producer rank(s) {have} (stalled or "
+                                      f"lost). Fix: restart producer {self.engine_id!r}'s rank(s) {missing}")
+            time.sleep(_POLL_S)
+        got = [pickle.loads(self.store.get(k)) for k in keys]
         if any(g != got[0] for g in got[1:]):
             raise KVTransferError(f"producer ranks disagree on request {req_id}: {got}")
         return got[0]

@@ -18,13 +18,15 @@ EXACT = [
     Case("gqa", Side(2, 1, 2, 1, 4), Side(2, 1, 1, 1, 8)),  # P(tp2,dcp2) -> D(tp2,dcp1), block sizes 4 -> 8
     Case("gqa", Side(1, 2, 1, 1, 4), Side(2, 1, 2, 1, 4)),  # P(tp1,pcp2) -> D(tp2,dcp2)
     Case("gqa", Side(2, 1, 1, 4, 4), Side(2, 1, 2, 4, 4)),  # P(tp2,dcp1) -> D(tp2,dcp2), block interleave
-    Case("mla", Side(2, 1, 2, 1, 4), Side(2, 1, 2, 4, 4)),  # interleave 1 -> block_size
-    Case("sfa", Side(2, 1, 2, 4, 4), Side(2, 1, 1, 1, 8)),  # block_size -> 1, block sizes 4 -> 8, indexer
 ]
+# MLA / SFA end to end run under `slow` (SLOW[0]): their planning (latent rows, the
+# replicated indexer, staged and direct reads) is checked against brute force in
+# test_kv_transfer_plan.py on every run, and the transport is the same as GQA's.
 # Fault cases: P at dcp 1 runs eager (no compile); D never runs its model.
 FAULTS = [
     Case("gqa", Side(2, 1, 1, 1, 4), Side(2, 1, 2, 1, 4), prompt_lens=(13,), fault="mismatch"),
     Case("mla", Side(2, 1, 1, 1, 4), Side(2, 1, 1, 1, 8), prompt_lens=(13,), fault="ownership"),
+    Case("gqa", Side(2, 1, 1, 1, 4), Side(2, 1, 1, 1, 8), prompt_lens=(13, 6), fault="stall", timeout_s=3.0),
 ]
 
 
@@ -32,7 +34,9 @@ FAULTS = [
 # two sides (2 KV heads), the remaining interleave / block-size directions, MLA and SFA
 # from the other layouts, and a one-rank decode instance.
 SLOW = [
-    [Case("gqa", Side(1, 2, 1, 1, 4), Side(2, 1, 1, 2, 8), num_kv_heads=2),  # P both heads -> D one head/rank
+    [Case("mla", Side(2, 1, 2, 1, 4), Side(2, 1, 2, 4, 4)),  # interleave 1 -> block_size
+     Case("sfa", Side(2, 1, 2, 4, 4), Side(2, 1, 1, 1, 8)),  # block_size -> 1, block sizes 4 -> 8, indexer
+     Case("gqa", Side(1, 2, 1, 1, 4), Side(2, 1, 1, 2, 8), num_kv_heads=2),  # P both heads -> D one head/rank
      Case("gqa", Side(2, 1, 2, 4, 4), Side(2, 1, 1, 1, 4)),  # block_size -> interleave 1
      Case("mla", Side(1, 2, 1, 1, 4), Side(2, 1, 2, 4, 4)),
      Case("mla", Side(2, 1, 1, 4, 4), Side(2, 1, 2, 1, 8)),
@@ -140,3 +144,38 @@ def test_prefill_rank_death_mid_transfer():
         assert o["seconds"] < case.timeout_s
         assert o["free"] == o["num_blocks"]
     assert d1["cache_nonzero"][:2] != [0, 0] and d1["cache_nonzero"][2:] == [0, 0]  # layer 0 arrived, 1 did not
+
+
+def test_stalled_prefill_rank_fails_the_request_and_the_next_is_served(matrix):
+    """P rank 1 prefills request 0 but never reports it ready (alive, hung): every D rank
+    fails request 0 with a KVTransferError naming the request and the silent rank,
+    within transfer_timeout_s of P rank 0's report; nothing was written into D's cache
+    and no D block is held; P gets the verdict and frees its blocks; request 1 then
+    decodes exactly as on one device."""
+    cases, p, d, models = matrix
+    i = cases.index(FAULTS[2])
+    case = cases[i]
+    ref = reference(case, *models[i])
+    for o in _per_case(d, i):
+        print(f"\nstall, D rank {o['rank']} after {o['seconds']:.2f} s: {o['error']}")
+        assert o["error"].startswith("KVTransferError: request 0:"), o["error"]
+        assert "producer rank(s) [1] did not report it ready within transfer_timeout_s=3.0" in o["error"]
+        assert "decode blocks were freed" in o["error"]
+        assert case.timeout_s - 0.5 < o["seconds"] < case.timeout_s + 5.0  # timed from P rank 0's report
+        assert sum(o["cache_nonzero_after_fault"]) == 0 and o["free_after_fault"] == o["num_blocks"]
+        assert o["tokens"][1] == ref["tokens"][1]  # the next request is served
+        assert o["imported"][1].bytes_moved > 0
+    verdicts = _per_case(p, i)[0]["verdicts"]
+    assert verdicts[0].startswith("failed: request 0") and verdicts[1] == "ok", verdicts
+    assert all(o["free"] == 24 for o in _per_case(p, i))
+
+
+def test_example_refuses_a_bad_layout(capsys):
+    """examples/pd_disagg.py with a layout the model cannot serve (P dcp 3 over tp 2, one
+    KV head) exits 2 before any process starts, naming the side, the rule and the fix."""
+    from examples.pd_disagg import main
+
+    assert main(["--p-tp", "2", "--p-dcp", "3", "--d-tp", "2", "--d-dcp", "1"]) == 2
+    err = capsys.readouterr().err
+    assert "the prefill layout tp2,dcp3,I1,bs4 is refused" in err and "decode_context_parallel_size=3" in err
+    assert "Fix:" in err
