@@ -72,8 +72,6 @@ class CPConfig:
     cp_kv_cache_interleave_size: int = 1
     block_size: int = 128
     enable_dsa_cp: bool = False
-    # KV transfer (PD disaggregation, KV pooling) needs block-interleaved sharding.
-    kv_transfer: bool = False
     # How decode partial outputs are merged: "ag_rs" (all-gather LSE, rescale,
     # reduce-scatter), "a2a" (one all-to-all of [out | lse] + local combine), or
     # "auto": per compiled graph, the one the cost model predicts cheaper from the bytes
@@ -101,7 +99,7 @@ class CPConfig:
             if not _is_int(v) or v < 1:
                 raise ConfigError(f"{name} >= 1", f"{name}={v!r} ({type(v).__name__})",
                                   f"set {name} to a positive integer (int, not bool or float)")
-        for name in ("enable_dsa_cp", "kv_transfer", "enable_mla_preprocess"):
+        for name in ("enable_dsa_cp", "enable_mla_preprocess"):
             v = getattr(self, name)
             if not isinstance(v, bool):
                 raise ConfigError(f"{name} is a bool", f"{name}={v!r} ({type(v).__name__})",
@@ -115,10 +113,6 @@ class CPConfig:
             raise ConfigError("block_size % cp_kv_cache_interleave_size == 0",
                               f"block_size={self.block_size}, cp_kv_cache_interleave_size={i}",
                               f"choose an interleave that divides {self.block_size}, e.g. 1 or {self.block_size}")
-        if self.kv_transfer and i != self.block_size:
-            raise ConfigError("cp_kv_cache_interleave_size == block_size with KV transfer",
-                              f"kv_transfer=True, cp_kv_cache_interleave_size={i}, block_size={self.block_size}",
-                              f"set cp_kv_cache_interleave_size={self.block_size} (block-interleaved sharding)")
         if self.enable_dsa_cp and (self.decode_context_parallel_size > 1 or self.prefill_context_parallel_size > 1):
             # DSA-CP shards the queries over TP on full caches (dcp = 1); with DCP the latent
             # cache is sharded and the rows would need a partial (LSE) row op, a top-k remap

@@ -88,17 +88,6 @@ def test_interleave_divides_block_size_violated(block_size, interleave):
         CPConfig(block_size=block_size, cp_kv_cache_interleave_size=interleave)
 
 
-def test_kv_transfer_needs_block_interleave():
-    CPConfig(kv_transfer=True, block_size=128, cp_kv_cache_interleave_size=128)
-    CPConfig(kv_transfer=False, block_size=128, cp_kv_cache_interleave_size=1)
-    with raises("cp_kv_cache_interleave_size == block_size with KV transfer",
-                "kv_transfer=True", "cp_kv_cache_interleave_size=1", "block_size=128"):
-        CPConfig(kv_transfer=True, block_size=128, cp_kv_cache_interleave_size=1)
-    with raises("cp_kv_cache_interleave_size == block_size with KV transfer",
-                "cp_kv_cache_interleave_size=64", "block_size=128"):
-        CPConfig(kv_transfer=True, block_size=128, cp_kv_cache_interleave_size=64)
-
-
 def test_dcp_merge_choice():
     CPConfig(dcp_merge="ag_rs")
     CPConfig(dcp_merge="a2a")
@@ -267,7 +256,7 @@ def test_sizes_refuse_bools_and_non_integers(name, bad):
         CPConfig(**{name: bad})
 
 
-@pytest.mark.parametrize("name", ["enable_dsa_cp", "kv_transfer"])
+@pytest.mark.parametrize("name", ["enable_dsa_cp", "enable_mla_preprocess"])
 @pytest.mark.parametrize("bad", [1, 0, "yes", None])
 def test_flags_are_bools(name, bad):
     with raises(f"{name} is a bool", f"{name}={bad!r}"):
@@ -329,8 +318,3 @@ def test_pcp_keeps_the_dcp_rules():
     with raises("tp // num_kv_heads >= dcp and (tp // num_kv_heads) % dcp == 0 (GQA)", "num_kv_heads=2", "decode_context_parallel_size=2"):
         CPConfig(tensor_parallel_size=2, decode_context_parallel_size=2,
                  prefill_context_parallel_size=2).validate_for(gqa(2))
-    # KV transfer still needs block-interleaved sharding.
-    with raises("cp_kv_cache_interleave_size == block_size with KV transfer", "cp_kv_cache_interleave_size=1"):
-        CPConfig(tensor_parallel_size=2, prefill_context_parallel_size=2, block_size=16, kv_transfer=True)
-    CPConfig(tensor_parallel_size=2, prefill_context_parallel_size=2, block_size=16, cp_kv_cache_interleave_size=16,
-             kv_transfer=True)
