@@ -103,9 +103,10 @@ def run_one(a: argparse.Namespace, p_interleave: int) -> dict:
     d_cfg = cp_compile.CPConfig(tensor_parallel_size=a.d_tp, decode_context_parallel_size=a.d_dcp,
                                 cp_kv_cache_interleave_size=a.d_interleave, block_size=a.d_block_size)
     p, d = run_two_worlds(prefill_world, a.p_tp, (p_cfg, a), decode_world, a.d_tp, (d_cfg, a), timeout=1200)
-    for out, who in ((p, "prefill"), (d, "decode")):
-        if isinstance(out, BaseException):
-            raise SystemExit(f"{who} instance failed: {out}")
+    failed = [f"{who} instance failed: {out}" for out, who in ((p, "prefill"), (d, "decode"))
+              if isinstance(out, BaseException)]
+    if failed:
+        raise SystemExit("\n".join(failed))
     spec, attention = _specs(a.shape, a.layers)
     geo = KVGeometry.of(spec, attention, getattr(torch, a.dtype))
     formula = expected_bytes(geo, KVLayout.from_config(d_cfg), a.tokens)

@@ -74,9 +74,12 @@ class LayerReads:
         """Copy the staged rows into their slots (`tensors`: the local regions' tensors, in order)."""
         for sc in self.scatters:
             t = tensors[sc.region]
-            rows = t.view(-1).view(torch.uint8).view(-1, sc.row_bytes)
             n = len(sc.dst_slots)
-            src = staging[sc.offset: sc.offset + n * sc.row_bytes].view(n, sc.row_bytes)
+            # rows in the widest integer type dividing them (byte-wise index_copy_ is ~10x slower)
+            word = next(w for w in (torch.int64, torch.int32, torch.int16, torch.uint8)
+                        if sc.row_bytes % w.itemsize == 0 and sc.offset % w.itemsize == 0)
+            rows = t.view(-1).view(torch.uint8).view(word).view(-1, sc.row_bytes // word.itemsize)
+            src = staging[sc.offset: sc.offset + n * sc.row_bytes].view(word).view(n, -1)
             rows.index_copy_(0, torch.from_numpy(sc.dst_slots).to(t.device), src)
 
 
@@ -117,9 +120,13 @@ def layer_reads(plan: RankPlan, local: tuple[CacheRegion, ...], remote: dict[int
     keys = [k for k in mine if k[1] == layer]
     whole: dict[tuple[int, str], list[SlotRun]] = {}  # (src rank, "kv" | "index") -> runs
     partial = []
+    is_whole: dict[tuple[int, str, int], bool] = {}  # depends on (src rank, cache, num_heads) only
     for run in plan.runs:
-        ks = [k for k in keys if (k[0] == "index") == (run.cache == "index")]
-        if all(_whole_row(run, local[mine[k]], theirs[run.src_rank][k]) for k in ks):
+        kind = (run.src_rank, run.cache, run.num_heads)
+        if kind not in is_whole:
+            ks = [k for k in keys if (k[0] == "index") == (run.cache == "index")]
+            is_whole[kind] = all(_whole_row(run, local[mine[k]], theirs[run.src_rank][k]) for k in ks)
+        if is_whole[kind]:
             whole.setdefault((run.src_rank, run.cache), []).append(run)
         else:
             partial.append(run)

@@ -68,7 +68,7 @@ def test_decode_equals_single_device_sweep(group):
 @pytest.fixture(scope="module")
 def matrix():
     cases = EXACT + FAULTS
-    p, d, models = run_cases(cases)
+    p, d, models = run_cases(cases, timeout=1200.0)  # a deadlock guard; 6 cases took ~600 s at load 30 on 2 cores
     for out, who in ((p, "prefill"), (d, "decode")):
         if isinstance(out, BaseException):
             raise out
