@@ -166,12 +166,13 @@ def decode_world(rank: int, world: int, store_port: int, cases: list[Case], mode
         out: dict[str, Any] = dict(rank=rank)
         if case.fault:
             out.update(_decode_fault(case, i, consumer, alloc, rids))
-        if case.fault == "stall":  # request 0 failed; what it left, then the next request is served
-            out["cache_nonzero_after_fault"] = [int(t.count_nonzero()) for layer in layer_caches(cache) for t in layer]
-            out["free_after_fault"] = alloc.num_free
-            tokens, steps, imported = import_and_decode(forward, layer_caches(cache), alloc, consumer, rids[1:],
-                                                        case.steps)
-            out.update(tokens=tokens, steps=steps, imported=imported)
+            if case.fault == "stall":  # request 0 failed; what it left, then the next request is served
+                out["cache_nonzero_after_fault"] = [int(t.count_nonzero()) for layer in layer_caches(cache)
+                                                    for t in layer]
+                out["free_after_fault"] = alloc.num_free
+                tokens, steps, imported = import_and_decode(forward, layer_caches(cache), alloc, consumer, rids[1:],
+                                                            case.steps)
+                out.update(tokens=tokens, steps=steps, imported=imported)
         else:
             tokens, steps, imported = import_and_decode(forward, layer_caches(cache), alloc, consumer, rids,
                                                         case.steps)

@@ -122,6 +122,7 @@ class KVConsumer(_Role):
         self.coalesce = coalesce
         self._staging: torch.Tensor | None = None  # uint8, registered: staged reads land here (reads.py)
         self._staging_reg: Any = None
+        self._retired: list[torch.Tensor] = []  # staging buffers an unreleasable read may still write
 
     # -- producer description, checked once
     def producer(self) -> dict[int, RankInfo]:
@@ -216,6 +217,9 @@ class KVConsumer(_Role):
                         self.transport.release(h)
                     except KVTransferError:  # may still write: the blocks must not be handed out again
                         self.quarantined.append(req_id)
+                        if staging is not None:  # nor the staging buffer: kept alive, never reused
+                            self._retired.append(staging)
+                            self._staging = None
             if staging is not None:
                 self.check_owned(req_id, plan)  # the blocks may have been dropped while the reads ran
                 reads.scatter(_tensors(self.cache), staging)
