@@ -36,6 +36,7 @@ Two pipeline stages in this file (docs/mla_preprocess.md):
 from __future__ import annotations
 
 import operator
+import warnings
 from dataclasses import dataclass
 from typing import Any
 
@@ -582,6 +583,13 @@ class MLAPreprocessPass(_MLAPOStage):
                 continue
             rewrite_layer(graph, m)
             count += 1
+        if count < len(attentions):
+            # Enabled but not (fully) applied: exact either way, but the user asked for the fusion
+            # (issue 19: no silent no-op). HF DeepSeek-V2's complex-number RoPE is one such graph.
+            warnings.warn(f"mla_preprocess: enable_mla_preprocess is on but {len(attentions) - count} of "
+                          f"{len(attentions)} MLA attention layers in this graph do not match the pre-processing "
+                          "pattern (passes/mla_preprocess.py: q / kv projections, RMSNorms, RoPE); those layers "
+                          "run unfused (exact, not fused)", stacklevel=2)
         if count:
             graph.lint()
             gm.recompile()

@@ -194,3 +194,20 @@ SLOW = [
 def test_matrix(name, world, cfg_kwargs, quant, lowering, kind, folded):
     records = _run(world, cfg_kwargs, quant, lowering, kind, folded)
     print(f"\nMLAPO {name}: per rank, per graph {records}")
+
+
+def test_enabled_pass_that_matches_nothing_says_so():
+    """No silent no-op (issue 19's rule): an MLA attention whose inputs are not the recognised
+    pre-processing (here: graph inputs; in practice e.g. HF DeepSeek-V2's complex-number RoPE)
+    leaves the layer unfused with a warning naming how many layers did not match."""
+    import torch.fx as fx
+
+    from cp_compile.passes.mla_preprocess import MLAPreprocessPass
+
+    graph = fx.Graph()
+    names = ("q_nope", "q_pe", "kv_c", "k_pe", "kv_cache", "slot_mapping", "block_table", "seq_lens", "qsl")
+    args = [graph.placeholder(n) for n in names]
+    graph.output(graph.call_function(torch.ops.cp.mla_attention.default, (*args, 0.125)))
+    gm = fx.GraphModule(torch.nn.Module(), graph)
+    with pytest.warns(UserWarning, match=r"1 of 1 MLA attention layers in this graph do not match"):
+        assert MLAPreprocessPass(None)(gm) == 0
