@@ -132,7 +132,8 @@ def merge_heads(out: Tensor, lse: Tensor, ctx: DCPContext, heads: int, v_dim: in
     """
     if ctx.merge not in ("ag_rs", "a2a"):  # "auto" is resolved by the pass (passes/merge_choice.py)
         raise ValueError(f"merge={ctx.merge!r} reached the composition unresolved; the DCP / PCP pass must "
-                         "replace 'auto' by the merge it chose ('ag_rs' or 'a2a')")
+                         "replace 'auto' by the merge it chose ('ag_rs' or 'a2a'). Fix: calling a composition "
+                         "outside a compiled graph, set CPConfig(dcp_merge='ag_rs') or 'a2a' explicitly")
     if ctx.merge == "ag_rs":
         # All-gather the LSEs, weight the local partial, reduce-scatter the sum.
         lse_all = _c10d.all_gather_into_tensor.default(dense(lse.transpose(0, 1)), ctx.size, ctx.group_name)

@@ -10,7 +10,9 @@ from cp_compile.ops.parallel import dcp as D
 
 
 def main() -> None:
-    cfg = cp_compile.CPConfig(tensor_parallel_size=2, decode_context_parallel_size=2, block_size=4)
+    # The composition is called directly (no compiled graph, so no pass to resolve dcp_merge="auto"):
+    # an explicit merge, as ops/parallel/dcp.merge_heads asks.
+    cfg = cp_compile.CPConfig(tensor_parallel_size=2, decode_context_parallel_size=2, block_size=4, dcp_merge="ag_rs")
     state = cp_compile.init_parallel(cfg)  # no process group yet: initialised from torchrun's env
     alloc = cp_compile.BlockAllocator(4, 8)
     meta = cp_compile.build_attention_metadata([(0, 6)], alloc)
