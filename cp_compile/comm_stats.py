@@ -26,10 +26,11 @@ def merge_collectives(num_tokens: int, heads_per_rank: int, q_dim: int, v_dim: i
     ([out | lse], lse as 4 raw bytes).
     """
     n, t, h = dcp, num_tokens, heads_per_rank
-    if merge not in ("ag_rs", "a2a"):
-        raise ValueError(f"merge={merge!r}: use 'ag_rs' or 'a2a'")
-    if n == 1:
+    if n == 1:  # no DCP group: nothing to merge, whatever the (possibly still 'auto') merge says
         return []
+    if merge not in ("ag_rs", "a2a"):
+        raise ValueError(f"merge={merge!r}: use 'ag_rs' or 'a2a' (the DCP pass resolves 'auto' per graph; "
+                         "pass the merge it chose, PassRecord.decision)")
     q = ("all_gather", (n - 1) * t * h * q_dim * dtype_bytes)
     if merge == "ag_rs":
         return [q, ("all_gather", (n - 1) * t * n * h * 4), ("reduce_scatter", (n - 1) * t * h * v_dim * dtype_bytes)]

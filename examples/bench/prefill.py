@@ -22,6 +22,7 @@ as it was. The pool of each side is allocated once per world for the largest
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from typing import Any
 
@@ -30,7 +31,7 @@ import torch
 import cp_compile
 from examples.bench.args import PrefillArgs
 from examples.bench.cache import fill_context, reserve
-from examples.bench.decode import Side, alternate_steps, build_sides, init_world
+from examples.bench.decode import Side, alternate_steps, build_sides, init_world, merge_decision
 from examples.bench.dsa_cp import build_dsa_cp_sides, init_dsa_cp_world
 from examples.bench.launch import World, log
 from examples.bench.pcp import build_pcp_sides, init_pcp_world
@@ -101,7 +102,10 @@ def measure(rank: int, args: PrefillArgs, model: torch.nn.Module, sides: list[Si
     results = timed_prefill(sides, allocs, prompt, prefix, batch, args, source.vocab_size, device)
     rows = []
     for side, alloc, (step_ms, recompiles, per_rank) in zip(sides, allocs, results):
-        row = prefill_row(args, model, side.cfg, side.merge, prompt, prefix, batch, step_ms,
+        cfg, decision = side.cfg, merge_decision(side)
+        if cfg.dcp_merge == "auto" and decision is not None:  # the bytes of the merge the pass chose
+            cfg = dataclasses.replace(cfg, dcp_merge=decision["merge"])
+        row = prefill_row(args, model, cfg, side.merge, prompt, prefix, batch, step_ms,
                           side.geom.num_blocks - alloc.num_free, side.cache, side.graphs(), recompiles, per_rank,
                           world)
         bd = row["breakdown_ms"]
