@@ -152,7 +152,7 @@ def merge_heads(out: Tensor, lse: Tensor, ctx: DCPContext, heads: int, v_dim: in
     recv = _c10d.wait_tensor.default(recv)  # [N*H, T, Dv + w]: chunk j = rank j's partial of my heads
     parts = recv.unflatten(0, (ctx.size, heads))  # [N, H, T, Dv + w]
     lses = dense(parts[..., v_dim:]).view(torch.float32).squeeze(-1)  # [N, H, T]
-    merged = _cp.lse_combine.default(dense(parts[..., :v_dim]), lses)
+    merged = _cp.lse_combine.default(parts[..., :v_dim], lses)
     merged, total = merged[0], merged[1]
     return dense(merged.to(dtype).transpose(0, 1)), total.transpose(0, 1)
 
