@@ -220,10 +220,10 @@ SINGLE_DEVICE_ATTENTION_OPS: tuple[torch._ops.OpOverloadPacket, ...] = (
 OPS = (
     OpDecl(gqa_paged_attention, cuda=launch.gqa_paged_attention, npu=TRITON_ASCEND,
            ge=GE("attention", "ScatterNdUpdate", "FusedInferAttentionScore"), profile="attention",
-           cpu=_gqa_paged_attention_cpu),
+           ),
     OpDecl(mla_attention, cuda=launch.mla_attention, npu=TRITON_ASCEND,
            ge=GE("attention", "ScatterNdUpdate", "FusedInferAttentionScore"), profile="attention",
-           cpu=_mla_attention_cpu),
+           ),
     OpDecl(lightning_indexer, cuda=launch.lazy("lightning_indexer_device"), npu=TRITON_ASCEND,
            ge=GE("sparse", "ScatterNdUpdate", "LightningIndexer"), profile="attention"),
     OpDecl(sparse_mla_attention, cuda=launch.lazy("sparse_mla_attention_device"), npu=TRITON_ASCEND,

@@ -203,9 +203,9 @@ OPS = (
            ge=GE("cache", "ScatterNdUpdate"), profile="attention"),
     OpDecl(paged_attention_lse, cuda=launch.paged_attention_lse, npu=npu_fused._paged_attention_lse,
            ge=GE("attention", "FusedInferAttentionScore"), profile="attention",
-           cpu=cpu_attention.paged_attention_lse),
+           ),
     OpDecl(mla_partial_attention, cuda=launch.mla_partial_attention, npu=npu_fused._mla_partial_attention,
-           ge=GE("attention", "FusedInferAttentionScore"), profile="attention", cpu=cpu_attention.mla_attention_lse),
+           ge=GE("attention", "FusedInferAttentionScore"), profile="attention"),
     OpDecl(dcp_sparse_indices, cuda=launch.dcp_sparse_indices, npu=TRITON_ASCEND,
            ge=GE("sparse", "Sort", "GatherElements"), profile="dcp_local"),
     OpDecl(sparse_mla_partial_attention, cuda=launch.lazy("sparse_mla_partial_attention_device"),
@@ -216,5 +216,5 @@ OPS = (
            ge=GE("merge", "AttentionUpdate"), profile="dcp_local"),
     OpDecl(varlen_causal_attention_lse, cuda=launch.lazy("varlen_causal_attention_lse_device"), npu=TRITON_ASCEND,
            ge=GE("attention", "FusedInferAttentionScore"), profile="attention",
-           cpu=_varlen_causal_attention_lse_cpu),
+           ),
 )

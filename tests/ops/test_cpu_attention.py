@@ -105,23 +105,19 @@ def test_mla_values_are_read_from_the_key_pages() -> None:
     torch.testing.assert_close(got[1][fin], ref[1][fin], atol=1e-5, rtol=1e-5)
 
 
-def test_ops_dispatch_to_the_cpu_kernels() -> None:
+def test_ops_run_their_bodies_on_cpu() -> None:
+    """The kernels are withdrawn from dispatch (2026-12-01): with them declared as the ops' CPU
+    kernels, tests/spec_decode's dcp 2 run (Qwen3 + random draft, Inductor target, second
+    generation) gave tokens that differ from greedy without speculation; with the op bodies it
+    passes. Until that is understood they are benchmarked and tested here only."""
     regs = registry.register_device_kernels()
     for op in ("gqa_paged_attention", "mla_attention", "paged_attention_lse", "mla_partial_attention",
                "varlen_causal_attention_lse"):
-        assert f"cp::{op}@cpu" in regs
+        assert f"cp::{op}@cpu" not in regs
     args = make_case([5, 12], [2, 1])
     out, lse = torch.ops.cp.paged_attention_lse(*args, SCALE)
-    k_out, k_lse = cpu_attention.paged_attention_lse(*args, SCALE)
-    assert torch.equal(out, k_out) and torch.equal(lse, k_lse)
-    # varlen: the new tokens only, causal within each request
-    g = torch.Generator().manual_seed(2)
-    qsl = torch.tensor([0, 5, 6, 9], dtype=torch.int32)
-    q, k, v = (torch.randn(10, 4, 8, generator=g), torch.randn(10, 2, 8, generator=g), torch.randn(10, 2, 8, generator=g))
-    got = torch.ops.cp.varlen_causal_attention_lse(q, k, v, qsl, SCALE)
-    from cp_compile.ops.dcp import _new_tokens_as_pages
-    ref = reference.paged_attention_with_lse(q, *_new_tokens_as_pages(k, v, qsl, 10), SCALE)
-    torch.testing.assert_close(got[0], ref[0], atol=1e-5, rtol=1e-5)
+    r_out, r_lse = reference.paged_attention_with_lse(*args, SCALE)
+    assert torch.equal(out, r_out) and torch.equal(lse, r_lse)
 
 
 def test_a_broken_merge_is_caught(monkeypatch) -> None:
