@@ -52,9 +52,6 @@ RESULTS: list[Comparison] = []
 # Set by the check around a graph whose GE path rounds through a lower precision than
 # the FX kernel (the converter casts): that dtype's tolerance applies to every float.
 TOLERANCE_DTYPE: torch.dtype | None = None
-# Set by the check around a graph whose FX side computes an fp32 output from bf16 operands
-# in a lower-precision CPU kernel than GE's reference: (atol, rtol) for float32 outputs.
-FLOAT32_TOL: tuple[float, float] | None = None
 _STATE: dict[str, Any] = {"variant": {}, "findings": None, "comm": None}
 
 
@@ -80,8 +77,6 @@ def compare(a: torch.Tensor, b: torch.Tensor) -> tuple[float, bool, str]:
     diff = (af - bf).abs()[both]
     worst = float(diff.max()) if diff.numel() else 0.0
     atol, rtol = TOL.get(TOLERANCE_DTYPE or a.dtype, (0.0, 0.0))
-    if FLOAT32_TOL is not None and TOLERANCE_DTYPE is None and a.dtype == torch.float32:
-        atol, rtol = FLOAT32_TOL
     ok = bool((diff <= atol + rtol * bf.abs()[both]).all())
     return worst, ok, "" if ok else f"beyond atol {atol} + rtol {rtol}"
 
