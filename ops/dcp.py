@@ -6,8 +6,8 @@ returning (out, lse), and the two LSE-merge combines. Collectives are *not* insi
 these ops: the compositions in `cp_compile.ops.parallel.dcp` issue them as
 `_c10d_functional` ops so they stay visible graph nodes.
 
-CPU runs the flash-style kernels of `cpu_attention` for the attention ops (their
-torch references stay the oracle) and the references for the rest; CUDA (and NPU when torch_npu is present) run the
+CPU runs the torch references (the flash-style kernels of `cpu_attention` are not
+dispatched: decision 41); CUDA (and NPU when torch_npu is present) run the
 Triton kernels of `cp_compile.ops.kernels` (registered in `ops/kernels/registry.py`).
 """
 
@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from cp_compile.ops import cpu_attention, layout, reference
+from cp_compile.ops import layout, reference
 from cp_compile.ops.kernels import launch, npu_fused
 from cp_compile.ops.spec import GE, TRITON_ASCEND, OpDecl
 
@@ -182,11 +182,6 @@ def _new_tokens_as_pages(k: Tensor, v: Tensor, query_start_loc: Tensor, T: int
     t = torch.arange(T, dtype=torch.int64, device=query_start_loc.device)
     kv_lens = torch.where(req >= 0, t - query_start_loc[req.clamp(min=0)].long() + 1, torch.zeros_like(t))
     return k.unsqueeze(1), v.unsqueeze(1), table, query_start_loc, kv_lens
-
-
-def _varlen_causal_attention_lse_cpu(q: Tensor, k: Tensor, v: Tensor, query_start_loc: Tensor,
-                                     scale: float) -> tuple[Tensor, Tensor]:
-    return cpu_attention.paged_attention_lse(q, *_new_tokens_as_pages(k, v, query_start_loc, q.shape[0]), scale)
 
 
 @varlen_causal_attention_lse.register_fake
