@@ -2,14 +2,17 @@
 
 `torch.compile(model, backend="cp_ascend")` finds `cp_ascend` below through the
 `torch_dynamo_backends` entry point, so the name works without importing
-cp_compile. Per compiled graph the backend builds a `CompileContext` (parallel
-state from `cp_compile.init_parallel`, the model's `AttentionSpec`, the roles
+cp_compile. Per compiled graph the backend builds a `CompileContext` (the parallel
+state its entry handed it: `parallel=`, the model's `AttentionSpec`, the roles
 declared on `@cp_module`), validates the model against the config, runs the pass
 pipeline enabled for that context on the Dynamo graph (before AOTAutograd, so every
 lowering sees the rewrite) and lowers the result, wrapped so that each call first
 validates the step's metadata against its caches on the host (`step_check`).
 `cp_compile.backend(...)` builds
-one explicitly. See docs/architecture.md for the data flow.
+one explicitly. The compile path reads no module global: the entries (`backend()`,
+the `cp_ascend` entry point, `compile_model` / `@cp_module` at their first call)
+take the parallel state as an argument or, when none is given, read the current one
+(`init_parallel`'s) once, there. See docs/architecture.md for the data flow.
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ from cp_compile.config import AttentionSpec, ConfigError, CPConfig
 from cp_compile.passes.context import CompileContext, RoleBinding
 from cp_compile.lowering import Lowering, TorchairMode, lower
 from cp_compile.metadata import BatchKind
-from cp_compile.parallel_state import parallel_state_or_none
+from cp_compile.parallel_state import ParallelState, parallel_state_or_none
 from cp_compile.passes.pass_manager import PassManager
 from cp_compile.step_check import StepCheck, checked
 
@@ -54,8 +57,9 @@ class CpAscendBackend:
     """A torch.compile backend: cp-compile passes, then a lowering.
 
     config: checked against the parallel state when given (it must match the config
-    passed to `init_parallel`); without a parallel state only dcp = pcp = 1 is
-    allowed (the pipeline is then empty). attention: the model's `AttentionSpec`,
+    passed to `init_parallel`). parallel: the parallel state the compiles are
+    specialised on (its `layout`, its measured collective costs), handed in by the
+    entry; without one only tp = dcp = pcp = 1 is allowed (the pipeline is then empty). attention: the model's `AttentionSpec`,
     required at dcp > 1 or pcp > 1 and validated against the config before any pass
     runs. roles: the resolved roles of `@cp_module` (`context.resolve_roles`).
     batch_kind: the batches its graphs serve (None: all; see `CompileContext.batch_kind`).
@@ -63,8 +67,10 @@ class CpAscendBackend:
 
     def __init__(self, config: CPConfig | None = None, lowering: Lowering = "auto",
                  torchair_mode: TorchairMode = "reduce-overhead", attention: AttentionSpec | None = None,
-                 roles: tuple[RoleBinding, ...] = (), batch_kind: BatchKind | None = None) -> None:
+                 roles: tuple[RoleBinding, ...] = (), batch_kind: BatchKind | None = None,
+                 parallel: ParallelState | None = None) -> None:
         self.config = config
+        self.parallel = parallel
         self.batch_kind = batch_kind
         self.lowering = lowering
         self.torchair_mode = torchair_mode
@@ -80,15 +86,17 @@ class CpAscendBackend:
     def make_context(self) -> CompileContext:
         """The context of a compile now, on this rank; ConfigError if the model or
         the config cannot be served."""
-        state = parallel_state_or_none()
+        state = self.parallel
         if state is None:
             cfg = self.config or CPConfig()
             tp, dcp, pcp = cfg.tensor_parallel_size, cfg.decode_context_parallel_size, cfg.prefill_context_parallel_size
             if dcp > 1 or pcp > 1 or tp > 1:
                 raise ConfigError("parallel compiles need an initialised parallel state",
                                   f"tensor_parallel_size={tp}, decode_context_parallel_size={dcp}, "
-                                  f"prefill_context_parallel_size={pcp} but init_parallel was not called",
-                                  "call cp_compile.init_parallel(cfg) on every rank before compiling")
+                                  f"prefill_context_parallel_size={pcp} but the backend has none",
+                                  "call cp_compile.init_parallel(cfg) on every rank before building the backend "
+                                  "(or pass parallel=init_parallel(cfg) to cp_compile.backend / compile_model / "
+                                  "cp_module)")
             ctx = CompileContext(config=cfg, attention=self.attention, roles=self.roles, batch_kind=self.batch_kind)
         else:
             if self.config is not None and self.config != state.cfg:
@@ -112,7 +120,7 @@ class CpAscendBackend:
     def for_batch_kind(self, kind: BatchKind) -> "CpAscendBackend":
         """The same backend for graphs that serve only `kind` batches."""
         b = CpAscendBackend(config=self.config, lowering=self.lowering, torchair_mode=self.torchair_mode,
-                            attention=self.attention, roles=self.roles, batch_kind=kind)
+                            attention=self.attention, roles=self.roles, batch_kind=kind, parallel=self.parallel)
         b.validate_steps = self.validate_steps
         return b
 
@@ -140,12 +148,14 @@ class CpAscendBackend:
 
 def backend(config: CPConfig | None = None, lowering: Lowering = "auto",
             torchair_mode: TorchairMode = "reduce-overhead", attention: AttentionSpec | None = None,
-            roles: tuple[RoleBinding, ...] = ()) -> CpAscendBackend:
-    """Build a cp_ascend backend explicitly (e.g. `lowering="aot_eager"`)."""
+            roles: tuple[RoleBinding, ...] = (), parallel: ParallelState | None = None) -> CpAscendBackend:
+    """Build a cp_ascend backend explicitly (e.g. `lowering="aot_eager"`). `parallel`:
+    the state from `init_parallel`; None = the current one, read here (an entry)."""
     return CpAscendBackend(config=config, lowering=lowering, torchair_mode=torchair_mode, attention=attention,
-                           roles=roles)
+                           roles=roles, parallel=parallel if parallel is not None else parallel_state_or_none())
 
 
 def cp_ascend(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable[..., Any]:
-    """Entry-point backend: `torch.compile(model, backend="cp_ascend")`."""
-    return CpAscendBackend()(gm, example_inputs)
+    """Entry-point backend: `torch.compile(model, backend="cp_ascend")`. The named
+    entry takes no arguments, so it reads the current parallel state, here."""
+    return CpAscendBackend(parallel=parallel_state_or_none())(gm, example_inputs)

@@ -36,7 +36,9 @@ from cp_compile.config import AttentionSpec, ConfigError, CPConfig
 from cp_compile.passes.context import RoleBinding, resolve_roles
 from cp_compile.lowering import Lowering, TorchairMode
 from cp_compile.metadata import AttentionMetadata, BatchKind, batch_kind, validate_forward_args
+from cp_compile.ops.pcp import pcp_token_index
 from cp_compile.ops.pcp_layout import pcp_token_table
+from cp_compile.parallel_state import ParallelState, parallel_state_or_none
 
 M = TypeVar("M", bound=type[nn.Module])
 
@@ -137,8 +139,8 @@ class CompiledForward:
 
     PCP (pcp > 1) prefill steps are token-sharded (docs/pcp.md §4): on the host, once
     per step, `pcp_token_table` gives this rank's token indices ([T_loc], -1 padded);
-    the prefill graph is compiled from a wrapper that takes them as its argument
-    `cp_pcp_token_index` and slices, inside the graph, every dynamic argument whose
+    the prefill graph is compiled from a wrapper that takes them as its first argument,
+    marks them with `cp::pcp_token_index` and slices, inside the graph, every dynamic argument whose
     dim 0 is the step's token count (input_ids, positions) to those rows before calling
     forward. The metadata stays global. The `pcp_attention` pass rewrites the attention
     for this rank's tokens and all-gathers the per-token outputs back to global order,
@@ -171,6 +173,11 @@ class CompiledForward:
         self.validate_inputs = True
 
     def _setup(self) -> None:
+        # The entry binds the parallel state (the one given to compile_model / cp_module,
+        # else init_parallel's current one, read here, once) before the first trace; the
+        # compiles read it from the backend, never from the module global.
+        if self.backend.parallel is None:
+            self.backend.parallel = parallel_state_or_none()
         # Before the first trace: a model the config cannot serve fails here, as a
         # ConfigError, not half-way through tracing.
         ctx = self.backend.make_context()
@@ -193,17 +200,19 @@ class CompiledForward:
         self._pads_single_token = True
         self._validated = True
 
-    def _token_sharded(self, cp_pcp_token_index: torch.Tensor, token_slots: tuple[int | str, ...], *args: Any,
+    def _token_sharded(self, token_index: torch.Tensor, token_slots: tuple[int | str, ...], *args: Any,
                        **kwargs: Any) -> Any:
         """The PCP prefill graph's entry (traced): this rank's rows of the token-dim
         arguments (positional indices or keyword names in `token_slots`), then forward.
-        The argument name is what `passes.pcp_attention` finds the token indices by."""
+        `passes.pcp_attention` finds the token indices as the argument of the one
+        `cp::pcp_token_index` call (and removes it), not by any name."""
+        token_index = pcp_token_index(token_index)
         args_l = list(args)
         for slot in token_slots:
             if isinstance(slot, int):
-                args_l[slot] = _take_tokens(args_l[slot], cp_pcp_token_index)
+                args_l[slot] = _take_tokens(args_l[slot], token_index)
             else:
-                kwargs[slot] = _take_tokens(kwargs[slot], cp_pcp_token_index)
+                kwargs[slot] = _take_tokens(kwargs[slot], token_index)
         return self.forward(*args_l, **kwargs)
 
     def _pcp_call(self, compiled: Callable[..., Any], bound: inspect.BoundArguments) -> Any:
@@ -271,9 +280,9 @@ def _attention_of(module: nn.Module, attention: AttentionSpec | None) -> Attenti
 def _compiled_forward(module: nn.Module, forward: Callable[..., Any], dynamic_args: Sequence[str],
                       config: CPConfig | None, lowering: Lowering, torchair_mode: TorchairMode,
                       attention: AttentionSpec | None, roles: tuple[RoleBinding, ...],
-                      num_speculative_tokens: int = 0) -> CompiledForward:
+                      num_speculative_tokens: int = 0, parallel: ParallelState | None = None) -> CompiledForward:
     backend = CpAscendBackend(config=config, lowering=lowering, torchair_mode=torchair_mode,
-                              attention=_attention_of(module, attention), roles=roles)
+                              attention=_attention_of(module, attention), roles=roles, parallel=parallel)
     return CompiledForward(module, forward, dynamic_args, backend, num_speculative_tokens)
 
 
@@ -281,25 +290,28 @@ def compile_model(module: nn.Module, *, dynamic_args: Sequence[str] = ("input_id
                   config: CPConfig | None = None, lowering: Lowering = "auto",
                   torchair_mode: TorchairMode = "reduce-overhead", attention: AttentionSpec | None = None,
                   o_proj: str | None = None, indexer: str | None = None,
-                  num_speculative_tokens: int = 0) -> CompiledForward:
+                  num_speculative_tokens: int = 0, parallel: ParallelState | None = None) -> CompiledForward:
     """Compile `module.forward` with cp_ascend (fullgraph) and dynamic token dims.
 
     For modules you cannot decorate (built elsewhere); `cp_module` uses the same path
     and takes the same role and attention arguments. The returned callable's
     `.backend.pass_managers` record what the passes rewrote. `num_speculative_tokens`
     = k > 0 adds the verify graph (steps of at most k + 1 new tokens per request).
+    `parallel`: the state from `init_parallel` the graphs are compiled for; None = the
+    current one at the first call.
     """
     roles = resolve_roles(module, {"o_proj": o_proj, "indexer": indexer})
     return _compiled_forward(module, module.forward, dynamic_args, config, lowering, torchair_mode, attention, roles,
-                             num_speculative_tokens)
+                             num_speculative_tokens, parallel)
 
 
 def cp_module(cls: M | None = None, *, o_proj: str | None = None, indexer: str | None = None,
               dynamic_args: Sequence[str] = ("input_ids", "positions", "meta"), config: CPConfig | None = None,
               lowering: Lowering = "auto", torchair_mode: TorchairMode = "reduce-overhead",
               attention: AttentionSpec | None = None, compile: bool = True,
-              num_speculative_tokens: int = 0) -> Callable[[M], M] | M:
-    """Class decorator; see the module docstring. `compile=False` only records roles."""
+              num_speculative_tokens: int = 0, parallel: ParallelState | None = None) -> Callable[[M], M] | M:
+    """Class decorator; see the module docstring. `compile=False` only records roles;
+    `parallel` as in `compile_model`."""
 
     def wrap(klass: M) -> M:
         orig_init = klass.__init__
@@ -313,7 +325,7 @@ def cp_module(cls: M | None = None, *, o_proj: str | None = None, indexer: str |
             if compile:
                 self.cp_compiled = _compiled_forward(self, functools.partial(orig_forward, self), dynamic_args,
                                                      config, lowering, torchair_mode, attention, self.cp_roles,
-                                                     num_speculative_tokens)
+                                                     num_speculative_tokens, parallel)
 
         @functools.wraps(orig_forward)
         def forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:

@@ -28,60 +28,78 @@ import torch.distributed as dist
 
 from cp_compile.config import ConfigError, CPConfig
 from cp_compile.merge_cost import CollectiveCosts, calibrate
+from cp_compile.parallel_layout import Group, Layout
 
 
 @dataclass
 class ParallelState:
+    """The live side of the layout: the process groups `init_parallel` created for
+    this rank, its device and backend. What a compile is specialised on is `layout`
+    (sizes, ranks, group names: `cp_compile.parallel_layout.Layout`); the rank and
+    size properties below read it, so nothing is stored twice."""
+
     cfg: CPConfig
     rank: int
     world_size: int
     device: torch.device
     backend: str
+    layout: Layout
     tp_group: dist.ProcessGroup
-    tp_rank: int
     dcp_group: dist.ProcessGroup
-    dcp_rank: int
     pcp_group: dist.ProcessGroup
-    pcp_rank: int
-    timeout_s: float = 0.0  # collective timeout of the TP / DCP / PCP groups
     # The pcp * dcp ranks sharing this rank's KV heads (the KV cache is sharded over
-    # them); group rank == cp_rank = pcp_rank * dcp + dcp_rank. None only for states
-    # built by hand without it (then it is the DCP group: pcp = 1).
-    cp_group: dist.ProcessGroup | None = None
-    cp_rank: int = 0
+    # them); group rank == cp_rank = pcp_rank * dcp + dcp_rank. The DCP group at pcp = 1.
+    cp_group: dist.ProcessGroup
+    timeout_s: float = 0.0  # collective timeout of the TP / DCP / PCP groups
     # dcp_merge="auto": the CP group's measured collective costs (merge_cost.calibrate).
     collective_costs: CollectiveCosts | None = None
 
     @property
+    def tp_rank(self) -> int:
+        return self.layout.tp.rank
+
+    @property
+    def dcp_rank(self) -> int:
+        return self.layout.dcp.rank
+
+    @property
+    def pcp_rank(self) -> int:
+        return self.layout.pcp.rank
+
+    @property
+    def cp_rank(self) -> int:
+        return self.layout.cp.rank
+
+    @property
     def tp_size(self) -> int:
-        return self.cfg.tensor_parallel_size
+        return self.layout.tp.size
 
     @property
     def dcp_size(self) -> int:
-        return self.cfg.decode_context_parallel_size
-
-    @property
-    def dcp_group_name(self) -> str:
-        """Name the functional collectives use for the DCP group."""
-        return self.dcp_group.group_name
-
-    @property
-    def tp_group_name(self) -> str:
-        return self.tp_group.group_name
+        return self.layout.dcp.size
 
     @property
     def cp_size(self) -> int:
         """Ranks one request's KV cache is sharded over: pcp * dcp."""
-        return self.cfg.context_parallel_size
+        return self.layout.cp.size
+
+    @property
+    def dcp_group_name(self) -> str:
+        """Name the functional collectives use for the DCP group."""
+        return self.layout.dcp.name
+
+    @property
+    def tp_group_name(self) -> str:
+        return self.layout.tp.name
 
     @property
     def context_group(self) -> dist.ProcessGroup:
-        """The CP group (the DCP group when none was recorded, i.e. pcp = 1)."""
-        return self.cp_group if self.cp_group is not None else self.dcp_group
+        """The CP group (the KV cache's context-parallel group)."""
+        return self.cp_group
 
     @property
     def cp_group_name(self) -> str:
-        return self.context_group.group_name
+        return self.layout.cp.name
 
 
 _STATE: ParallelState | None = None
@@ -208,14 +226,17 @@ def init_parallel(cfg: CPConfig, device: torch.device | str | None = None,
             if rank in cranks:
                 cp_group = cgrp
     assert cp_group is not None
-    pcp_rank, dcp_rank = rank // tp, (rank % tp) % dcp
+    tp_rank = rank % tp
+    pcp_rank, dcp_rank = rank // tp, tp_rank % dcp
+    layout = Layout(tp=Group(tp, tp_rank, tp_group.group_name), dcp=Group(dcp, dcp_rank, dcp_group.group_name),
+                    pcp=Group(pcp, pcp_rank, pcp_group.group_name),
+                    cp=Group(pcp * dcp, pcp_rank * dcp + dcp_rank, cp_group.group_name))
+    layout.check(cfg)
     # The merge's cost model needs the collectives' costs on the group decode merges over.
     costs = calibrate(cp_group, device) if cfg.dcp_merge == "auto" and cfg.context_parallel_size > 1 else None
-    _STATE = ParallelState(cfg=cfg, rank=rank, world_size=world, device=device, backend=backend,
-                           tp_group=tp_group, tp_rank=rank % tp, dcp_group=dcp_group,
-                           dcp_rank=dcp_rank, pcp_group=pcp_group, pcp_rank=pcp_rank,
-                           timeout_s=timeout_s, cp_group=cp_group, cp_rank=pcp_rank * dcp + dcp_rank,
-                           collective_costs=costs)
+    _STATE = ParallelState(cfg=cfg, rank=rank, world_size=world, device=device, backend=backend, layout=layout,
+                           tp_group=tp_group, dcp_group=dcp_group, pcp_group=pcp_group, cp_group=cp_group,
+                           timeout_s=timeout_s, collective_costs=costs)
     return _STATE
 
 

@@ -3,7 +3,7 @@
 Importing this package registers every `cp::*` op with torch.library:
 single-device attention ops (`attention`), the DCP building blocks (`dcp`) and the
 DSA-CP token-shard blocks (`dsa_cp`), the W8A8 linears (`quant`), the fused MLA
-pre-processing (`mla_preprocess`), with
+pre-processing (`mla_preprocess`), PCP's token-index marker (`pcp`), with
 their torch references (`reference`), layout math (`layout`) and kernels
 (`kernels`). Each family module declares every piece of its ops (`OPS`,
 `spec.OpDecl`); `catalog` collects them and the kernels are registered here, once.
@@ -20,7 +20,7 @@ if __name__ != "cp_compile.ops":  # e.g. `import ops` with the repository root o
         f"would be a second copy that registers every cp:: op a second time. Fix: `import cp_compile.ops` "
         f"(`from cp_compile.ops import ...`)")
 
-from cp_compile.ops import attention, dcp, dsa_cp, layout, mla_preprocess, quant, reference  # noqa: F401
+from cp_compile.ops import attention, dcp, dsa_cp, layout, mla_preprocess, pcp, quant, reference  # noqa: F401
 from cp_compile.ops.kernels.registry import register_device_kernels
 
 register_device_kernels()

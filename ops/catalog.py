@@ -10,10 +10,10 @@ A new op family module is added to `FAMILIES`.
 
 from __future__ import annotations
 
-from cp_compile.ops import attention, dcp, dsa_cp, mla_preprocess, quant
+from cp_compile.ops import attention, dcp, dsa_cp, mla_preprocess, pcp, quant
 from cp_compile.ops.spec import GE, Absent, OpDecl, Reference, TritonAscend
 
-FAMILIES = (attention, dcp, dsa_cp, quant, mla_preprocess)
+FAMILIES = (attention, dcp, dsa_cp, quant, mla_preprocess, pcp)
 OPS: tuple[OpDecl, ...] = tuple(decl for family in FAMILIES for decl in family.OPS)
 BY_NAME: dict[str, OpDecl] = {decl.name: decl for decl in OPS}
 

@@ -1,8 +1,8 @@
 """The compile context: everything a pass may know about one compile, in one value.
 
-The backend builds one `CompileContext` per compiled graph, from the parallel state
-(`init_parallel`), the model's `AttentionSpec` and the roles declared on
-`@cp_module`, and hands it to the pass pipeline. Passes and the parallel
+The backend builds one `CompileContext` per compiled graph, from the parallel layout
+its entry handed it (`Layout`, built by `init_parallel`), the model's `AttentionSpec`
+and the roles declared on `@cp_module`, and hands it to the pass pipeline. Passes and the parallel
 compositions read only this (or a narrow view of it, such as `cp_view()`), never
 module-level parallel state, so a pass can be run and tested in one process on a
 context built by hand (`CompileContext.for_test`).
@@ -20,12 +20,9 @@ from cp_compile.merge_cost import CollectiveCosts
 from cp_compile.ops.parallel.dcp import DCPContext
 from cp_compile.ops.parallel.dsa_cp import DSACPContext
 from cp_compile.ops.parallel.pcp import PCPContext
+from cp_compile.parallel_layout import Group, Layout
 
 ROLE_NAMES = ("o_proj", "indexer")
-
-
-class _NamedGroup(Protocol):
-    group_name: str  # what functional collectives address a process group by
 
 
 class RankGroups(Protocol):
@@ -33,26 +30,8 @@ class RankGroups(Protocol):
     (the front door's `ParallelState`, one layer up, which passes never import)."""
 
     cfg: CPConfig
-    tp_rank: int
-    dcp_rank: int
-    pcp_rank: int
-    cp_rank: int
-    tp_group: _NamedGroup
-    dcp_group: _NamedGroup
-    pcp_group: _NamedGroup
-
-    @property
-    def cp_group_name(self) -> str: ...
-
-
-@dataclass(frozen=True)
-class GroupInfo:
-    """One process group as the graph sees it: its size, this rank's place in it, and
-    the name functional collectives address it by ("" when there is no group)."""
-
-    size: int = 1
-    rank: int = 0
-    name: str = ""
+    layout: Layout
+    collective_costs: CollectiveCosts | None
 
 
 @dataclass(frozen=True)
@@ -103,13 +82,9 @@ class CompileContext:
     """
 
     config: CPConfig
-    tp: GroupInfo = field(default_factory=GroupInfo)
-    dcp: GroupInfo = field(default_factory=GroupInfo)
-    pcp: GroupInfo = field(default_factory=GroupInfo)
-    # The pcp * dcp ranks sharing this rank's KV heads; rank = pcp_rank * dcp + dcp_rank
-    # (docs/pcp.md §2). At pcp = 1 the DCP group; left default, it is filled from
-    # `dcp` / `pcp` when one of them is 1 (a hand-built context needs it only at both > 1).
-    cp: GroupInfo | None = None
+    # This rank's groups (sizes, ranks, names): the one description of the parallel
+    # layout (cp_compile/parallel_layout.py), handed in by the backend from its entry.
+    layout: Layout = field(default_factory=Layout)
     attention: AttentionSpec | None = None
     roles: tuple[RoleBinding, ...] = ()
     # The batches this graph serves: None = every kind (one graph); "decode" /
@@ -124,49 +99,38 @@ class CompileContext:
         if self.batch_kind not in (None, "decode", "prefill", "verify"):
             raise ConfigError("batch_kind is None, 'decode', 'prefill' or 'verify'",
                               f"batch_kind={self.batch_kind!r}", "pass one of None, 'decode', 'prefill', 'verify'")
-        if self.cp is None:
-            # Same ranks as the DCP group (pcp = 1) or the PCP group (dcp = 1).
-            cp = self.dcp if self.pcp.size == 1 else self.pcp if self.dcp.size == 1 else GroupInfo()
-            object.__setattr__(self, "cp", cp)
-        cfg = self.config
-        for name, g, want in (("tp", self.tp, cfg.tensor_parallel_size), ("dcp", self.dcp, cfg.decode_context_parallel_size),
-                              ("pcp", self.pcp, cfg.prefill_context_parallel_size),
-                              ("cp", self.cp, self.config.context_parallel_size)):
-            if g.size != want or not 0 <= g.rank < g.size:
-                raise ConfigError(f"{name} group matches the config",
-                                  f"{name} group size={g.size} rank={g.rank}, config {name}={want}",
-                                  "build the context from the same CPConfig as init_parallel")
-            if g.size > 1 and not g.name:
-                raise ConfigError(f"{name} group has a name", f"{name} size={g.size} with no group name",
-                                  "pass the process group's group_name")
+        self.layout.check(self.config)
 
     @classmethod
     def from_state(cls, state: RankGroups, attention: AttentionSpec | None = None,
                    roles: tuple[RoleBinding, ...] = (), batch_kind: BatchKind | None = None) -> "CompileContext":
         """The context of a compile on this rank of an initialised parallel state."""
-        cfg = state.cfg
-        return cls(config=cfg,
-                   tp=GroupInfo(cfg.tensor_parallel_size, state.tp_rank, state.tp_group.group_name),
-                   dcp=GroupInfo(cfg.decode_context_parallel_size, state.dcp_rank, state.dcp_group.group_name),
-                   pcp=GroupInfo(cfg.prefill_context_parallel_size, state.pcp_rank, state.pcp_group.group_name),
-                   cp=GroupInfo(cfg.context_parallel_size, state.cp_rank, state.cp_group_name),
-                   attention=attention, roles=roles, batch_kind=batch_kind,
-                   collective_costs=getattr(state, "collective_costs", None))
+        return cls(config=state.cfg, layout=state.layout, attention=attention, roles=roles, batch_kind=batch_kind,
+                   collective_costs=state.collective_costs)
 
     @classmethod
     def for_test(cls, config: CPConfig, *, rank: int = 0, attention: AttentionSpec | None = None,
                  roles: tuple[RoleBinding, ...] = (), batch_kind: BatchKind | None = None) -> "CompileContext":
-        """A context for graph-structure tests in one process: group names are
-        placeholders no collective ever resolves (the graph is inspected, not run)."""
-        def grp(kind: str, size: int) -> GroupInfo:
-            return GroupInfo(size, rank % size, f"test_{kind}" if size > 1 else "")
+        """A context for graph-structure tests in one process (`Layout.for_test`)."""
+        return cls(config=config, layout=Layout.for_test(config, rank), attention=attention, roles=roles,
+                   batch_kind=batch_kind)
 
-        dcp, pcp = grp("dcp", config.decode_context_parallel_size), grp("pcp", config.prefill_context_parallel_size)
-        cp = None
-        if dcp.size > 1 and pcp.size > 1:
-            cp = GroupInfo(config.context_parallel_size, pcp.rank * dcp.size + dcp.rank, "test_cp")
-        return cls(config=config, tp=grp("tp", config.tensor_parallel_size), dcp=dcp, pcp=pcp, cp=cp,
-                   attention=attention, roles=roles, batch_kind=batch_kind)
+    @property
+    def tp(self) -> Group:
+        return self.layout.tp
+
+    @property
+    def dcp(self) -> Group:
+        return self.layout.dcp
+
+    @property
+    def pcp(self) -> Group:
+        return self.layout.pcp
+
+    @property
+    def cp(self) -> Group:
+        """The cache's context-parallel group (pcp * dcp ranks; the DCP group at pcp = 1)."""
+        return self.layout.cp
 
     @property
     def decode_like(self) -> bool:
@@ -188,7 +152,6 @@ class CompileContext:
         group's (docs/pcp.md §5)."""
         cfg = self.config
         cp = self.cp
-        assert cp is not None  # filled by __post_init__
         return DCPContext(size=cp.size, rank=cp.rank, interleave=cfg.cp_kv_cache_interleave_size,
                           block_size=cfg.block_size, group_name=cp.name, merge=cfg.dcp_merge)
 

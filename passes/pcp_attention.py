@@ -6,12 +6,13 @@ the pcp * dcp ranks of the cache instead).
 
 What the graph looks like when it gets here. At pcp > 1 the compiled entry
 (`decorator.CompiledForward`) compiles prefill steps through a wrapper that takes this
-rank's token indices as an extra argument named `TOKEN_INDEX_ARG` ([T_loc] int64,
-ascending, -1 padded: row `pcp_rank` of `ops.pcp_layout.pcp_token_table`, computed on
-the host once per step) and slices the model's token-dim arguments (input_ids,
-positions) to those rows *inside the graph*, before calling the model. So the model
-is traced on T_loc tokens while its metadata stays global (T tokens), and the token
-indices are a graph input with a use, which is how this pass finds them.
+rank's token indices as an extra argument ([T_loc] int64, ascending, -1 padded: row
+`pcp_rank` of `ops.pcp_layout.pcp_token_table`, computed on the host once per step),
+marks them with `cp::pcp_token_index` (ops/pcp.py) and slices the model's token-dim
+arguments (input_ids, positions) to those rows *inside the graph*, before calling the
+model. So the model is traced on T_loc tokens while its metadata stays global (T
+tokens). The pass finds the token indices as the argument of the marker's one call
+(the parameter's name plays no part) and removes the call.
 
 What the pass does:
 1. every `cp::gqa_paged_attention` / `cp::mla_attention` becomes `pcp_gqa_attention` /
@@ -39,14 +40,15 @@ import torch.fx as fx
 
 from cp_compile.config import ConfigError
 from cp_compile.passes.context import CompileContext
+from cp_compile.ops import pcp as pcp_ops
 from cp_compile.ops.parallel import pcp as pcp_compose
 from cp_compile.passes.base import CPPass
 from cp_compile.passes.dcp_attention import AttentionPattern, rewrite_attention_nodes
 from cp_compile.passes.fx_utils import FakeTracer, fake_value
 from cp_compile.passes.merge_choice import resolve_merge
 
-# The argument name the compiled entry gives this rank's token indices (decorator.py).
-TOKEN_INDEX_ARG = "cp_pcp_token_index"
+# The marker the compiled entry calls on this rank's token indices (decorator.py).
+TOKEN_INDEX_MARKER = pcp_ops.pcp_token_index._opoverload
 
 
 class PCPGQAPattern(AttentionPattern):
@@ -69,17 +71,9 @@ def _same_size(a: Any, b: Any) -> bool:
     return int(a) == int(b)
 
 
-def token_index_placeholder(gm: fx.GraphModule) -> fx.Node | None:
-    """The graph input carrying this rank's token indices (see module docstring)."""
-    for node in gm.graph.nodes:
-        # Dynamo also lifts the tensor's symbolic sizes as placeholders of the same source.
-        if node.op != "placeholder" or not isinstance(fake_value(node), torch.Tensor):
-            continue
-        source = getattr(node.meta.get("grapharg"), "source", None)
-        name = source.name if source is not None else str(node.target)
-        if TOKEN_INDEX_ARG in str(name) or TOKEN_INDEX_ARG in str(node.target):
-            return node
-    return None
+def token_index_markers(gm: fx.GraphModule) -> list[fx.Node]:
+    """The calls of `cp::pcp_token_index` in the graph (the compiled entry makes one)."""
+    return [n for n in gm.graph.nodes if n.op == "call_function" and n.target == TOKEN_INDEX_MARKER]
 
 
 class PCPAttentionPass(CPPass):
@@ -111,9 +105,16 @@ class PCPAttentionPass(CPPass):
         if self.ctx.batch_kind is None:
             raise self._refuse("a graph serving every batch kind")
         self.pcp, self.decision = resolve_merge(self.ctx, self.pcp, gm, self.patterns)
-        ti = token_index_placeholder(gm)
-        if ti is None:
-            raise self._refuse(f"a prefill graph without the `{TOKEN_INDEX_ARG}` input")
+        markers = token_index_markers(gm)
+        if len(markers) != 1:
+            raise self._refuse(f"a prefill graph with {len(markers)} calls of cp::pcp_token_index (the marker of "
+                               f"this rank's token indices; the compiled entry makes exactly one)")
+        # The marked tensor is the token index; the marker itself goes (it is an identity).
+        (marker,) = markers
+        ti = marker.args[0]
+        assert isinstance(ti, fx.Node)
+        marker.replace_all_uses_with(ti)
+        graph.erase_node(marker)
         tracer = FakeTracer.for_graph(gm, "the PCP attention pass")
         wrap = tracer.wrap
         # One pcp_step per graph (per distinct metadata): the token-index gather and the

@@ -1,13 +1,18 @@
 """Front door of the backend: entry point, decorator, lowering choices, loud errors."""
 
+import importlib
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 import cp_compile
 from cp_compile.lowering import lower, resolve_lowering
+from cp_compile.parallel_layout import Layout
+
+backend_module = importlib.import_module("cp_compile.backend")  # the attribute cp_compile.backend is the factory
 
 
 def test_entry_point_registers_backend_without_importing_cp_compile():
@@ -50,6 +55,41 @@ def test_dcp_without_parallel_state_is_a_config_error():
     be = cp_compile.backend(config=cp_compile.CPConfig(tensor_parallel_size=2, decode_context_parallel_size=2))
     with pytest.raises(cp_compile.ConfigError, match="init_parallel"):
         be.make_pass_manager()
+
+
+def _given_state(cfg: cp_compile.CPConfig, rank: int) -> SimpleNamespace:
+    """What the backend reads of a parallel state (passes.context.RankGroups), built by
+    hand: a layout with placeholder group names (no collective runs here)."""
+    return SimpleNamespace(cfg=cfg, layout=Layout.for_test(cfg, rank), collective_costs=None)
+
+
+def test_compile_path_reads_the_state_its_entry_gave_not_the_global(monkeypatch):
+    # Issue 20: the parallel layout reaches the passes from the entry, as an argument.
+    # With the module global unreadable, a backend holding a state still builds its
+    # context, from that state's layout (a make_context that read the global would raise).
+    def no_global():
+        raise AssertionError("the compile path read the parallel-state global")
+
+    cfg = cp_compile.CPConfig(tensor_parallel_size=4, decode_context_parallel_size=2)
+    spec = cp_compile.AttentionSpec("gqa", 8, 2)
+    state = _given_state(cfg, rank=3)
+    be = cp_compile.backend(config=cfg, attention=spec, parallel=state)
+    monkeypatch.setattr(cp_compile.parallel_state, "parallel_state_or_none", no_global)
+    monkeypatch.setattr(backend_module, "parallel_state_or_none", no_global)
+    monkeypatch.setattr(cp_compile.decorator, "parallel_state_or_none", no_global)
+    for b in (be, be.for_batch_kind("decode")):
+        ctx = b.make_context()
+        assert ctx.layout is state.layout and (ctx.tp.rank, ctx.dcp.rank, ctx.cp.rank) == (3, 1, 1)
+        assert ctx.cp_view().group_name == "test_dcp"
+    # The decorator's entry binds the state it was given: nothing read at the first call.
+    compiled = cp_compile.compile_model(Scaled(), dynamic_args=("input_ids", "positions"), config=cfg,
+                                        attention=spec, parallel=state)
+    compiled._setup()
+    assert compiled.backend.parallel is state and compiled._cp_size == 2
+    # A config the given state was not built for is refused, naming both.
+    other = _given_state(cp_compile.CPConfig(tensor_parallel_size=4, decode_context_parallel_size=4), rank=0)
+    with pytest.raises(cp_compile.ConfigError, match="backend config == init_parallel config"):
+        cp_compile.backend(config=cfg, attention=spec, parallel=other).make_context()
 
 
 def test_lowering_choices_and_errors():

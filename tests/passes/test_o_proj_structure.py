@@ -21,7 +21,8 @@ from torch._subclasses.fake_tensor import FakeTensor
 
 import cp_compile
 from cp_compile.config import AttentionSpec, ConfigError, CPConfig
-from cp_compile.passes.context import CompileContext, GroupInfo, resolve_roles
+from cp_compile.parallel_layout import Group, Layout
+from cp_compile.passes.context import CompileContext, resolve_roles
 from cp_compile.metadata import BlockAllocator, build_attention_metadata
 from cp_compile.passes.fx_utils import count_ops, fake_value
 from cp_compile.passes.o_proj_dsa_cp import OProjDSACPPass
@@ -66,7 +67,7 @@ def _run_pass(model: nn.Module, group, roles=()) -> dict:
     meta = build_attention_metadata([(0, 5), (0, 4)], BlockAllocator(8, BLOCK))
     caches = [torch.zeros(8, BLOCK, L + R) for _ in range(LAYERS)]
     cfg = CPConfig(tensor_parallel_size=2, enable_dsa_cp=True, block_size=BLOCK)
-    ctx = CompileContext(config=cfg, tp=GroupInfo(2, 0, group.group_name), roles=roles, batch_kind="prefill",
+    ctx = CompileContext(config=cfg, layout=Layout(tp=Group(2, 0, group.group_name)), roles=roles, batch_kind="prefill",
                          attention=AttentionSpec("sfa", 2 * H, has_indexer=True))
     seen: dict = {}
 

@@ -17,7 +17,8 @@ from cp_compile.passes.context import CompileContext
 from cp_compile.metadata import BlockAllocator, build_attention_metadata
 from cp_compile.ops import pcp_layout
 from cp_compile.passes.fx_utils import fake_value
-from cp_compile.passes.pcp_attention import TOKEN_INDEX_ARG, token_index_placeholder
+from cp_compile.ops.pcp import pcp_token_index
+from cp_compile.passes.pcp_attention import token_index_markers
 from cp_compile.passes.pass_manager import PassManager
 from cp_compile.testing.pass_harness import run_pipeline
 
@@ -48,9 +49,11 @@ class Attn(nn.Module):
         return x
 
 
-def _graph_inputs(kind: str, pcp: int = 2):
+def _graph_inputs(kind: str, pcp: int = 2, marked: bool = True):
     """(fn, args) as the compiled entry traces a PCP prefill step: this rank's token
-    indices as the `cp_pcp_token_index` argument, token rows taken inside the graph."""
+    indices as an argument, marked with `cp::pcp_token_index` (unless not `marked`),
+    token rows taken inside the graph. The argument's name is not the entry's (the
+    pass must not depend on it)."""
     model = Attn(kind)
     meta = build_attention_metadata([(0, 7), (4, 5), (0, 1)], BlockAllocator(NUM_BLOCKS, BLOCK * pcp),
                                     num_padding_tokens=2)
@@ -61,12 +64,17 @@ def _graph_inputs(kind: str, pcp: int = 2):
     x = torch.randn(meta.num_tokens, H * (L if kind == "mla" else D))
     ti = pcp_layout.pcp_token_table(meta.query_start_loc, meta.num_tokens, pcp=pcp)[1].contiguous()
 
-    def step(cp_pcp_token_index: torch.Tensor, x: torch.Tensor, caches, meta):
+    def step(my_rows: torch.Tensor, x: torch.Tensor, caches, meta):
+        rows = pcp_token_index(my_rows)
+        return model(x[rows.clamp(min=0)], caches, meta)
+
+    def unmarked(cp_pcp_token_index: torch.Tensor, x: torch.Tensor, caches, meta):
+        # The name the pass used to match (before issue 20), without the marker.
         return model(x[cp_pcp_token_index.clamp(min=0)], caches, meta)
 
     for t in (ti, x, *(getattr(meta, f) for f in ("slot_mapping", "query_start_loc", "seq_lens"))):
         torch._dynamo.maybe_mark_dynamic(t, 0)
-    return step, (ti, x, caches, meta)
+    return (step if marked else unmarked), (ti, x, caches, meta)
 
 
 def _capture(fn, args) -> torch.fx.GraphModule:
@@ -129,7 +137,9 @@ def test_pcp_pass_rewrites_prefill_graph(kind, dcp):
                 and isinstance(fake_value(n), torch.Tensor))
     got, want = fake_value(out).shape[0], fake_value(slot).shape[0]
     assert isinstance(got, torch.SymInt) and got.node.expr == want.node.expr
-    assert fake_value(token_index_placeholder(gm)).shape[0].node.expr != want.node.expr
+    assert token_index_markers(gm) == []  # the marker is gone: it reaches no lowering
+    ti = next(n for n in gm.graph.nodes if n.op == "placeholder" and "my_rows" in n.name)
+    assert fake_value(ti).shape[0].node.expr != want.node.expr
 
 
 def test_pcp_decode_graph_runs_dcp_over_the_cache_ranks():
@@ -150,12 +160,17 @@ def test_prefill_graph_without_token_index_is_refused():
     model = Attn("gqa")
     meta = build_attention_metadata([(0, 5)], BlockAllocator(NUM_BLOCKS, BLOCK * 2))
     caches = [torch.zeros(NUM_BLOCKS, BLOCK * 2, 1, D) for _ in range(2 * LAYERS)]
-    with pytest.raises(ConfigError, match=rf"prefill graph without the `{TOKEN_INDEX_ARG}` input.*compile_model"):
+    with pytest.raises(ConfigError, match=r"prefill graph with 0 calls of cp::pcp_token_index.*compile_model"):
         run_pipeline(model, (torch.randn(5, H * D), caches, meta), _ctx("gqa"))
+    # An argument named as the entry's used to be, without the marker: refused too (no name coupling).
+    fn, args = _graph_inputs("gqa", marked=False)
+    with pytest.raises(ConfigError, match=r"prefill graph with 0 calls of cp::pcp_token_index"):
+        _run_pipeline(fn, args, _ctx("gqa"))
 
 
-def test_token_index_placeholder_is_the_tensor_not_its_size():
+def test_token_index_is_the_marked_tensor_not_its_size():
     fn, args = _graph_inputs("gqa")
     gm = _capture(fn, args)
-    node = token_index_placeholder(gm)
-    assert node is not None and isinstance(fake_value(node), torch.Tensor) and fake_value(node).dim() == 1
+    (marker,) = token_index_markers(gm)
+    node = marker.args[0]
+    assert node.op == "placeholder" and isinstance(fake_value(node), torch.Tensor) and fake_value(node).dim() == 1
