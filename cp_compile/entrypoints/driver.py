@@ -18,6 +18,7 @@ from typing import Any, Callable, Protocol
 
 import torch
 
+from cp_compile.entrypoints.kv_driver import ProducerSide
 from cp_compile.hf.scheduler import Scheduler, Sequence, StepPlan
 from cp_compile.sampling import Logprob, RequestError, Sampler, SamplingParams, token_logprobs
 
@@ -49,11 +50,15 @@ class RequestState:
     on_token: Callable[[Sequence], str | None] | None  # -> a finish reason to stop early (stop strings)
     logprobs: list[dict[int, Logprob]] = field(default_factory=list)  # per output token, when params.logprobs
     cumulative_logprob: float = 0.0
+    kv_import: Any = None  # consumer: the request's KV comes from the producer (kv_driver.Imported)
+    kv_transfer_params: dict | None = None  # producer: what the consumer needs to import it (kv_driver)
 
 
 class Driver:
     def __init__(self, executor: Executor, limits: Limits, seed: int = 0,
-                 share_tokens: Callable[[list[int]], list[int]] | None = None) -> None:
+                 share_tokens: Callable[[list[int]], list[int]] | None = None, kv_side: Any = None) -> None:
+        # kv_side: PD disaggregation (kv_driver.ProducerSide / ConsumerSide), else None.
+        self.kv_side = kv_side
         # share_tokens: under torchrun every rank runs a driver on the same requests
         # (SPMD); rank 0's sampled tokens replace everyone's (a broadcast), so the
         # ranks still follow one sampler.
@@ -66,9 +71,14 @@ class Driver:
         self._ids = itertools.count()
         self.steps = 0
 
-    def check(self, prompt: list[int], params: SamplingParams) -> int:
+    def check(self, prompt: list[int], params: SamplingParams, kv_transfer_params: Any = None) -> int:
         """Refuse a request before it joins (RequestError naming the field); returns
         its max_tokens (vLLM's default: what is left of max_model_len)."""
+        if self.kv_side is not None:
+            self.kv_side.check(len(prompt), params, kv_transfer_params)
+        elif kv_transfer_params is not None:
+            raise RequestError("kv_transfer_params", "given", "this instance has no kv_transfer_config. Fix: send "
+                               "the request to a kv_consumer instance, or drop kv_transfer_params")
         lim = self.limits
         params.validate(lim.vocab_size)
         if not prompt:
@@ -94,10 +104,12 @@ class Driver:
         return max_tokens
 
     def add(self, prompt: list[int], params: SamplingParams,
-            on_token: Callable[[Sequence], str | None] | None = None) -> Sequence:
-        max_tokens = self.check(prompt, params)
+            on_token: Callable[[Sequence], str | None] | None = None, kv_transfer_params: Any = None) -> Sequence:
+        max_tokens = self.check(prompt, params, kv_transfer_params)
         eos = frozenset(() if params.ignore_eos else self.limits.eos_token_ids) | frozenset(params.stop_token_ids)
         state = RequestState(params, self.sampler.generator_for(params, self._fallback), on_token)
+        if self.kv_side is not None and kv_transfer_params is not None:
+            state.kv_import = self.kv_side.check(len(prompt), params, kv_transfer_params)
         seq = Sequence(next(self._ids), list(prompt), max_tokens, eos, payload=state)
         self.scheduler.add(seq)
         return seq
@@ -109,11 +121,26 @@ class Driver:
     def has_work(self) -> bool:
         return self.scheduler.has_work() or bool(self.scheduler._free)
 
+    def drop(self, seqs: list[Sequence]) -> None:
+        """Drop these requests (after an error: a failed KV import) and free what left, now."""
+        for s in seqs:
+            if s.finish_reason is None:
+                self.scheduler.abort(s.rid)
+        self.executor.execute(StepPlan([], self.scheduler.drain_free()))
+
     def step(self) -> list[Sequence]:
         """One step on every rank; returns the requests that got a token (or finished)."""
+        kv = self.kv_side
+        producer = isinstance(kv, ProducerSide)
+        if producer and kv.held:
+            kv.release_consumed(self.scheduler)
         plan = self.scheduler.plan()
         if plan is None:
+            if producer:
+                kv.idle(self.scheduler)
             return []
+        if kv is not None and not producer:
+            plan = kv.import_admitted(self.executor, self.scheduler, plan)  # KVTransferError: failed requests
         running = list(self.scheduler.running)
         last = self.executor.execute(plan)
         self.steps += 1
@@ -135,6 +162,8 @@ class Driver:
                 reason = cb(seq)
                 if reason is not None and seq.finish_reason is None:
                     self.scheduler.finish(seq, reason)
+        if producer:
+            kv.after_commit(self.executor, self.scheduler, [s for s in running if s.finish_reason is not None])
         return running
 
     def run_until_done(self, progress: Any = None) -> None:

@@ -34,7 +34,9 @@ from cp_compile.config import CPConfig
 from cp_compile.entrypoints.driver import Limits
 from cp_compile.hf.engine import Engine
 from cp_compile.hf.scheduler import StepPlan
+from cp_compile.entrypoints import kv_rank
 from cp_compile.hf.support import attention_spec
+from cp_compile.kv_transfer import KVTransferConfig
 from cp_compile.parallel_state import init_parallel
 
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
@@ -56,6 +58,7 @@ class EngineArgs:
     num_kv_blocks: int | None = None
     lowering: str = "auto"
     device: str = "cpu"
+    kv_transfer_config: dict | None = None  # PD disaggregation role (kv_rank.py), as given to LLM
 
     @property
     def world_size(self) -> int:
@@ -76,6 +79,8 @@ class EngineArgs:
         hf_config = transformers.AutoConfig.from_pretrained(self.model)
         self.cp_config().validate_for(attention_spec(hf_config))
         self.torch_dtype()
+        if self.kv_transfer_config is not None:
+            KVTransferConfig.from_dict(self.kv_transfer_config)
 
     def torch_dtype(self) -> torch.dtype:
         if self.dtype in ("auto",):
@@ -105,6 +110,8 @@ def build_engine(args: EngineArgs, init: bool = True) -> Any:
     engine = Engine(model, cfg, num_blocks=blocks, max_batch=args.max_num_seqs,
                                   max_model_len=max_len, lowering=args.lowering, progress=False)
     engine.model_max_len = max_len  # the Engine clamps max_model_len to its KV capacity; the driver names both
+    if args.kv_transfer_config is not None:
+        kv_rank.attach(engine, args.kv_transfer_config)
     return engine
 
 
@@ -124,6 +131,10 @@ class LocalExecutor:
 
     def execute(self, plan: StepPlan) -> list[torch.Tensor]:
         return self.engine.execute(plan)
+
+    def call(self, kind: str, payload: Any) -> list[Any]:
+        """A driver command (kv_rank.handle) on the rank; its reply in a list of one."""
+        return [kv_rank.handle(self.engine, kind, payload)]
 
     def close(self) -> None:
         pass
@@ -213,6 +224,12 @@ class SpawnedExecutor:
             send_obj(conn, ("step", plan))
         replies = [self._recv(r) for r in range(self.world)]
         return list(replies[0]) if replies[0] is not None else []
+
+    def call(self, kind: str, payload: Any, timeout: float | None = None) -> list[Any]:
+        """A driver command (kv_rank.handle) on every rank; every rank's reply."""
+        for conn in self.conns:
+            send_obj(conn, (kind, payload))
+        return [self._recv(r, timeout) for r in range(self.world)]
 
     def close(self, force: bool = False) -> None:
         for conn in self.conns:

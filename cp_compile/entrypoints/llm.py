@@ -26,6 +26,8 @@ from typing import Any, Callable, Sequence as Seq
 from cp_compile.config import ConfigError
 from cp_compile.entrypoints.driver import Driver
 from cp_compile.entrypoints.executors import EngineArgs, LocalExecutor, SpawnedExecutor, build_engine
+from cp_compile.entrypoints.kv_driver import ProducerSide, make_side, rank_config
+from cp_compile.kv_transfer import KVTransferConfig
 from cp_compile.hf.scheduler import Sequence
 from cp_compile.parallel_state import destroy_parallel
 from cp_compile.sampling import Logprob, SamplingParams
@@ -49,6 +51,7 @@ class RequestOutput:
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput] = field(default_factory=list)
     finished: bool = False
+    kv_transfer_params: dict | None = None  # kv_producer: pass to the kv_consumer's generate (kv_driver.py)
 
 
 class TextState:
@@ -98,12 +101,17 @@ class LLM:
                  prefill_context_parallel_size: int = 1, cp_kv_cache_interleave_size: int = 1, block_size: int = 16,
                  dtype: str = "float32", max_model_len: int | None = None, enable_dsa_cp: bool = False,
                  max_num_seqs: int = 8, num_kv_blocks: int | None = None, seed: int = 0, lowering: str | None = None,
-                 tokenizer: str | None = None, **unsupported: Any) -> None:
+                 tokenizer: str | None = None, kv_transfer_config: dict | None = None, **unsupported: Any) -> None:
         if unsupported:
             raise TypeError(f"LLM: unsupported arguments {sorted(unsupported)}; cp_compile.LLM takes model, "
                             "tensor_parallel_size, decode_context_parallel_size, prefill_context_parallel_size, "
                             "cp_kv_cache_interleave_size, block_size, dtype, max_model_len, enable_dsa_cp, "
-                            "max_num_seqs, num_kv_blocks, seed, lowering, tokenizer")
+                            "max_num_seqs, num_kv_blocks, seed, lowering, tokenizer, kv_transfer_config")
+        kv = KVTransferConfig.from_dict(kv_transfer_config) if kv_transfer_config is not None else None
+        if kv is not None and "RANK" in os.environ and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+            raise ConfigError("kv_transfer_config with spawned ranks (one driver per instance)",
+                              f"launched by torchrun (WORLD_SIZE={os.environ['WORLD_SIZE']})",
+                              "run the PD instance as a plain process: LLM spawns its ranks itself")
         if not os.path.isdir(model):
             raise ValueError(f"model={model!r}: not a local directory. Fix: pass the directory save_pretrained "
                              "wrote (config.json + *.safetensors); nothing is downloaded")
@@ -113,8 +121,10 @@ class LLM:
                                cp_kv_cache_interleave_size=cp_kv_cache_interleave_size, block_size=block_size,
                                dtype=dtype, max_model_len=max_model_len, enable_dsa_cp=enable_dsa_cp,
                                max_num_seqs=max_num_seqs, num_kv_blocks=num_kv_blocks,
-                               lowering=lowering or os.environ.get("CP_COMPILE_LOWERING", "auto"))
+                               lowering=lowering or os.environ.get("CP_COMPILE_LOWERING", "auto"),
+                               kv_transfer_config=rank_config(kv) if kv is not None else None)
         self.args.validate()  # an unservable model or bad sizes fail here, before any process starts
+        kv_side = make_side(kv)  # a producer hosting the store starts it before its ranks connect
         self.tokenizer = load_tokenizer(tokenizer or model)
         share = None
         if "RANK" in os.environ and int(os.environ.get("WORLD_SIZE", "1")) > 1:
@@ -132,7 +142,7 @@ class LLM:
             self.executor = LocalExecutor(build_engine(self.args))
         else:
             self.executor = SpawnedExecutor(self.args)
-        self.driver = Driver(self.executor, self.executor.limits, seed=seed, share_tokens=share)
+        self.driver = Driver(self.executor, self.executor.limits, seed=seed, share_tokens=share, kv_side=kv_side)
         self._closed = False
         self._count = 0
         atexit.register(self.close)
@@ -153,8 +163,15 @@ class LLM:
             return list(self.tokenizer(prompt)["input_ids"])
         return list(prompt)
 
+    @property
+    def kv_blocks(self) -> list[dict[str, Any]]:
+        """Per rank: free KV blocks, the total, and the requests a failed transfer quarantined
+        (PD disaggregation, kv_rank.py)."""
+        return self.executor.call("kv_blocks", None)
+
     def submit(self, prompt: str | list[int], params: SamplingParams,
-               on_update: Callable[[Sequence, TextState], None] | None = None) -> tuple[Sequence, TextState]:
+               on_update: Callable[[Sequence, TextState], None] | None = None,
+               kv_transfer_params: dict | None = None) -> tuple[Sequence, TextState]:
         """Add one request to the running batch (the server's entry); raises RequestError."""
         ids = self.encode(prompt)
         text = TextState(self.tokenizer, list(params.stop or []))
@@ -165,28 +182,35 @@ class LLM:
                 on_update(seq, text)
             return reason
 
-        seq = self.driver.add(ids, params, on_token)
+        seq = self.driver.add(ids, params, on_token, kv_transfer_params)
         return seq, text
 
     def generate(self, prompts: str | Seq[str] | Seq[list[int]], sampling_params: SamplingParams | Seq[SamplingParams]
-                 | None = None, use_tqdm: bool = True) -> list[RequestOutput]:
+                 | None = None, use_tqdm: bool = True, kv_transfer_params: Seq[dict | None] | None = None
+                 ) -> list[RequestOutput]:
         """Generate for every prompt (text or token ids) with continuous batching;
-        every request is checked before any runs."""
+        every request is checked before any runs. `kv_transfer_params` (a kv_consumer
+        instance): per prompt, the producer's `RequestOutput.kv_transfer_params` (its KV
+        is imported, decoding starts after the prompt) or None (prefilled here)."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]  # type: ignore[list-item]
         params = sampling_params if sampling_params is not None else SamplingParams()
         plist = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
         if len(plist) != len(prompts):
             raise ValueError(f"{len(plist)} sampling_params for {len(prompts)} prompts; give one or one per prompt")
+        kvp = list(kv_transfer_params) if kv_transfer_params is not None else [None] * len(prompts)
+        if len(kvp) != len(prompts):
+            raise ValueError(f"{len(kvp)} kv_transfer_params for {len(prompts)} prompts; give one (or None) per prompt")
         encoded = [self.encode(p) for p in prompts]
-        for i, (ids, sp) in enumerate(zip(encoded, plist)):
+        for i, (ids, sp, kp) in enumerate(zip(encoded, plist, kvp)):
             try:
-                self.driver.check(ids, sp)
+                self.driver.check(ids, sp, kp)
             except ValueError as e:
                 e.args = (f"prompt {i}: {e}",)
                 raise
         # n samples of a prompt are n requests (sample i seeded seed + i), batched together.
-        groups = [[self.submit(ids, sp.for_sample(i)) for i in range(sp.n)] for ids, sp in zip(encoded, plist)]
+        groups = [[self.submit(ids, sp.for_sample(i), kv_transfer_params=kp) for i in range(sp.n)]
+                  for ids, sp, kp in zip(encoded, plist, kvp)]
         bar = None
         if use_tqdm:
             from tqdm.auto import tqdm
@@ -201,7 +225,16 @@ class LLM:
                 bar.update(now - done)
             done = now
 
-        self.driver.run_until_done(progress)
+        try:
+            self.driver.run_until_done(progress)
+        except BaseException:  # a failed KV import (or a rank): drop this call's requests, free their blocks
+            if bar is not None:
+                bar.close()
+            try:
+                self.driver.drop([s for g in groups for s, _ in g])
+            except Exception:  # noqa: BLE001 - a lost rank: the original error is the one to see
+                pass
+            raise
         if bar is not None:
             bar.close()
         outs = []
@@ -210,7 +243,8 @@ class LLM:
             outs.append(RequestOutput(
                 request_id=str(self._count - 1), prompt=prompt if isinstance(prompt, str) else None,
                 prompt_token_ids=list(group[0][0].prompt), finished=True,
-                outputs=[self.completion(i, seq, text) for i, (seq, text) in enumerate(group)]))
+                outputs=[self.completion(i, seq, text) for i, (seq, text) in enumerate(group)],
+                kv_transfer_params=group[0][0].payload.kv_transfer_params))
         return outs
 
     def completion(self, index: int, seq: Sequence, text: TextState) -> CompletionOutput:
@@ -234,6 +268,8 @@ class LLM:
         if getattr(self, "_closed", True):
             return
         self._closed = True
+        if isinstance(self.driver.kv_side, ProducerSide):
+            self.driver.kv_side.close(self.driver.scheduler)  # the consumer may still read held requests
         self.executor.close()
         if self.driver.share_tokens is not None:
             destroy_parallel()

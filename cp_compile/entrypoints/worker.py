@@ -13,6 +13,7 @@ import traceback
 
 from multiprocessing.connection import Client
 
+from cp_compile.entrypoints import kv_rank
 from cp_compile.entrypoints.executors import EngineArgs, build_engine, limits_of, recv_obj, send_obj
 from cp_compile.parallel_state import destroy_parallel
 
@@ -32,6 +33,9 @@ def main() -> None:
             kind, plan = recv_obj(conn)
             if kind == "close":
                 break
+            if kind != "step":  # a PD-disaggregation command (kv_rank.py)
+                send_obj(conn, ("ok", kv_rank.handle(engine, kind, plan)))
+                continue
             last = engine.execute(plan)
             send_obj(conn, ("ok", [t.cpu() for t in last] if rank == 0 else None))
     except EOFError:  # the driver went away

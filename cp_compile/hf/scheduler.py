@@ -138,6 +138,18 @@ class Scheduler:
             self.running.remove(seq)
             self._leave(seq, reason)
 
+    def hold(self, seq: Sequence) -> None:
+        """Keep a request that just left on its blocks (PD disaggregation: a producer's
+        prefilled request until the consumer has read it): reserved again and not freed
+        by the next plan, until `release`."""
+        self._free.remove(seq.rid)
+        self.reserved += self.blocks_for(seq.budget)
+
+    def release(self, seq: Sequence) -> None:
+        """Free a held request's blocks with the next plan."""
+        self.reserved -= self.blocks_for(seq.budget)
+        self._free.append(seq.rid)
+
     def _leave(self, seq: Sequence, reason: str) -> None:
         seq.finish_reason = reason
         self.reserved -= self.blocks_for(seq.budget)

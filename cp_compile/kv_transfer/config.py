@@ -25,6 +25,7 @@ from cp_compile.errors import ConfigError
 
 ROLES = ("kv_producer", "kv_consumer")
 CONNECTORS = ("NixlConnector",)
+EXTRA_KEYS = ("remote_engine_id", "transfer_timeout_s", "handoff_timeout_s", "store_master")
 
 
 @dataclass(frozen=True)
@@ -48,6 +49,24 @@ class KVTransferConfig:
         if not isinstance(self.kv_port, int) or isinstance(self.kv_port, bool) or not 0 < self.kv_port < 65536:
             raise ConfigError("kv_port is the store's TCP port", f"kv_port={self.kv_port!r}",
                               "set kv_port to the port of the TCPStore both instances reach (1..65535)")
+        if not isinstance(self.kv_ip, str) or not self.kv_ip:
+            raise ConfigError("kv_ip is the store's host", f"kv_ip={self.kv_ip!r}",
+                              "set kv_ip to the host of the TCPStore both instances reach, e.g. '127.0.0.1'")
+        if not isinstance(self.engine_id, str) or not self.engine_id:
+            raise ConfigError("engine_id names this instance", f"engine_id={self.engine_id!r}",
+                              "set engine_id to a non-empty string unique among the instances")
+        extra = self.kv_connector_extra_config
+        if not isinstance(extra, Mapping):
+            raise ConfigError("kv_connector_extra_config is a dict", f"kv_connector_extra_config={extra!r}",
+                              f"pass a dict with keys among {list(EXTRA_KEYS)}")
+        unknown = sorted(set(extra) - set(EXTRA_KEYS))
+        if unknown:
+            raise ConfigError("kv_connector_extra_config has known keys only", f"unknown keys {unknown}",
+                              f"use the keys {list(EXTRA_KEYS)} (a misspelt timeout would silently keep the default)")
+        if self.kv_role == "kv_consumer" and self.remote_engine_id == self.engine_id:
+            raise ConfigError("a kv_consumer reads from another instance",
+                              f"remote_engine_id={self.remote_engine_id!r} == engine_id",
+                              "set remote_engine_id to the producer's engine_id and give this instance its own")
         if self.kv_role == "kv_consumer" and not self.remote_engine_id:
             raise ConfigError("a kv_consumer names its producer", "kv_connector_extra_config has no remote_engine_id",
                               "set kv_connector_extra_config={'remote_engine_id': <the producer's engine_id>}")
@@ -61,6 +80,10 @@ class KVTransferConfig:
     def from_dict(cls, d: "Mapping[str, Any] | KVTransferConfig") -> "KVTransferConfig":
         if isinstance(d, KVTransferConfig):
             return d
+        if not isinstance(d, Mapping):
+            raise ConfigError("kv_transfer_config is a dict (vLLM's keys)", f"kv_transfer_config={d!r}",
+                              "pass e.g. {'kv_role': 'kv_producer', 'kv_connector': 'NixlConnector', "
+                              "'kv_port': 5600}")
         known = {"kv_role", "kv_connector", "engine_id", "kv_ip", "kv_port", "kv_connector_extra_config"}
         unknown = sorted(set(d) - known)
         if unknown:

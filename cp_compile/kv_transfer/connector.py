@@ -227,9 +227,13 @@ class KVConsumer(_Role):
                 on_layer(layer)
         return moved, ndesc
 
-    def import_request(self, req_id: int, on_layer: Callable[[int], None] | None = None) -> ImportedRequest:
-        """Bring request `req_id` of the producer into this instance. Collective over the
-        consumer's `group` (every consumer rank calls it, in the same order)."""
+    def import_request(self, req_id: int, on_layer: Callable[[int], None] | None = None,
+                       local_id: int | None = None) -> ImportedRequest:
+        """Bring request `req_id` of the producer into this instance, under `local_id` in
+        this instance's allocator (default `req_id`: a front end numbers its own
+        requests). Collective over the consumer's `group` (every consumer rank calls it,
+        in the same order)."""
+        mine = req_id if local_id is None else local_id
         try:
             infos = self.producer()  # geometry checked: refuses before any byte moves
         except ConfigError as exc:
@@ -244,10 +248,10 @@ class KVConsumer(_Role):
                                               self.kv.transfer_timeout_s)
             deadline = time.monotonic() + self.kv.transfer_timeout_s  # the reads' bound starts once P is ready
             t0 = time.perf_counter()
-            self.allocator.ensure(req_id, ready.num_tokens)  # CapacityError: nothing allocated, nothing moved
+            self.allocator.ensure(mine, ready.num_tokens)  # CapacityError: nothing allocated, nothing moved
             plan = plan_rank(src_layout, self.layout, self.geometry, ready.num_tokens, ready.block_table,
-                             self.allocator.blocks(req_id), self.rank)
-            moved, ndesc = self.read_plan(req_id, plan, deadline, on_layer)
+                             self.allocator.blocks(mine), self.rank)
+            moved, ndesc = self.read_plan(mine, plan, deadline, on_layer)
         except Exception as exc:  # noqa: BLE001 - every failure must reach the agreement below
             error = exc
         seconds = time.perf_counter() - t0
@@ -261,10 +265,10 @@ class KVConsumer(_Role):
                 if self.rank == 0:
                     self.exchange.publish_consumed(req_id, f"refused: {error}")
                 raise error
-            if req_id in self.quarantined:  # a read NIXL could not release may still land: keep the blocks
+            if mine in self.quarantined:  # a read NIXL could not release may still land: keep the blocks
                 fate = "its decode blocks stay reserved (cp_compile KVConsumer.quarantined): a read could not be released"
             else:
-                self.allocator.free(req_id)  # a no-op when the request was already dropped or never allocated
+                self.allocator.free(mine)  # a no-op when the request was already dropped or never allocated
                 fate = "its decode blocks were freed"
             msg = f"request {req_id}: KV transfer from {self.kv.remote_engine_id!r} failed on consumer rank " \
                   f"{self.rank}: {why}. The request is not scheduled; {fate}"

@@ -110,5 +110,10 @@ class Exchange:
     def publish_consumed(self, req_id: int, verdict: str) -> None:
         self._set(self._key("req", req_id, "consumed"), verdict)
 
+    def poll_consumed(self, req_id: int) -> str | None:
+        """The consumer's verdict on `req_id` if it is there, else None (no wait)."""
+        key = self._key("req", req_id, "consumed")
+        return pickle.loads(self.store.get(key)) if self.store.check([key]) else None
+
     def wait_consumed(self, req_id: int, timeout_s: float) -> str:
         return self._get(self._key("req", req_id, "consumed"), timeout_s, f"consumer verdict on request {req_id}")

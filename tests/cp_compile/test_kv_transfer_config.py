@@ -26,6 +26,11 @@ def test_accepts_vllm_style_dicts():
     ({"kv_connector_extra_config": {"remote_engine_id": "p", "transfer_timeout_s": 0}}, "transfer_timeout_s=0"),
     ({"kv_connector_extra_config": {"remote_engine_id": "p", "handoff_timeout_s": "10"}}, "handoff_timeout_s='10'"),
     ({"kv_buffer_size": 1}, "unknown keys ['kv_buffer_size']"),
+    ({"kv_connector_extra_config": {"remote_engine_id": "p", "transfer_timeout": 5}}, "unknown keys ['transfer_timeout']"),
+    ({"kv_connector_extra_config": "remote=p"}, "kv_connector_extra_config='remote=p'"),
+    ({"engine_id": "p"}, "remote_engine_id='p' == engine_id"),
+    ({"kv_ip": ""}, "kv_ip=''"),
+    ({"engine_id": ""}, "engine_id=''"),
 ])
 def test_refusals_name_key_value_and_fix(change, needle):
     with pytest.raises(ConfigError, match="Fix: ") as e:
@@ -33,3 +38,9 @@ def test_refusals_name_key_value_and_fix(change, needle):
     assert needle in str(e.value)
     with pytest.raises(ConfigError, match="kv_role"):
         KVTransferConfig.from_dict({"kv_port": 1})
+
+
+def test_a_non_dict_is_refused():
+    with pytest.raises(ConfigError, match="kv_transfer_config is a dict") as e:
+        KVTransferConfig.from_dict("kv_producer")
+    assert "kv_transfer_config='kv_producer'" in str(e.value) and "Fix: " in str(e.value)
