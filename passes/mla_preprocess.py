@@ -187,6 +187,9 @@ class Rope:
     # cos / sin are full width [..., R] with equal halves (HF `cat((freqs, freqs))`, the
     # rotate_half form): the op takes their first half.
     full_width: bool = False
+    # cos / sin are one complex table [..., R/2] (HF DeepSeek-V2's `freqs_cis`): the op takes
+    # its real and imaginary parts.
+    complex_table: bool = False
 
 
 def _rotation(sub: Any, add: Any) -> tuple[Any, Any, Any, Any] | None:
@@ -266,10 +269,46 @@ def _rotate_half(n: Any) -> Rope | None:
     return Rope(x, cos, sin, "neox", full_width=True)
 
 
+def _complex_rope(n: Any) -> Rope | None:
+    """HF DeepSeek-V2 `apply_rotary_emb`: view_as_real(view_as_complex(x.float().reshape(..., R/2, 2))
+    * freqs_cis).flatten(-2).type_as(x). Pairs (2i, 2i + 1) are a + bi; times cos + i sin they are
+    (a c - b s, b c + a s), kept interleaved: the op's `interleave` mode with cos / sin the table's
+    real / imaginary parts. Taken only for fp32 activations (HF computes this rope in fp32, the
+    op in the activation dtype: equal only when that is fp32) and a complex64 table of one row per
+    token, shared by every head."""
+    if _method(n, "type_as", "to"):
+        n = n.args[0] if _same_values(n, n.args[0]) else None
+    flat, vr = _tensor(n), None
+    if _method(n, "flatten") and _fn(n.args[0], torch.view_as_real):
+        vr = n.args[0]
+    rot = _mul_operands(vr.args[0]) if vr is not None else None
+    if rot is None or flat is None:
+        return None
+    for xc, table in (rot, rot[::-1]):
+        if _fn(xc, torch.view_as_complex):
+            break
+    else:
+        return None
+    pairs, tab = xc.args[0], _tensor(table)
+    src, pt = (pairs.args[0], _tensor(pairs)) if _method(pairs, "reshape", "view") else (None, None)
+    x = strip(src)
+    xt = _tensor(x)
+    if xt is None or pt is None or tab is None or tab.dtype != torch.complex64 or xt.dtype != torch.float32:
+        return None
+    R = xt.shape[-1]
+    if pt.shape[-1] != 2 or pt.shape[-2] != R // 2 or _dims(pt)[:-2] != _dims(xt)[:-1] \
+            or flat.dim() != pt.dim() - 1 or flat.shape[-1] != R or _dims(flat) != _dims(xt):
+        return None
+    if tab.shape[-1] != R // 2 or len(_dims(tab)) != 2 or _dims(tab)[0] != _dims(xt)[-2]:
+        return None  # not one [T, R/2] row per token for every head
+    src_table = strip(table)
+    return Rope(x, src_table, src_table, "interleave", complex_table=True)
+
+
 def match_rope(n: Any) -> Rope | None:
     """The three rope layouts of `mla_preprocess_reference.rope`, on the last dim (neox also
-    in HF's rotate_half form)."""
-    if (r := _rotate_half(n)) is not None:
+    in HF's rotate_half form, interleave also in HF DeepSeek-V2's complex-number form)."""
+    if (r := _rotate_half(n)) is not None or (r := _complex_rope(n)) is not None:
         return r
     rot, mode = None, None
     if _method(n, "flatten") and tuple(n.args[1:]) == (-2,) and _fn(n.args[0], torch.stack) \
@@ -320,6 +359,7 @@ class LayerMatch:
     rope_mode: str
     q_resid: fx.Node | None  # the unfused q_resid node (its other readers get the op's)
     full_width: bool = False  # cos / sin [..., R] with equal halves (Rope.full_width)
+    complex_table: bool = False  # cos = sin = one complex table (Rope.complex_table)
 
 
 def _split_part(n: Any, sizes: list[int]) -> tuple[fx.Node, int] | None:
@@ -380,72 +420,113 @@ def _hf_query_parts(q_nope: Any, q_pe: Any, nope: int) -> tuple[fx.Node, fx.Node
     return pair
 
 
-def match_layer(attention: fx.Node) -> LayerMatch | None:
-    """The unfused preprocessing feeding one attention node, or None."""
+class NoMatch(Exception):
+    """Why one MLA layer's pre-processing is not the op's (the pass's warning names it)."""
+
+
+def _need(value: Any, reason: str) -> Any:
+    if value is None or value is False:
+        raise NoMatch(reason)
+    return value
+
+
+def _param_name(n: Any) -> str:
+    """The weight's graph name, e.g. `l_..._kv_a_proj_with_mqa_parameters_weight_`."""
+    return n.name if isinstance(n, fx.Node) else repr(n)
+
+
+def _need_linear(n: Any, role: str) -> Linear:
+    """match_linear or NoMatch naming why (a bias, a grouped W8A8, another producer)."""
+    lin = match_linear(n)
+    if lin is not None:
+        return lin
+    if _fn(n, *_LINEARS):
+        raise NoMatch(f"{role} ({_param_name(_arg(n, 1, 'weight'))}) has a bias "
+                      f"({_param_name(_arg(n, 2, 'bias'))}; HF: config.attention_bias=True); cp::mla_preprocess's "
+                      "projections are bias-free, so the layer runs unfused. Fix: serve a checkpoint without "
+                      "attention_bias, or leave enable_mla_preprocess off for it")
+    if _fn(n, cp.w8a8_dynamic_linear.default, cp.w8a8_dynamic_linear):
+        raise NoMatch(f"{role} is cp::w8a8_dynamic_linear over {n.args[4] if len(n.args) > 4 else '?'} activation "
+                      "groups; the op quantises per token in one group")
+    raise NoMatch(f"{role} is computed by {_describe(n)}, not F.linear / cp::w8a8_dynamic_linear")
+
+
+def _describe(n: Any) -> str:
+    if not isinstance(n, fx.Node):
+        return repr(n)
+    target = n.target if n.op == "call_method" else getattr(n.target, "__name__", n.target)
+    return f"{n.op} {target} (node {n.name})"
+
+
+def _rope_reason(n: Any, which: str) -> str:
+    """Why `n` is no recognised rope: the complex form over non-fp32 activations is named."""
+    base = (f"{which}'s rope ({_describe(n)}) is none of the recognised forms (interleaved pairs, split "
+            "halves, neox / rotate_half over a cat((freqs, freqs)) table, HF DeepSeek-V2's complex freqs_cis)")
+    inner = n.args[0] if _method(n, "type_as", "to") and n.args else n
+    if _method(inner, "flatten") and _fn(inner.args[0], torch.view_as_real):
+        x = _tensor(n)
+        return (f"{which}'s rope is HF DeepSeek-V2's complex form over {x.dtype if x is not None else '?'} "
+                "activations: HF rotates them in fp32 and casts back, cp::mla_preprocess rotates in the "
+                "activation dtype (equal only for fp32 models), so the layer runs unfused. Fix: an fp32 model, "
+                "or leave enable_mla_preprocess off for it")
+    return base
+
+
+def match_layer(attention: fx.Node) -> LayerMatch:
+    """The unfused preprocessing feeding one attention node; NoMatch(reason) if it is not the op's."""
     q_abs_arg, q_pe_arg, kv_c_arg, k_pe_arg = attention.args[:4]
     # kv side: split(linear(x, kv_a), [L, R]) -> norm(kv_c), rope(k_pe)
-    norm = match_rms_norm(strip(kv_c_arg))
-    k_rope = match_rope(strip(k_pe_arg))
-    if norm is None or k_rope is None:
-        return None
-    kv_c_raw, kv_norm, kv_eps = norm
+    kv_c_raw, kv_norm, kv_eps = _need(match_rms_norm(strip(kv_c_arg)),
+                                      f"kv_c ({_describe(strip(kv_c_arg))}) is not an RMSNorm "
+                                      "(weight * (x.float() * rsqrt(mean(x ** 2, -1) + eps)).to(dtype))")
+    k_rope = _need(match_rope(strip(k_pe_arg)), _rope_reason(strip(k_pe_arg), "k_pe"))
     L, R = _tensor(kv_norm).shape[0], _tensor(k_rope.x).shape[-1]
     kv_part = _split_part(strip(kv_c_raw), [L, R])
     k_part = _split_part(strip(k_rope.x), [L, R])
-    if kv_part is None or k_part is None or kv_part != (k_part[0], 0) or k_part[1] != 1:
-        return None
-    kv_a = match_linear(strip(kv_part[0]))
-    if kv_a is None:
-        return None
+    _need(kv_part is not None and k_part is not None and kv_part == (k_part[0], 0) and k_part[1] == 1,
+          f"kv_c and k_pe are not the [L = {L}, R = {R}] split of one projection")
+    kv_a = _need_linear(strip(kv_part[0]), "kv_a_proj_with_mqa")
     x = kv_a.x
     # q side: einsum(q_nope, W_UK)
     einsum = strip(q_abs_arg)
-    if not (_fn(einsum, *_EINSUMS) and einsum.args[0] == "thn,hnl->thl" and len(einsum.args) == 3):
-        return None
+    _need(_fn(einsum, *_EINSUMS) and einsum.args[0] == "thn,hnl->thl" and len(einsum.args) == 3,
+          f"q_abs ({_describe(einsum)}) is not einsum('thn,hnl->thl', q_nope, W_UK)")
     q_nope, w_uk = einsum.args[1], einsum.args[2]
     wt = _tensor(w_uk)
-    if wt is None or wt.dim() != 3 or wt.shape[-1] != L:
-        return None
+    _need(wt is not None and wt.dim() == 3 and wt.shape[-1] == L, f"W_UK is not [H, nope, L = {L}]")
     nope = wt.shape[1]
     q_pe = strip(q_pe_arg)
-    q_lin = None
     hf = _hf_query_parts(q_nope, q_pe, nope)
     if hf is not None:  # HF head layout
-        pass_part, q_rope = _split_part(hf[0], [nope, R]), match_rope(hf[1])
-        if pass_part is None or q_rope is None or pass_part[1] != 0:
-            return None
-        rot_part = _split_part(q_rope.x, [nope, R])
-        if rot_part != (pass_part[0], 1):
-            return None
+        pass_part = _split_part(hf[0], [nope, R])
+        q_rope = _need(match_rope(hf[1]), _rope_reason(hf[1], "q_pe"))
+        _need(pass_part is not None and pass_part[1] == 0 and _split_part(q_rope.x, [nope, R]) == (pass_part[0], 1),
+              f"q_nope and q_pe are not the [nope = {nope}, R = {R}] split of one query")
         q_lin = _head_major_q(pass_part[0], nope + R)
     else:  # token-major (example models)
-        nope_part, q_rope = _split_part(q_nope, [nope, R]), match_rope(q_pe)
-        if nope_part is None or q_rope is None or nope_part[1] != 0 or _split_part(q_rope.x, [nope, R]) \
-                != (nope_part[0], 1):
-            return None
+        nope_part = _split_part(q_nope, [nope, R])
+        q_rope = _need(match_rope(q_pe), _rope_reason(q_pe, "q_pe"))
+        _need(nope_part is not None and nope_part[1] == 0 and _split_part(q_rope.x, [nope, R]) == (nope_part[0], 1),
+              f"q_nope and q_pe are not the [nope = {nope}, R = {R}] split of one query")
         q_lin = _token_major_q(nope_part[0], nope + R)
-    if q_lin is None or (q_rope.mode, q_rope.full_width) != (k_rope.mode, k_rope.full_width) \
-            or strip(q_rope.cos) is not strip(k_rope.cos) \
-            or strip(q_rope.sin) is not strip(k_rope.sin):
-        return None
-    q_b = match_linear(strip(q_lin))
-    if q_b is None:
-        return None
+    _need(q_lin, "the query is not the [T, H, nope + R] (or HF [1, H, T, nope + R]) view of one projection")
+    _need((q_rope.mode, q_rope.full_width, q_rope.complex_table)
+          == (k_rope.mode, k_rope.full_width, k_rope.complex_table)
+          and strip(q_rope.cos) is strip(k_rope.cos) and strip(q_rope.sin) is strip(k_rope.sin),
+          f"q_pe and k_pe are rotated differently (q {q_rope.mode}, k {k_rope.mode}) or by different tables")
+    q_b = _need_linear(strip(q_lin), "q_b_proj / q_proj")
     q_in = strip(q_b.x)
     q_a = q_a_norm = q_resid = None
     q_eps = 0.0
     if q_in is not strip(x):
-        q_norm = match_rms_norm(q_in)
-        if q_norm is None:
-            return None
-        q_a = match_linear(strip(q_norm[0]))
-        if q_a is None or strip(q_a.x) is not strip(x):
-            return None
+        q_norm = _need(match_rms_norm(q_in), f"q_b_proj's input ({_describe(q_in)}) is neither the layer's "
+                                             "hidden states nor an RMSNorm (q_a_layernorm)")
+        q_a = _need_linear(strip(q_norm[0]), "q_a_proj")
+        _need(strip(q_a.x) is strip(x), "q_a_proj and kv_a_proj_with_mqa read different hidden states")
         q_resid, q_a_norm, q_eps = q_in, q_norm[1], q_norm[2]
-    if _tensor(x) is None or _tensor(x).dim() not in (2, 3):
-        return None
+    _need(_tensor(x) is not None and _tensor(x).dim() in (2, 3), "the hidden states are not [T, D] or [1, T, D]")
     return LayerMatch(attention, x, q_a, q_a_norm, q_eps, q_b, kv_a, kv_norm, kv_eps, w_uk, k_rope.cos, k_rope.sin,
-                      k_rope.mode, q_resid, k_rope.full_width)
+                      k_rope.mode, q_resid, k_rope.full_width, k_rope.complex_table)
 
 
 # ----------------------------------------------------------------------------- rewriting
@@ -500,6 +581,20 @@ def drop_unread_buffers(graph: fx.Graph) -> list[fx.Node]:
     return freed
 
 
+def _complex_parts(graph: fx.Graph, table: fx.Node) -> tuple[fx.Node, fx.Node]:
+    """A complex table [..., R/2] -> its real and imaginary parts [T, R/2] (cos, sin)."""
+    width = _tensor(table).shape[-1]
+    with graph.inserting_after(table):
+        parts = graph.call_function(torch.view_as_real, (table,))  # [..., R/2, 2]
+    out = []
+    for i in (1, 0):
+        with graph.inserting_after(parts):
+            part = graph.call_function(operator.getitem, (parts, (Ellipsis, i)))
+        with graph.inserting_after(part):
+            out.insert(0, graph.call_method("reshape", (part, -1, width)))
+    return out[0], out[1]
+
+
 def _cos_sin_for_op(graph: fx.Graph, src: fx.Node, full_width: bool) -> fx.Node:
     """cos / sin as the op takes them: [T, R/2] (the example's [T, R/2], HF's [1, T, R/2] slice;
     HF's full-width rotate_half table [1, T, R]: its first half)."""
@@ -524,7 +619,10 @@ def _flat_x(graph: fx.Graph, x: fx.Node) -> fx.Node:
 
 def rewrite_layer(graph: fx.Graph, m: LayerMatch) -> fx.Node:
     """Insert the op after the last of its inputs; the attention reads its outputs."""
-    cos, sin = _cos_sin_for_op(graph, m.cos, m.full_width), _cos_sin_for_op(graph, m.sin, m.full_width)
+    if m.complex_table:
+        cos, sin = _complex_parts(graph, m.cos)
+    else:
+        cos, sin = _cos_sin_for_op(graph, m.cos, m.full_width), _cos_sin_for_op(graph, m.sin, m.full_width)
     x = _flat_x(graph, m.x)
     q_a = m.q_a or Linear(x, None)  # type: ignore[arg-type]
     inputs = [x, q_a.weight, q_a.scale, q_a.offset, m.q_a_norm, m.q_b.weight, m.q_b.scale, m.q_b.offset,
@@ -577,19 +675,23 @@ class MLAPreprocessPass(_MLAPOStage):
             return 0
         erase_unread(graph, drop_unread_buffers(graph))
         count = 0
+        reasons: dict[str, list[str]] = {}
         for node in attentions:
-            m = match_layer(node)
-            if m is None:
+            try:
+                m = match_layer(node)
+            except NoMatch as e:
+                reasons.setdefault(str(e), []).append(node.name)
                 continue
             rewrite_layer(graph, m)
             count += 1
         if count < len(attentions):
             # Enabled but not (fully) applied: exact either way, but the user asked for the fusion
-            # (issue 19: no silent no-op). HF DeepSeek-V2's complex-number RoPE is one such graph.
+            # (issue 19: no silent no-op); each distinct reason once, with the attention nodes it holds for.
+            why = "; ".join(f"[{', '.join(nodes)}] {r}" for r, nodes in reasons.items())
             warnings.warn(f"mla_preprocess: enable_mla_preprocess is on but {len(attentions) - count} of "
                           f"{len(attentions)} MLA attention layers in this graph do not match the pre-processing "
-                          "pattern (passes/mla_preprocess.py: q / kv projections, RMSNorms, RoPE); those layers "
-                          "run unfused (exact, not fused)", stacklevel=2)
+                          f"pattern (passes/mla_preprocess.py); those layers run unfused (exact, not fused): {why}",
+                          stacklevel=2)
         if count:
             graph.lint()
             gm.recompile()

@@ -67,13 +67,14 @@ def hf_deepseek_v3(q_lora_rank: int | None = 24, rope_interleave: bool = True, n
     return model
 
 
-def hf_deepseek_v2_lite():
+def hf_deepseek_v2_lite(q_lora_rank: int | None = None, attention_bias: bool = False, num_heads: int = 4):
+    """Tiny DeepSeek-V2(-Lite: q_proj, no q-LoRA by default); its RoPE is HF's complex `freqs_cis` form."""
     cfg = transformers.DeepseekV2Config(
         vocab_size=VOCAB, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
-        num_hidden_layers=2, first_k_dense_replace=2, num_attention_heads=4, num_key_value_heads=4,
-        q_lora_rank=None, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
+        num_hidden_layers=2, first_k_dense_replace=2, num_attention_heads=num_heads, num_key_value_heads=num_heads,
+        q_lora_rank=q_lora_rank, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
         rms_norm_eps=1e-2, rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
-        tie_word_embeddings=False, attn_implementation="eager")
+        attention_bias=attention_bias, tie_word_embeddings=False, attn_implementation="eager")
     torch.manual_seed(0)
     model = transformers.DeepseekV2ForCausalLM(cfg).eval()
     _randomize(model, 3)
