@@ -13,6 +13,7 @@ Rope layouts (`rope_mode`), R = rope dims, pairs rotated by frequency i:
 | `interleave` | (2i, 2i+1) | interleaved (as input) | example models (DeepSeek's own code, V2) |
 | `interleave_split` | (2i, 2i+1) | [rotated evens, rotated odds] | HF DeepSeek-V3 `apply_rotary_pos_emb_interleave` |
 | `neox` | (i, i + R/2) | halves | example / HF with `rope_interleave=False` |
+| `interleave_fp32` | (2i, 2i+1) | interleaved, rotated in fp32 then cast | HF DeepSeek-V2 (complex `freqs_cis`) in bf16 / fp16 |
 
 Both q_pe and k_pe use the same layout, so q . k is the same in all three; the
 latent cache stores k_pe in the model's layout, which is why the mode is explicit.
@@ -33,7 +34,7 @@ from torch import Tensor
 
 from cp_compile.ops import quant_reference, reference
 
-ROPE_MODES = ("interleave", "interleave_split", "neox")
+ROPE_MODES = ("interleave", "interleave_split", "neox", "interleave_fp32")
 
 
 def linear(x: Tensor, weight: Tensor, scale: Tensor | None, offset: Tensor | None,
@@ -57,6 +58,8 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
 
 def rope(x: Tensor, cos: Tensor, sin: Tensor, mode: str) -> Tensor:
     """x [T, H, R], cos / sin [T, R/2] (fp32) -> rotated [T, H, R] in x's dtype, layout per `mode`."""
+    if mode == "interleave_fp32":  # HF DeepSeek-V2: x.float() times the fp32 table, then back to x's dtype
+        return rope(x.float(), cos, sin, "interleave").to(x.dtype)
     c = cos[:, None, :].to(x.dtype)  # [T, 1, R/2]
     s = sin[:, None, :].to(x.dtype)
     if mode == "neox":

@@ -12,13 +12,13 @@ Two pipeline stages in this file (docs/mla_preprocess.md):
        q_nope, q_pe <- split(view(linear(q_in, q_b), T, H, nope + R)); rope(q_pe)
        q_in         <- rms_norm(linear(x, q_a))  (q-LoRA)  |  x  (q_proj)
 
-   in the layouts the example models and Hugging Face DeepSeek-V3 write it (HF: the
+   in the layouts the example models and Hugging Face DeepSeek-V2 / V3 write it (HF: the
    [1, H, T, d] head layout, `cat((q_pass, q_embed))` then per-part slices; rope as
-   interleaved pairs kept interleaved, interleaved pairs split into halves, or
-   neox halves). Linears are float (`F.linear`, no bias) or
-   `cp::w8a8_dynamic_linear` (one group). Anything else (a bias, another rope, a
-   different norm) is left as it is: the layer stays unfused and the pass's count
-   says so. The attention's inputs are then read from the op, and the now unread
+   interleaved pairs kept interleaved, interleaved pairs split into halves, neox
+   halves (also HF's rotate_half), or V2's complex `freqs_cis` product). Linears are
+   float (`F.linear`, no bias) or `cp::w8a8_dynamic_linear` (one group). Anything else
+   (a bias, another rope, a different norm) is left as it is: the layer stays unfused,
+   the pass's count says so and its warning names the reason (`NoMatch`). The attention's inputs are then read from the op, and the now unread
    unfused nodes are erased (with HF's per-head K expansion that only fed the
    ignored `key` argument). Every later pass sees the op's outputs where it saw the
    unfused values: DCP gathers them (the Q all-gather reads the op's q_abs / q_pe),
@@ -272,17 +272,16 @@ def _rotate_half(n: Any) -> Rope | None:
 def _complex_rope(n: Any) -> Rope | None:
     """HF DeepSeek-V2 `apply_rotary_emb`: view_as_real(view_as_complex(x.float().reshape(..., R/2, 2))
     * freqs_cis).flatten(-2).type_as(x). Pairs (2i, 2i + 1) are a + bi; times cos + i sin they are
-    (a c - b s, b c + a s), kept interleaved: the op's `interleave` mode with cos / sin the table's
-    real / imaginary parts. Taken only for fp32 activations (HF computes this rope in fp32, the
-    op in the activation dtype: equal only when that is fp32) and a complex64 table of one row per
-    token, shared by every head."""
-    if _method(n, "type_as", "to"):
-        n = n.args[0] if _same_values(n, n.args[0]) else None
-    flat, vr = _tensor(n), None
-    if _method(n, "flatten") and _fn(n.args[0], torch.view_as_real):
-        vr = n.args[0]
-    rot = _mul_operands(vr.args[0]) if vr is not None else None
-    if rot is None or flat is None:
+    (a c - b s, b c + a s), kept interleaved: the op's `interleave` mode (`interleave_fp32` for a
+    bf16 / fp16 x: HF rotates in fp32 and casts back), with cos / sin the table's real / imaginary
+    parts. Taken only for a complex64 table of one row per token, shared by every head."""
+    if not (_method(n, "type_as", "to") and n.args):
+        return None
+    out, flat = _tensor(n), n.args[0]
+    ft = _tensor(flat)
+    vr = flat.args[0] if _method(flat, "flatten") else None
+    rot = _mul_operands(vr.args[0]) if _fn(vr, torch.view_as_real) else None
+    if rot is None or out is None or ft is None:
         return None
     for xc, table in (rot, rot[::-1]):
         if _fn(xc, torch.view_as_complex):
@@ -291,18 +290,22 @@ def _complex_rope(n: Any) -> Rope | None:
         return None
     pairs, tab = xc.args[0], _tensor(table)
     src, pt = (pairs.args[0], _tensor(pairs)) if _method(pairs, "reshape", "view") else (None, None)
+    if _method(src, "float") or (_method(src, "to") and torch.float32 in (*src.args[1:], *src.kwargs.values())):
+        src = src.args[0]  # x.float(): a real cast for bf16 / fp16, none for fp32
     x = strip(src)
     xt = _tensor(x)
-    if xt is None or pt is None or tab is None or tab.dtype != torch.complex64 or xt.dtype != torch.float32:
+    if xt is None or pt is None or tab is None or tab.dtype != torch.complex64 or pt.dtype != torch.float32 \
+            or out.dtype != xt.dtype or not xt.dtype.is_floating_point:
         return None
     R = xt.shape[-1]
     if pt.shape[-1] != 2 or pt.shape[-2] != R // 2 or _dims(pt)[:-2] != _dims(xt)[:-1] \
-            or flat.dim() != pt.dim() - 1 or flat.shape[-1] != R or _dims(flat) != _dims(xt):
+            or ft.dim() != pt.dim() - 1 or ft.shape[-1] != R or _dims(ft) != _dims(xt):
         return None
     if tab.shape[-1] != R // 2 or len(_dims(tab)) != 2 or _dims(tab)[0] != _dims(xt)[-2]:
         return None  # not one [T, R/2] row per token for every head
+    mode = "interleave" if xt.dtype == torch.float32 else "interleave_fp32"
     src_table = strip(table)
-    return Rope(x, src_table, src_table, "interleave", complex_table=True)
+    return Rope(x, src_table, src_table, mode, complex_table=True)
 
 
 def match_rope(n: Any) -> Rope | None:
@@ -459,17 +462,9 @@ def _describe(n: Any) -> str:
 
 
 def _rope_reason(n: Any, which: str) -> str:
-    """Why `n` is no recognised rope: the complex form over non-fp32 activations is named."""
-    base = (f"{which}'s rope ({_describe(n)}) is none of the recognised forms (interleaved pairs, split "
-            "halves, neox / rotate_half over a cat((freqs, freqs)) table, HF DeepSeek-V2's complex freqs_cis)")
-    inner = n.args[0] if _method(n, "type_as", "to") and n.args else n
-    if _method(inner, "flatten") and _fn(inner.args[0], torch.view_as_real):
-        x = _tensor(n)
-        return (f"{which}'s rope is HF DeepSeek-V2's complex form over {x.dtype if x is not None else '?'} "
-                "activations: HF rotates them in fp32 and casts back, cp::mla_preprocess rotates in the "
-                "activation dtype (equal only for fp32 models), so the layer runs unfused. Fix: an fp32 model, "
-                "or leave enable_mla_preprocess off for it")
-    return base
+    return (f"{which}'s rope ({_describe(n)}) is none of the recognised forms (interleaved pairs, split "
+            "halves, neox / rotate_half over a cat((freqs, freqs)) table, HF DeepSeek-V2's complex64 freqs_cis "
+            "with one row per token)")
 
 
 def match_layer(attention: fx.Node) -> LayerMatch:

@@ -330,15 +330,18 @@ def op_cases() -> dict[str, tuple[Callable[..., Any], tuple]]:
             (torch.randn(T, 64, dtype=bf), torch.randint(-127, 128, (64, 32), dtype=torch.int8),
              torch.tensor([0.02, 0.03]), torch.tensor([1, -2], dtype=torch.int32),
              torch.zeros(2, 32, dtype=torch.int32), torch.rand(2, 32))),
-        # MLAPO (ops/mla_preprocess.py): q-LoRA 32, H heads of nope 16 + rope R, latent L, cache write.
+        # MLAPO (ops/mla_preprocess.py): q-LoRA 32, H heads of nope 16 + rope R, latent L, cache write;
+        # then into a second cache in HF DeepSeek-V2's bf16 rope (rotated in fp32, issue 27).
         "cp::mla_preprocess": (
-            lambda x, qa, qan, qb, kva, kvn, wuk, c, s, kv, sl: cp.mla_preprocess(
+            lambda x, qa, qan, qb, kva, kvn, wuk, c, s, kv, sl, kv2: cp.mla_preprocess(
                 x, qa, None, None, qan, qb, None, None, kva, None, None, kvn, wuk, c, s, kv, sl, 1e-6, 1e-6,
-                "interleave"),
+                "interleave") + cp.mla_preprocess(
+                x, qa, None, None, qan, qb, None, None, kva, None, None, kvn, wuk, c, s, kv2, sl, 1e-6, 1e-6,
+                "interleave_fp32"),
             (torch.randn(T, 64, dtype=bf), torch.randn(32, 64, dtype=bf), torch.ones(32, dtype=bf),
              torch.randn(H * (16 + R), 32, dtype=bf), torch.randn(L + R, 64, dtype=bf), torch.ones(L, dtype=bf),
              torch.randn(H, 16, L, dtype=bf), torch.rand(T, R // 2), torch.rand(T, R // 2),
-             torch.zeros(NB, BS, L + R, dtype=bf), slots)),
+             torch.zeros(NB, BS, L + R, dtype=bf), slots, torch.zeros(NB, BS, L + R, dtype=bf))),
     }
 
 

@@ -58,6 +58,9 @@ def _cols(x: Tensor, idx: list[int]) -> Tensor:
 def _rope(x: Tensor, cos: Tensor, sin: Tensor, R: int, mode: str, dtype: int, unsqueeze: bool) -> Tensor:
     """x [T, (H,) R], cos / sin [T, R/2] -> rotated, in the `mode` layout (mla_preprocess_reference.rope)."""
     half = R // 2
+    out_dtype = dtype
+    if mode == "interleave_fp32":  # HF DeepSeek-V2: rotate in fp32, cast back (mla_preprocess_reference.rope)
+        x, dtype, mode = cast(x, F32), F32, "interleave"
     c, s = cast(cos, dtype), cast(sin, dtype)
     if unsqueeze:
         c, s = ge.Unsqueeze(c, axes=[1]), ge.Unsqueeze(s, axes=[1])  # [T, 1, R/2]
@@ -68,7 +71,7 @@ def _rope(x: Tensor, cos: Tensor, sin: Tensor, R: int, mode: str, dtype: int, un
                       const(-1, I64), N=2)  # [rotated firsts | rotated seconds]
     if mode == "interleave":  # back to pairs (2i, 2i+1)
         rot = _cols(rot, [j for i in range(half) for j in (i, half + i)])
-    return rot
+    return cast(rot, out_dtype)
 
 
 def convert_mla_preprocess(x: Tensor, q_a_weight, q_a_scale, q_a_offset, q_a_norm, q_b_weight, q_b_scale,

@@ -10,7 +10,8 @@ q_b_proj -> q [T, H, nope + R]) one program per token (persistent grid):
 so the normed latent and the rotated keys are written once, where the unfused graph
 writes kv_c, k_pe, their concatenation and the cache row. Rope layouts
 (`mla_preprocess_reference.rope`): pairs (2i, 2i+1) or halves (i, i + R/2) in,
-interleaved or split out. Torch oracle: `mla_preprocess_reference` (norm sum order
+interleaved or split out; rotated in the activation dtype, or in fp32 (`interleave_fp32`).
+Torch oracle: `mla_preprocess_reference` (norm sum order
 differs: tolerance, not bits).
 """
 
@@ -27,7 +28,9 @@ from cp_compile.ops import mla_preprocess_reference as ref
 from cp_compile.ops.kernels._common import LoweringDeclaration, grid_size, kernel_for, next_pow2, require_int32_offsets
 from cp_compile.ops.kernels.int8_matmul import w8a8_dynamic_linear_device
 
-_PAIRS = {"interleave": (True, False), "interleave_split": (True, True), "neox": (False, True)}
+# rope_mode -> (pairs in, split out, rotate in fp32)
+_PAIRS = {"interleave": (True, False, False), "interleave_split": (True, True, False), "neox": (False, True, False),
+          "interleave_fp32": (True, False, True)}
 
 
 @triton.jit
@@ -53,7 +56,7 @@ def _mla_tail_kernel(
     T, H, L, eps, block_size,
     s_kv, s_qt, s_qh, s_cos, s_cb, s_cs,
     NOPE: tl.constexpr, HALF: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_H: tl.constexpr,
-    PAIRS: tl.constexpr, SPLIT_OUT: tl.constexpr, WRITE: tl.constexpr,
+    PAIRS: tl.constexpr, SPLIT_OUT: tl.constexpr, WRITE: tl.constexpr, ROPE_F32: tl.constexpr,
 ):
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
@@ -71,14 +74,19 @@ def _mla_tail_kernel(
         w = tl.load(w_ptr + cl, mask=ml, other=0.0)
         kv_c = (w * normed).to(kvc_ptr.dtype.element_ty)
         tl.store(kvc_ptr + t * L + cl, kv_c, mask=ml)
-        # Rope: cos / sin in the activation dtype, as the reference.
-        c = tl.load(cos_ptr + t * s_cos + ci).to(kv_ptr.dtype.element_ty)[None, :]
-        s = tl.load(sin_ptr + t * s_cos + ci).to(kv_ptr.dtype.element_ty)[None, :]
+        # Rope: cos / sin in the activation dtype, as the reference (ROPE_F32: everything in fp32).
+        rope_ty = tl.float32 if ROPE_F32 else kv_ptr.dtype.element_ty
+        c = tl.load(cos_ptr + t * s_cos + ci).to(rope_ty)[None, :]
+        s = tl.load(sin_ptr + t * s_cos + ci).to(rope_ty)[None, :]
         k = tl.load(kv_ptr + t * s_kv + L + cr)[None, :]  # [1, R]
+        if ROPE_F32:
+            k = k.to(tl.float32)
         k_pe = _rope(k, c, s, HALF, PAIRS, SPLIT_OUT).to(kpe_ptr.dtype.element_ty)  # [1, R]
         tl.store(kpe_ptr + t * R + cr[None, :], k_pe)
         mh = (ch[:, None] < H) & (cr[None, :] < R)
         q = tl.load(q_ptr + t * s_qt + ch[:, None] * s_qh + NOPE + cr[None, :], mask=mh, other=0.0)  # [BH, R]
+        if ROPE_F32:
+            q = q.to(tl.float32)
         q_pe = _rope(q, c, s, HALF, PAIRS, SPLIT_OUT).to(qpe_ptr.dtype.element_ty)
         tl.store(qpe_ptr + (t * H + ch[:, None]) * R + cr[None, :], q_pe, mask=mh)
         if WRITE:
@@ -117,7 +125,7 @@ def mla_preprocess_tail_triton(kv: torch.Tensor, q: torch.Tensor, kv_norm: torch
     cache = kv_cache if write else kv_c
     slots = slot_mapping.contiguous() if write else kv.new_zeros(1, dtype=torch.int64)
     require_int32_offsets(kv=kv, q=q, cache=cache, q_pe=q_pe)
-    pairs, split = _PAIRS[rope_mode]
+    pairs, split, rope_f32 = _PAIRS[rope_mode]
     grid = (grid_size(T, kv.device, num_programs),)
     kernel_for(_mla_tail_kernel, kv.device)[grid](
         kv, q, kv_norm, cos, sin, slots, cache, kv_c, k_pe, q_pe,
@@ -125,7 +133,7 @@ def mla_preprocess_tail_triton(kv: torch.Tensor, q: torch.Tensor, kv_norm: torch
         kv.stride(0), q.stride(0), q.stride(1), cos.stride(0),
         cache.stride(0) if write else 0, cache.stride(1) if write else 0,
         NOPE=nope, HALF=half, BLOCK_L=next_pow2(L), BLOCK_H=next_pow2(H), PAIRS=pairs, SPLIT_OUT=split,
-        WRITE=write,
+        WRITE=write, ROPE_F32=rope_f32,
     )
     return kv_c, k_pe, q_pe
 

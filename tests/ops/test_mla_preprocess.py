@@ -110,6 +110,24 @@ def test_opcheck(q_lora, interleave, quant):
     torch.library.opcheck(cp.mla_preprocess, tuple(args))
 
 
+def test_interleave_fp32_rotates_in_fp32():
+    """`interleave_fp32` (HF DeepSeek-V2's complex rope on bf16 activations): the fp32 rotation of
+    the bf16 input, cast once, which is HF's `view_as_real(view_as_complex(x.float()...) * freqs_cis)
+    .type_as(x)` to fp32 rounding; `interleave` in bf16 rounds every product and is further off."""
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(T, 2, 8, generator=g).bfloat16()
+    f = torch.randn(T, 4, generator=g) * 3
+    table = torch.polar(torch.ones_like(f), f)  # [T, R/2] complex64, HF's freqs_cis
+    hf = torch.view_as_real(torch.view_as_complex(x.float().reshape(T, 2, 4, 2)) * table[:, None]).flatten(2)
+    hf = hf.type_as(x)
+    got = ref.rope(x, table.real, table.imag, "interleave_fp32")
+    assert got.dtype == torch.bfloat16
+    one_ulp = (hf.float().abs() * 2 ** -7).clamp_min(2 ** -126)
+    assert torch.all((got.float() - hf.float()).abs() <= one_ulp)  # at most one bf16 rounding apart
+    bf16_err = (ref.rope(x, table.real, table.imag, "interleave").float() - hf.float()).abs().max()
+    assert (got.float() - hf.float()).abs().max() < bf16_err
+
+
 def test_rope_layouts_agree_on_scores():
     """The three layouts permute the rope dims the same way for q and k, so q . k agrees."""
     g = torch.Generator().manual_seed(3)
