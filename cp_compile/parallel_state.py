@@ -8,6 +8,10 @@ heads, ascending, so its group rank is the cp rank `pcp_rank * dcp + dcp_rank`
 (docs/pcp.md §2): the KV cache is sharded over it, and decode graphs at pcp > 1 run
 the DCP attention over it (N = pcp * dcp). At pcp = 1 it is the DCP group, at
 dcp = 1 the PCP group (no extra group is created for those).
+The groups come from one `torch.distributed.device_mesh.DeviceMesh` of shape
+(pcp, tp // dcp, dcp) (`build_mesh`; TP and CP are its flattened sub-meshes), as
+torchtitan's ParallelDims builds its groups; what compiles read of them is the
+`Layout` (`cp_compile/parallel_layout.py`).
 Works on a world set up by `torchrun` (env://) or by the test harness.
 
 Every group gets a bounded timeout (`init_parallel(timeout=...)`, else the
@@ -22,9 +26,11 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from cp_compile.config import ConfigError, CPConfig
 from cp_compile.merge_cost import CollectiveCosts, calibrate
@@ -44,6 +50,8 @@ class ParallelState:
     device: torch.device
     backend: str
     layout: Layout
+    # The device mesh the groups come from (`build_mesh`): dims "pcp", "tp_outer", "dcp".
+    mesh: DeviceMesh
     tp_group: dist.ProcessGroup
     dcp_group: dist.ProcessGroup
     pcp_group: dist.ProcessGroup
@@ -161,6 +169,41 @@ def resolve_timeout(timeout: float | timedelta | None) -> float:
     return float(seconds)
 
 
+def _options(backend: str, timeout: timedelta) -> tuple[str, Any]:
+    """A process group's backend with this timeout (DeviceMesh creates groups from it)."""
+    opts = {"gloo": dist.ProcessGroupGloo._Options, "nccl": getattr(dist, "ProcessGroupNCCL", None)}.get(backend)
+    if opts is None:  # hccl (torch_npu): its own options class is not importable here; default timeout
+        return (backend, None)
+    o = opts() if backend == "gloo" else opts.Options()
+    o._timeout = timeout
+    return (backend, o)
+
+
+def build_mesh(device: torch.device, backend: str, *, pcp: int, tp: int, dcp: int,
+               timeout: timedelta) -> tuple[DeviceMesh, dict[str, DeviceMesh]]:
+    """The world as a device mesh `(pcp, tp // dcp, dcp)` ("pcp", "tp_outer", "dcp"),
+    row-major over the world ranks (world = pcp x tp, DCP ranks consecutive inside a TP
+    group), and this rank's 1-D meshes by group: "pcp", "dcp", "tp" = ("tp_outer",
+    "dcp") flattened, "cp" = ("pcp", "dcp") flattened (pcp-major, so its local rank is
+    the cp rank `pcp_rank * dcp + dcp_rank`). A flattened dim of which one part has
+    size 1 is that other part (flattening would create a second group of the same
+    ranks). Collective over the world: every rank calls it alike."""
+    override = _options(backend, timeout)
+    names = ("pcp", "tp_outer", "dcp")
+    mesh = init_device_mesh(device.type, (pcp, tp // dcp, dcp), mesh_dim_names=names,
+                            backend_override={n: override for n in names})
+
+    def joined(outer: str, inner: str, name: str) -> DeviceMesh:
+        if mesh[outer].size() == 1:
+            return mesh[inner]
+        if mesh[inner].size() == 1:
+            return mesh[outer]
+        return mesh[outer, inner]._flatten(name, backend_override=override)
+
+    return mesh, {"pcp": mesh["pcp"], "dcp": mesh["dcp"], "tp": joined("tp_outer", "dcp", "tp"),
+                  "cp": joined("pcp", "dcp", "cp")}
+
+
 def init_parallel(cfg: CPConfig, device: torch.device | str | None = None,
                   timeout: float | timedelta | None = None) -> ParallelState:
     """Create the TP / DCP / PCP groups for `cfg` and make them current.
@@ -192,49 +235,18 @@ def init_parallel(cfg: CPConfig, device: torch.device | str | None = None,
     if tp % dcp != 0:
         raise ConfigError("tp % dcp == 0", f"tensor_parallel_size={tp}, decode_context_parallel_size={dcp}",
                           "choose a decode_context_parallel_size that divides tensor_parallel_size")
-    # new_group is collective over the world: every rank creates every group, in order.
-    tp_group = dcp_group = pcp_group = None
-    for g in range(pcp):
-        ranks = list(range(g * tp, (g + 1) * tp))
-        grp = dist.new_group(ranks, timeout=pg_timeout)
-        if rank in ranks:
-            tp_group = grp
-        for d in range(tp // dcp):
-            dranks = ranks[d * dcp: (d + 1) * dcp]
-            dgrp = dist.new_group(dranks, timeout=pg_timeout)
-            if rank in dranks:
-                dcp_group = dgrp
-    for t in range(tp):
-        pranks = list(range(t, world, tp))
-        pgrp = dist.new_group(pranks, timeout=pg_timeout)
-        if rank in pranks:
-            pcp_group = pgrp
-    assert tp_group is not None and dcp_group is not None and pcp_group is not None
-    # CP group: the pcp*dcp ranks holding the same KV heads, ascending (world ranks are
-    # pcp-major and DCP ranks consecutive inside a TP group, so the index in this list
-    # is pcp_rank * dcp + dcp_rank). Same ranks as the DCP group at pcp = 1 and as the
-    # PCP group at dcp = 1: reuse those instead of creating a duplicate.
-    if pcp == 1:
-        cp_group = dcp_group
-    elif dcp == 1:
-        cp_group = pcp_group
-    else:
-        cp_group = None
-        for d in range(tp // dcp):
-            cranks = [g * tp + d * dcp + j for g in range(pcp) for j in range(dcp)]
-            cgrp = dist.new_group(cranks, timeout=pg_timeout)
-            if rank in cranks:
-                cp_group = cgrp
-    assert cp_group is not None
-    tp_rank = rank % tp
-    pcp_rank, dcp_rank = rank // tp, tp_rank % dcp
+    # The groups come from a DeviceMesh (decision 40): every rank creates every group, in order.
+    mesh, dims = build_mesh(device, backend, pcp=pcp, tp=tp, dcp=dcp, timeout=pg_timeout)
+    tp_group, dcp_group, pcp_group, cp_group = (dims[n].get_group() for n in ("tp", "dcp", "pcp", "cp"))
+    tp_rank, dcp_rank, pcp_rank = (dims[n].get_local_rank() for n in ("tp", "dcp", "pcp"))
     layout = Layout(tp=Group(tp, tp_rank, tp_group.group_name), dcp=Group(dcp, dcp_rank, dcp_group.group_name),
                     pcp=Group(pcp, pcp_rank, pcp_group.group_name),
-                    cp=Group(pcp * dcp, pcp_rank * dcp + dcp_rank, cp_group.group_name))
+                    cp=Group(pcp * dcp, dims["cp"].get_local_rank(), cp_group.group_name))
     layout.check(cfg)
+    assert layout.cp.rank == pcp_rank * dcp + dcp_rank, "the cp mesh dim is pcp-major (docs/pcp.md §2)"
     # The merge's cost model needs the collectives' costs on the group decode merges over.
     costs = calibrate(cp_group, device) if cfg.dcp_merge == "auto" and cfg.context_parallel_size > 1 else None
-    _STATE = ParallelState(cfg=cfg, rank=rank, world_size=world, device=device, backend=backend, layout=layout,
+    _STATE = ParallelState(cfg=cfg, rank=rank, world_size=world, device=device, backend=backend, layout=layout, mesh=mesh,
                            tp_group=tp_group, dcp_group=dcp_group, pcp_group=pcp_group, cp_group=cp_group,
                            timeout_s=timeout_s, collective_costs=costs)
     return _STATE
