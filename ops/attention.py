@@ -5,9 +5,9 @@ as a single graph node (which the DCP passes rewrite), `mutates_args` names exac
 the caches the op writes (so functionalization and Inductor's reinplacing keep the
 cache update in place), and a fake implementation gives shapes under tracing.
 
-The implementation registered here is the torch reference (the tests' oracle), which
-also serves CPU (the kernels of `ops/cpu_attention.py` are not dispatched: decision 41);
-the device kernels (Triton) override it per device with `register_kernel`.
+The implementation registered here is the torch reference (the tests' oracle); the
+CPU kernels (`ops/cpu_attention.py`, declared as `cpu=`) and the device kernels
+(Triton) override it per device with `register_kernel`.
 Metadata is global and flattened (vLLM style): `T` tokens over `B` requests,
 `query_start_loc[B+1]`, `seq_lens[B]` (context + new), `block_table[B, nb]`,
 `slot_mapping[T]` (-1 = skip). Tokens at or past `query_start_loc[-1]` are padding
@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import torch
 
-from cp_compile.ops import layout, reference
+from cp_compile.ops import cpu_attention, layout, reference
 from cp_compile.ops.kernels import launch, npu_fused
 from cp_compile.ops.spec import GE, TRITON_ASCEND, OpDecl
 
@@ -60,6 +60,12 @@ def _gqa_step(attend, q, k, v, k_cache, v_cache, slot_mapping, block_table, seq_
     kv_lens = layout.causal_lens(query_start_loc, seq_lens, q.shape[0])  # [T], 0 for padding
     out, _ = attend(q, k_cache, v_cache, block_table, query_start_loc, kv_lens, scale)
     return out  # fresh tensor (built with torch.zeros inside), never an alias of q
+
+
+def _gqa_paged_attention_cpu(q, k, v, k_cache, v_cache, slot_mapping, block_table, seq_lens, query_start_loc,
+                             scale):
+    return _gqa_step(cpu_attention.paged_attention_lse, q, k, v, k_cache, v_cache, slot_mapping, block_table,
+                     seq_lens, query_start_loc, scale)
 
 
 @gqa_paged_attention.register_fake
@@ -108,6 +114,12 @@ def _mla_step(attend, q_nope, q_pe, kv_c, k_pe, kv_cache, slot_mapping, block_ta
     _write_latent(kv_cache, kv_c, k_pe, slot_mapping)
     kv_lens = layout.causal_lens(query_start_loc, seq_lens, q_nope.shape[0])
     return attend(q_nope, q_pe, kv_cache, block_table, query_start_loc, kv_lens, scale)[0]
+
+
+def _mla_attention_cpu(q_nope, q_pe, kv_c, k_pe, kv_cache, slot_mapping, block_table, seq_lens, query_start_loc,
+                       scale):
+    return _mla_step(cpu_attention.mla_attention_lse, q_nope, q_pe, kv_c, k_pe, kv_cache, slot_mapping,
+                     block_table, seq_lens, query_start_loc, scale)
 
 
 @mla_attention.register_fake
@@ -208,10 +220,10 @@ SINGLE_DEVICE_ATTENTION_OPS: tuple[torch._ops.OpOverloadPacket, ...] = (
 OPS = (
     OpDecl(gqa_paged_attention, cuda=launch.gqa_paged_attention, npu=TRITON_ASCEND,
            ge=GE("attention", "ScatterNdUpdate", "FusedInferAttentionScore"), profile="attention",
-           ),
+           cpu=_gqa_paged_attention_cpu),
     OpDecl(mla_attention, cuda=launch.mla_attention, npu=TRITON_ASCEND,
            ge=GE("attention", "ScatterNdUpdate", "FusedInferAttentionScore"), profile="attention",
-           ),
+           cpu=_mla_attention_cpu),
     OpDecl(lightning_indexer, cuda=launch.lazy("lightning_indexer_device"), npu=TRITON_ASCEND,
            ge=GE("sparse", "ScatterNdUpdate", "LightningIndexer"), profile="attention"),
     OpDecl(sparse_mla_attention, cuda=launch.lazy("sparse_mla_attention_device"), npu=TRITON_ASCEND,

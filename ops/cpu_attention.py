@@ -21,7 +21,8 @@ fp32 natural-log LSE, a query with no keys gets out 0 and lse -inf) as follows:
   fresh allocator hands out), the batch's K/V is a strided view of the cache: no
   copy at all. Otherwise each chunk's pages are gathered (`index_select`, a chunk
   of a few MiB that stays in cache) and read from there. In both cases the cache
-  is read in its own dtype; only a chunk is converted when q's dtype differs.
+  is read in its own dtype; a bf16 / fp16 cache is converted to fp32 a chunk at a time
+  (the flash kernel computes in fp32, like the reference; the output is rounded once).
 - **O(T) memory in prefill.** Query rows are tiled (a few thousand rows per tile),
   a tile reads only the chunks its rows can see (the causal skip), and no
   `[H, T, T]` scores exist: the flash kernel keeps its scores per block.
@@ -47,7 +48,10 @@ MASK_ELEMS = 1 << 22
 
 
 def _compute_dtype(q: Tensor, cache: Tensor) -> torch.dtype:
-    return torch.promote_types(q.dtype, cache.dtype)
+    """fp32 at least, like the reference: torch's flash kernel on bf16 operands gives an LSE
+    ~4e-5 from the fp32 one (beyond the GE check's fp32 tolerance, tools/ge_eval/probe.py) and
+    rounds its probabilities to bf16; and bf16 GEMMs are emulated on a CPU without AVX512-BF16."""
+    return torch.promote_types(torch.promote_types(q.dtype, cache.dtype), torch.float32)
 
 
 def _v_is_k_prefix(k_cache: Tensor, v_cache: Tensor) -> bool:
@@ -114,6 +118,18 @@ def _flash_chunk(qt: Tensor, k: Tensor, v: Tensor, kvl: Tensor, c0: int, masked:
     return out, lse.float().masked_fill(empty, float("-inf"))
 
 
+def _zero_past(k: Tensor, v: Tensor, lim: Tensor, c0: int, v_from_k: bool) -> tuple[Tensor, Tensor]:
+    """k/v [Bg, n, Hkv, D|Dv] holding keys c0..c0+n-1 -> copies with every key at or past
+    request b's readable prefix lim[b] set to 0. The mask gives such a key weight 0, but
+    0 * NaN is NaN (q.k of a NaN key, p @ v of a NaN value): NaN would make the chunk's
+    partial NaN, which an LSE merge then reads as empty, a finite wrong answer."""
+    keep = (c0 + torch.arange(k.shape[1], device=k.device))[None, :] < lim[:, None]  # [Bg, n]
+    keep = keep[:, :, None, None]
+    zero = torch.zeros((), dtype=k.dtype, device=k.device)
+    k = torch.where(keep, k, zero)
+    return k, (k if v_from_k else torch.where(keep, v, zero))
+
+
 def _merge(acc: Tensor, lse: Tensor, out: Tensor, l: Tensor) -> tuple[Tensor, Tensor]:
     """Running (acc fp32, lse) and a new chunk's (out, l) -> merged, exact by LSE."""
     new = torch.logaddexp(lse, l)
@@ -141,9 +157,9 @@ def _attend_group(qp: Tensor, kvl: Tensor, k_cache: Tensor, v_cache: Tensor, tab
     vview = None if kview is None or v_from_k else _strided_view(v_cache, tbl, need)
     in_place = kview is not None and (v_from_k or vview is not None)
     elt = k_cache.element_size()
-    if in_place:
+    if in_place and k_cache.dtype == cd:  # a view: no copy to keep small
         chunk = VIEW_CHUNK_TOKENS
-    else:
+    else:  # a gathered or converted chunk: a few MiB
         per_token = Bg * Hkv * (D + (0 if v_from_k else Dv)) * elt
         chunk = max(BS, (CHUNK_BYTES // max(per_token, 1)) // BS * BS)
     tq = max(1, min(Tq, ROWS_PER_TILE // max(Bg * g, 1)))
@@ -153,9 +169,13 @@ def _attend_group(qp: Tensor, kvl: Tensor, k_cache: Tensor, v_cache: Tensor, tab
     kvl_pad = torch.nn.functional.pad(kvl, (0, n_tiles * tq - Tq)).view(Bg, n_tiles, tq)
     live = kvl_pad > 0
     big = torch.iinfo(torch.int64).max
-    bounds = torch.stack([kvl_pad.amax(dim=(0, 2)), torch.where(live, kvl_pad, big).amin(dim=(0, 2))]).tolist()
+    # lim[b, i]: request b's readable prefix in tile i (the largest kv_len of its rows there);
+    # every slot at or past it may hold garbage (torch.empty caches, rolled-back drafts: NaN, inf).
+    lim = kvl_pad.amax(dim=2)  # [Bg, n_tiles]
+    bounds = torch.stack([kvl_pad.amax(dim=(0, 2)), torch.where(live, kvl_pad, big).amin(dim=(0, 2)),
+                          torch.where(lim > 0, lim, big).amin(dim=0)]).tolist()
     for i in range(n_tiles):
-        nmax, nmin = bounds[0][i], bounds[1][i]
+        nmax, nmin, lim_min = bounds[0][i], bounds[1][i], bounds[2][i]
         if nmax <= 0:
             continue
         t0, t1 = i * tq, min((i + 1) * tq, Tq)
@@ -165,20 +185,26 @@ def _attend_group(qp: Tensor, kvl: Tensor, k_cache: Tensor, v_cache: Tensor, tab
         qt = qp[:, t0:t1].unflatten(2, (Hkv, g)).permute(0, 2, 1, 3, 4).reshape(Bg, Hkv, rows * g, D)
         if Dw > D:
             qt = torch.nn.functional.pad(qt, (0, Dw - D))
-        step = chunk
-        if rows > 1:  # a cut chunk needs a [Bg, rows * g, chunk] mask
-            step = max(BS, min(chunk, MASK_ELEMS // max(Bg * rows * g, 1)) // BS * BS)
+        # Keys below `clean` (whole pages) are seen by every live row: no mask, no garbage.
+        # Past it a chunk is masked (a [Bg, rows * g, n] mask bounds its size when rows > 1).
+        clean, end = nmin // BS * BS, (nmax + BS - 1) // BS * BS
+        mstep = chunk if rows == 1 else max(BS, min(chunk, MASK_ELEMS // max(Bg * rows * g, 1)) // BS * BS)
+        spans = [(c0, min(c0 + chunk, clean)) for c0 in range(0, clean, chunk)]
+        spans += [(c0, min(c0 + mstep, end)) for c0 in range(clean, end, mstep)]
+        lim_t = lim[:, i]
         acc = l_run = None
         bufs: dict[str, Tensor] = {}
-        for c0 in range(0, nmax, step):
-            n = min(step, ((nmax + BS - 1) // BS) * BS - c0)
+        for c0, c1 in spans:
+            n = c1 - c0
             if in_place:
-                k = kview[:, c0:c0 + n]
-                v = k if v_from_k else vview[:, c0:c0 + n]  # type: ignore[index]
+                k = kview[:, c0:c1]
+                v = k if v_from_k else vview[:, c0:c1]  # type: ignore[index]
             else:
-                pages = tbl[:, c0 // BS:(c0 + n) // BS].reshape(-1)
+                pages = tbl[:, c0 // BS:c1 // BS].reshape(-1)
                 k = _gather(k_cache, pages, bufs, "k").view(Bg, n, Hkv, k_cache.shape[3])
                 v = k if v_from_k else _gather(v_cache, pages, bufs, "v").view(Bg, n, Hkv, Dv)
+            if c1 > lim_min:  # slots past a request's prefix: zero them (a mask alone lets NaN through)
+                k, v = _zero_past(k, v, lim_t, c0, v_from_k)
             if k.dtype != cd:
                 k = k.to(cd)
                 v = k if v_from_k else v.to(cd)

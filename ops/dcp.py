@@ -6,8 +6,8 @@ returning (out, lse), and the two LSE-merge combines. Collectives are *not* insi
 these ops: the compositions in `cp_compile.ops.parallel.dcp` issue them as
 `_c10d_functional` ops so they stay visible graph nodes.
 
-CPU runs the torch references (the flash-style kernels of `cpu_attention` are not
-dispatched: decision 41); CUDA (and NPU when torch_npu is present) run the
+CPU runs the flash-style kernels of `cpu_attention` for the attention ops (their
+torch references stay the oracle) and the references for the rest; CUDA (and NPU when torch_npu is present) run the
 Triton kernels of `cp_compile.ops.kernels` (registered in `ops/kernels/registry.py`).
 """
 
@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from cp_compile.ops import layout, reference
+from cp_compile.ops import cpu_attention, layout, reference
 from cp_compile.ops.kernels import launch, npu_fused
 from cp_compile.ops.spec import GE, TRITON_ASCEND, OpDecl
 
@@ -184,6 +184,11 @@ def _new_tokens_as_pages(k: Tensor, v: Tensor, query_start_loc: Tensor, T: int
     return k.unsqueeze(1), v.unsqueeze(1), table, query_start_loc, kv_lens
 
 
+def _varlen_causal_attention_lse_cpu(q: Tensor, k: Tensor, v: Tensor, query_start_loc: Tensor,
+                                     scale: float) -> tuple[Tensor, Tensor]:
+    return cpu_attention.paged_attention_lse(q, *_new_tokens_as_pages(k, v, query_start_loc, q.shape[0]), scale)
+
+
 @varlen_causal_attention_lse.register_fake
 def _(q, k, v, query_start_loc, scale):
     return q.new_empty(q.shape[0], q.shape[1], v.shape[-1]), q.new_empty(q.shape[0], q.shape[1], dtype=torch.float32)
@@ -198,9 +203,9 @@ OPS = (
            ge=GE("cache", "ScatterNdUpdate"), profile="attention"),
     OpDecl(paged_attention_lse, cuda=launch.paged_attention_lse, npu=npu_fused._paged_attention_lse,
            ge=GE("attention", "FusedInferAttentionScore"), profile="attention",
-           ),
+           cpu=cpu_attention.paged_attention_lse),
     OpDecl(mla_partial_attention, cuda=launch.mla_partial_attention, npu=npu_fused._mla_partial_attention,
-           ge=GE("attention", "FusedInferAttentionScore"), profile="attention"),
+           ge=GE("attention", "FusedInferAttentionScore"), profile="attention", cpu=cpu_attention.mla_attention_lse),
     OpDecl(dcp_sparse_indices, cuda=launch.dcp_sparse_indices, npu=TRITON_ASCEND,
            ge=GE("sparse", "Sort", "GatherElements"), profile="dcp_local"),
     OpDecl(sparse_mla_partial_attention, cuda=launch.lazy("sparse_mla_partial_attention_device"),
@@ -211,5 +216,5 @@ OPS = (
            ge=GE("merge", "AttentionUpdate"), profile="dcp_local"),
     OpDecl(varlen_causal_attention_lse, cuda=launch.lazy("varlen_causal_attention_lse_device"), npu=TRITON_ASCEND,
            ge=GE("attention", "FusedInferAttentionScore"), profile="attention",
-           ),
+           cpu=_varlen_causal_attention_lse_cpu),
 )

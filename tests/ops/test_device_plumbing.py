@@ -32,8 +32,8 @@ REPO = Path(__file__).resolve().parents[2]
 # Python lists on the host, then `.to(device)` once, by design), hf/tp.py (load-time
 # weight indices, moved to the weight's device where used), tools/ge_check.py (CPU-only
 # GE conversion cases), and `_lowering_examples` (CPU tensors for launch capture).
-# ops/cpu_attention.py is left out: CPU-only kernels, not on any step path (not dispatched:
-# docs/decisions.md 41); declared again, they would be for the cpu dispatch key only.
+# ops/cpu_attention.py is left out: its kernels are registered for the cpu dispatch key only
+# (OpDecl.cpu), so a factory there can only ever make a tensor on the device it runs on.
 STEP_PATH = [*sorted(p for p in (REPO / "ops").glob("*.py") if p.name != "cpu_attention.py"), *sorted((REPO / "ops" / "kernels").glob("*.py")),
              *sorted((REPO / "ops" / "parallel").glob("*.py")), *sorted((REPO / "passes").glob("*.py")),
              REPO / "cp_compile" / "hf" / "engine.py", REPO / "cp_compile" / "hf" / "attention.py",
