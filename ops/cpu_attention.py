@@ -23,6 +23,12 @@ fp32 natural-log LSE, a query with no keys gets out 0 and lse -inf) as follows:
   of a few MiB that stays in cache) and read from there. In both cases the cache
   is read in its own dtype; a bf16 / fp16 cache is converted to fp32 a chunk at a time
   (the flash kernel computes in fp32, like the reference; the output is rounded once).
+- **Nothing past a request's keys reaches a result.** Whole pages are read (and, in
+  a padded batch, up to the longest request), so a chunk holds slots past a request's
+  largest kv_len: garbage in a `torch.empty` cache, NaN in a rolled-back draft slot.
+  The mask alone cannot cancel a NaN (q.k is NaN before it, 0 * NaN in P @ V), so a
+  chunk reaching past some request's prefix is copied with those keys / values zeroed
+  (`_zero_past`); the chunks every row sees in full stay views.
 - **O(T) memory in prefill.** Query rows are tiled (a few thousand rows per tile),
   a tile reads only the chunks its rows can see (the causal skip), and no
   `[H, T, T]` scores exist: the flash kernel keeps its scores per block.
