@@ -22,16 +22,17 @@ from cp_compile.ops.spec import GE, TRITON_ASCEND, OpDecl
 
 
 @torch.library.custom_op("cp::dcp_localize_metadata", mutates_args=())
-def dcp_localize_metadata(slot_mapping: Tensor, query_start_loc: Tensor, seq_lens: Tensor, dcp: int, rank: int,
+def dcp_localize_metadata(slot_mapping: Tensor, query_start_loc: Tensor, seq_lens: Tensor, cp: int, rank: int,
                           interleave: int, block_size: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """Global metadata -> this rank's view, computed once per forward for all layers.
 
     Returns (local_slot_mapping [T] int64, local_seq_lens [B] int32,
     local_causal_lens [T] int32, local_context_lens [T] int32). `block_size` is the
-    per-rank page size (virtual blocks hold block_size * dcp tokens).
+    per-rank page size (virtual blocks hold block_size * cp tokens; cp: the cache's
+    context-parallel group size, pcp * dcp).
     """
     T = slot_mapping.shape[0]
-    lay = dict(dcp=dcp, rank=rank, interleave=interleave)
+    lay = dict(cp=cp, rank=rank, interleave=interleave)
     slots = layout.local_slot_mapping(slot_mapping.long(), **lay, block_size=block_size)
     seq = layout.local_len(seq_lens, **lay).to(torch.int32)
     causal = layout.local_causal_lens(query_start_loc, seq_lens, T, **lay)
@@ -40,7 +41,7 @@ def dcp_localize_metadata(slot_mapping: Tensor, query_start_loc: Tensor, seq_len
 
 
 @dcp_localize_metadata.register_fake
-def _(slot_mapping, query_start_loc, seq_lens, dcp, rank, interleave, block_size):
+def _(slot_mapping, query_start_loc, seq_lens, cp, rank, interleave, block_size):
     T = slot_mapping.shape[0]
     return (slot_mapping.new_empty(T, dtype=torch.int64), seq_lens.new_empty(seq_lens.shape, dtype=torch.int32),
             slot_mapping.new_empty(T, dtype=torch.int32), slot_mapping.new_empty(T, dtype=torch.int32))
@@ -88,7 +89,7 @@ def _(q_nope, q_pe, kv_cache, block_table, query_start_loc, kv_lens, scale):
 
 
 @torch.library.custom_op("cp::dcp_sparse_indices", mutates_args=())
-def dcp_sparse_indices(topk_indices: Tensor, dcp: int, rank: int, interleave: int, block_size: int) -> Tensor:
+def dcp_sparse_indices(topk_indices: Tensor, cp: int, rank: int, interleave: int, block_size: int) -> Tensor:
     """SFA DCP: global top-k positions -> this rank's local positions.
 
     topk_indices [T, K] int32: request-local global positions from the (replicated)
@@ -96,12 +97,12 @@ def dcp_sparse_indices(topk_indices: Tensor, dcp: int, rank: int, interleave: in
     entry this rank owns, compacted to the front in the original order, -1 after.
     A local position reads this rank's pages like any local cache position.
     """
-    return layout.global_to_local_indices(topk_indices, dcp=dcp, rank=rank, interleave=interleave,
+    return layout.global_to_local_indices(topk_indices, cp=cp, rank=rank, interleave=interleave,
                                           block_size=block_size)
 
 
 @dcp_sparse_indices.register_fake
-def _(topk_indices, dcp, rank, interleave, block_size):
+def _(topk_indices, cp, rank, interleave, block_size):
     return torch.empty_like(topk_indices)
 
 

@@ -1,10 +1,11 @@
-"""DCP KV-cache layout math (docs/architecture.md §5). Pure, vectorised torch; no state.
+"""Sharded KV-cache layout math (docs/architecture.md §5). Pure, vectorised torch; no state.
 
-N = dcp size, r = DCP rank, I = interleave, Bk = per-rank block size. A virtual block
+N = cp (the cache's context-parallel group: pcp * dcp ranks, the DCP group
+at pcp = 1), r = rank in it, I = interleave, Bk = per-rank block size. A virtual block
 holds Bk * N tokens; each rank's physical page of the same block id holds its Bk.
 Positions are request-local token indices. All functions accept tensors of any shape
 and broadcast scalars. The layout parameters are keyword-only and always come in one
-order, `dcp, rank, interleave, block_size` (each function takes the ones it needs),
+order, `cp, rank, interleave, block_size` (each function takes the ones it needs),
 so two ints can never be swapped silently at a call site.
 """
 
@@ -13,40 +14,40 @@ from __future__ import annotations
 import torch
 
 
-def token_owner(pos: torch.Tensor, *, dcp: int, interleave: int, block_size: int) -> torch.Tensor:
-    """DCP rank that stores request-local position `pos`."""
-    off = pos % (block_size * dcp)
-    return (off // interleave) % dcp
+def token_owner(pos: torch.Tensor, *, cp: int, interleave: int, block_size: int) -> torch.Tensor:
+    """Rank of the cp group that stores request-local position `pos`."""
+    off = pos % (block_size * cp)
+    return (off // interleave) % cp
 
 
-def local_offset(pos: torch.Tensor, *, dcp: int, interleave: int, block_size: int) -> torch.Tensor:
+def local_offset(pos: torch.Tensor, *, cp: int, interleave: int, block_size: int) -> torch.Tensor:
     """Offset of `pos` inside its owner's physical page (0 .. block_size-1)."""
-    off = pos % (block_size * dcp)
-    return (off // (dcp * interleave)) * interleave + pos % interleave
+    off = pos % (block_size * cp)
+    return (off // (cp * interleave)) * interleave + pos % interleave
 
 
-def local_len(length: torch.Tensor, *, dcp: int, rank: int | torch.Tensor, interleave: int) -> torch.Tensor:
+def local_len(length: torch.Tensor, *, cp: int, rank: int | torch.Tensor, interleave: int) -> torch.Tensor:
     """Tokens of a prefix of `length` tokens stored on `rank`.
 
     Also the local index of position `length` when `rank` owns it, since local
     slots pack with no holes.
     """
-    base = (length // (dcp * interleave)) * interleave
-    return base + (length - base * dcp - rank * interleave).clamp(0, interleave)
+    base = (length // (cp * interleave)) * interleave
+    return base + (length - base * cp - rank * interleave).clamp(0, interleave)
 
 
-def local_slot_mapping(slot_mapping: torch.Tensor, *, dcp: int, rank: int, interleave: int,
+def local_slot_mapping(slot_mapping: torch.Tensor, *, cp: int, rank: int, interleave: int,
                        block_size: int) -> torch.Tensor:
     """Global slots (virtual blocks of Bk*N) -> this rank's physical slots; -1 elsewhere.
 
     Works on the slot mapping alone: virtual blocks start at multiples of Bk*N, so
     the offset inside the virtual block equals the request-local position modulo Bk*N.
     """
-    vbs = block_size * dcp
+    vbs = block_size * cp
     vb = torch.div(slot_mapping, vbs, rounding_mode="floor")
     off = slot_mapping - vb * vbs
-    owner = (off // interleave) % dcp
-    local = vb * block_size + (off // (dcp * interleave)) * interleave + off % interleave
+    owner = (off // interleave) % cp
+    local = vb * block_size + (off // (cp * interleave)) * interleave + off % interleave
     keep = (slot_mapping >= 0) & (owner == rank)
     return torch.where(keep, local, torch.full_like(local, -1))
 
@@ -81,27 +82,27 @@ def causal_lens(query_start_loc: torch.Tensor, seq_lens: torch.Tensor, num_token
 
 
 def local_causal_lens(query_start_loc: torch.Tensor, seq_lens: torch.Tensor, num_tokens: int, *,
-                      dcp: int, rank: int, interleave: int) -> torch.Tensor:
+                      cp: int, rank: int, interleave: int) -> torch.Tensor:
     """Local keys each token attends on `rank`: local_len(r, pos+1), 0 for padding.
 
     Per query, not per request: with several query tokens per request the local
     count is not `local_len(final) - k` when tokens of one request land on other ranks.
     """
     pos, _ = token_positions(query_start_loc, seq_lens, num_tokens)
-    return local_len(pos + 1, dcp=dcp, rank=rank, interleave=interleave).to(torch.int32)
+    return local_len(pos + 1, cp=cp, rank=rank, interleave=interleave).to(torch.int32)
 
 
 def local_context_lens(query_start_loc: torch.Tensor, seq_lens: torch.Tensor, num_tokens: int, *,
-                       dcp: int, rank: int, interleave: int) -> torch.Tensor:
+                       cp: int, rank: int, interleave: int) -> torch.Tensor:
     """Local keys of each token's cached context (before this step's tokens). int32 [T]."""
     _, req = token_positions(query_start_loc, seq_lens, num_tokens)
     q_len = query_start_loc[1:] - query_start_loc[:-1]
     ctx = (seq_lens - q_len)[req.clamp(min=0).long()]
     ctx = torch.where(req >= 0, ctx, torch.zeros_like(ctx))
-    return local_len(ctx, dcp=dcp, rank=rank, interleave=interleave).to(torch.int32)
+    return local_len(ctx, cp=cp, rank=rank, interleave=interleave).to(torch.int32)
 
 
-def global_to_local_indices(indices: torch.Tensor, *, dcp: int, rank: int, interleave: int,
+def global_to_local_indices(indices: torch.Tensor, *, cp: int, rank: int, interleave: int,
                             block_size: int) -> torch.Tensor:
     """Request-local global positions [..., K] (-1 padded) -> this rank's local indices.
 
@@ -109,8 +110,8 @@ def global_to_local_indices(indices: torch.Tensor, *, dcp: int, rank: int, inter
     in their original order (stable) and the tail is -1.
     """
     valid = indices >= 0
-    owned = valid & (token_owner(indices.clamp(min=0), dcp=dcp, interleave=interleave, block_size=block_size) == rank)
-    local = local_len(indices.clamp(min=0), dcp=dcp, rank=rank, interleave=interleave)
+    owned = valid & (token_owner(indices.clamp(min=0), cp=cp, interleave=interleave, block_size=block_size) == rank)
+    local = local_len(indices.clamp(min=0), cp=cp, rank=rank, interleave=interleave)
     # Stable compaction: sort by "not owned" with a stable sort keeps original order.
     order = torch.sort((~owned).to(torch.int8), dim=-1, stable=True).indices
     local = torch.gather(torch.where(owned, local, torch.full_like(local, -1)), -1, order)

@@ -99,7 +99,7 @@ def expected_rank_bytes(geometry: KVGeometry, dst: KVLayout, num_tokens: int, ra
     """The same for one D rank: the tokens its cp rank owns (`local_len`, §5) with its
     KV heads (or the latent), plus every token of the replicated indexer (SFA)."""
     e, layers = geometry.element_size, geometry.num_layers
-    mine = int(local_len(torch.tensor(num_tokens), dcp=dst.context_parallel_size, rank=dst.coords(rank).cp_rank,
+    mine = int(local_len(torch.tensor(num_tokens), cp=dst.context_parallel_size, rank=dst.coords(rank).cp_rank,
                          interleave=dst.cp_kv_cache_interleave_size))
     if geometry.kind == "gqa":
         row = len(geometry.kv_heads_of(dst, rank)) * (geometry.head_dim + geometry.v_head_dim)
@@ -126,11 +126,11 @@ def _check_table(name: str, blocks: Sequence[int], num_tokens: int, vbs: int) ->
 def _slots(pos: torch.Tensor, table: torch.Tensor, layout: KVLayout) -> torch.Tensor:
     """Physical slot (page * block_size + local offset) of request-local positions under `layout`."""
     n, bs, i = layout.context_parallel_size, layout.block_size, layout.cp_kv_cache_interleave_size
-    return table[pos // layout.virtual_block_size] * bs + local_offset(pos, dcp=n, interleave=i, block_size=bs)
+    return table[pos // layout.virtual_block_size] * bs + local_offset(pos, cp=n, interleave=i, block_size=bs)
 
 
 def _owner(pos: torch.Tensor, layout: KVLayout) -> torch.Tensor:
-    return token_owner(pos, dcp=layout.context_parallel_size, interleave=layout.cp_kv_cache_interleave_size,
+    return token_owner(pos, cp=layout.context_parallel_size, interleave=layout.cp_kv_cache_interleave_size,
                        block_size=layout.block_size)
 
 

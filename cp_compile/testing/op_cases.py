@@ -54,7 +54,7 @@ def op_cases(device: torch.device | str = "cpu", dtype: torch.dtype = torch.floa
     idx_cache = ints(NB, BS, Di)
     indices = torch.tensor([[0, 5, 2, -1], [1, 3, 7, 8], [8, 0, -1, -1], [2, 0, 1, 3], [5, 4, -1, 1],
                             [-1, -1, -1, -1]], dtype=torch.int32, device=device)
-    local_lens = layout.local_causal_lens(qsl, seq, T, dcp=2, rank=1, interleave=1)
+    local_lens = layout.local_causal_lens(qsl, seq, T, cp=2, rank=1, interleave=1)
     rows = layout.token_shard_rows(T, tp=2)
     x = rnd(T, 32)
     w_int8 = torch.randint(-127, 128, (32, 16), generator=gen, dtype=torch.int8).to(device)

@@ -45,7 +45,7 @@ def fill_context(cache: cp_compile.KVCache, cfg: cp_compile.CPConfig, dcp_rank: 
     global slots (its pages are whole virtual blocks).
     """
     meta = cp_compile.build_attention_metadata([(0, context)] * batch, alloc)
-    slots = layout.local_slot_mapping(meta.slot_mapping, dcp=cfg.context_parallel_size, rank=dcp_rank, interleave=cfg.cp_kv_cache_interleave_size,
+    slots = layout.local_slot_mapping(meta.slot_mapping, cp=cfg.context_parallel_size, rank=dcp_rank, interleave=cfg.cp_kv_cache_interleave_size,
                                       block_size=cfg.block_size).to(device)
     g = torch.Generator(device=device).manual_seed(seed)
     for layer in cache.layers:

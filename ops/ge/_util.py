@@ -104,10 +104,10 @@ def where(cond: Tensor, a: Tensor, b: Tensor) -> Tensor:
     return ge.SelectV2(cond, a, b)
 
 
-def local_len(length: Tensor, dcp: int, rank: int, interleave: int) -> Tensor:
+def local_len(length: Tensor, cp: int, rank: int, interleave: int) -> Tensor:
     """ops/layout.local_len in GE int64 arithmetic."""
-    base = ge.Mul(ge.FloorDiv(length, const(dcp * interleave, I64)), const(interleave, I64))
-    rest = ge.Sub(ge.Sub(length, ge.Mul(base, const(dcp, I64))), const(rank * interleave, I64))
+    base = ge.Mul(ge.FloorDiv(length, const(cp * interleave, I64)), const(interleave, I64))
+    rest = ge.Sub(ge.Sub(length, ge.Mul(base, const(cp, I64))), const(rank * interleave, I64))
     return ge.Add(base, ge.Minimum(ge.Maximum(rest, const(0, I64)), const(interleave, I64)))
 
 

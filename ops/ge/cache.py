@@ -43,22 +43,22 @@ def convert_cache_write(new: Tensor, cache: Tensor, slot_mapping: Tensor, meta_o
     return None  # no outputs (auto_functionalized_v2 gives (None, new cache)); the cache is ScatterNdUpdate's ref output
 
 
-def convert_dcp_localize_metadata(slot_mapping: Tensor, query_start_loc: Tensor, seq_lens: Tensor, dcp: int,
+def convert_dcp_localize_metadata(slot_mapping: Tensor, query_start_loc: Tensor, seq_lens: Tensor, cp: int,
                                   rank: int, interleave: int, block_size: int, meta_outputs: Any = None):
     s = cast(slot_mapping, I64)
-    vbs = const(block_size * dcp, I64)
+    vbs = const(block_size * cp, I64)
     vb = ge.FloorDiv(s, vbs)
     off = ge.Sub(s, ge.Mul(vb, vbs))
-    owner = ge.FloorMod(ge.FloorDiv(off, const(interleave, I64)), const(dcp, I64))
+    owner = ge.FloorMod(ge.FloorDiv(off, const(interleave, I64)), const(cp, I64))
     local = ge.Add(ge.Add(ge.Mul(vb, const(block_size, I64)),
-                          ge.Mul(ge.FloorDiv(off, const(dcp * interleave, I64)), const(interleave, I64))),
+                          ge.Mul(ge.FloorDiv(off, const(cp * interleave, I64)), const(interleave, I64))),
                    ge.FloorMod(off, const(interleave, I64)))
     keep = ge.LogicalAnd(ge.GreaterEqual(s, const(0, I64)), ge.Equal(owner, const(rank, I64)))
     slots = where(keep, local, const(-1, I64))
 
-    seq = cast(local_len(cast(seq_lens, I64), dcp, rank, interleave), I32)
+    seq = cast(local_len(cast(seq_lens, I64), cp, rank, interleave), I32)
     pos, _, valid, ctx = token_positions(query_start_loc, seq_lens, slot_mapping)
     zero = const(0, I64)
-    causal = cast(where(valid, local_len(ge.Add(pos, const(1, I64)), dcp, rank, interleave), zero), I32)
-    context = cast(where(valid, local_len(ctx, dcp, rank, interleave), zero), I32)
+    causal = cast(where(valid, local_len(ge.Add(pos, const(1, I64)), cp, rank, interleave), zero), I32)
+    context = cast(where(valid, local_len(ctx, cp, rank, interleave), zero), I32)
     return slots, seq, causal, context

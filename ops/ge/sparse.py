@@ -154,14 +154,14 @@ def convert_sparse_mla_partial_attention(q_nope: Tensor, q_pe: Tensor, kv_cache:
     return reshape(out, [T, H, L]), reshape(lse, [T, H])
 
 
-def convert_dcp_sparse_indices(topk_indices: Tensor, dcp: int, rank: int, interleave: int, block_size: int,
+def convert_dcp_sparse_indices(topk_indices: Tensor, cp: int, rank: int, interleave: int, block_size: int,
                                meta_outputs: Any = None):
     idx = cast(topk_indices, I64)
     pos = ge.Maximum(idx, const(0, I64))
-    off = ge.FloorMod(pos, const(block_size * dcp, I64))
-    owner = ge.FloorMod(ge.FloorDiv(off, const(interleave, I64)), const(dcp, I64))
+    off = ge.FloorMod(pos, const(block_size * cp, I64))
+    owner = ge.FloorMod(ge.FloorDiv(off, const(interleave, I64)), const(cp, I64))
     owned = ge.LogicalAnd(ge.GreaterEqual(idx, const(0, I64)), ge.Equal(owner, const(rank, I64)))
-    local = where(owned, local_len(pos, dcp, rank, interleave), const(-1, I64))
+    local = where(owned, local_len(pos, cp, rank, interleave), const(-1, I64))
     # Stable compaction: a stable ascending sort of "not owned" keeps the owned entries' order.
     _, order = ge.Sort(cast(ge.LogicalNot(owned), I32), axis=-1, descending=False, stable=True)
     return cast(ge.GatherElements(local, order, dim=-1), topk_indices.dtype)

@@ -49,9 +49,9 @@ def lse_combine(outs, lses):
     return kernels.merge_partials_triton(outs, lses, lse_out=total), total
 
 
-def dcp_localize_metadata(slot_mapping, query_start_loc, seq_lens, dcp, rank, interleave, block_size):
+def dcp_localize_metadata(slot_mapping, query_start_loc, seq_lens, cp, rank, interleave, block_size):
     T = slot_mapping.shape[0]
-    lay = dict(dcp=dcp, rank=rank, interleave=interleave)
+    lay = dict(cp=cp, rank=rank, interleave=interleave)
     slots = kernels.local_slot_mapping_triton(slot_mapping.long(), **lay, block_size=block_size)
     return (slots, layout.local_len(seq_lens, **lay).to(torch.int32),
             layout.local_causal_lens(query_start_loc, seq_lens, T, **lay),
@@ -83,7 +83,7 @@ def lazy(name: str):
     return call
 
 
-def dcp_sparse_indices(topk_indices, dcp, rank, interleave, block_size):
+def dcp_sparse_indices(topk_indices, cp, rank, interleave, block_size):
     # Vectorised torch (a stable sort, gathers; no host read): runs as it is on the device.
-    return layout.global_to_local_indices(topk_indices, dcp=dcp, rank=rank, interleave=interleave,
+    return layout.global_to_local_indices(topk_indices, cp=cp, rank=rank, interleave=interleave,
                                           block_size=block_size)

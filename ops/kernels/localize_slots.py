@@ -23,13 +23,13 @@ _MAX_BLOCK = 1024  # tokens per tile
 @triton.jit
 def _local_slot_mapping_kernel(
     slot_ptr, res_ptr, T,
-    block_size, dcp, rank, interleave,
+    block_size, cp, rank, interleave,
     BLOCK: tl.constexpr,
 ):
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
     offs = tl.arange(0, BLOCK)
-    vbs = block_size * dcp  # tokens of one virtual block
+    vbs = block_size * cp  # tokens of one virtual block
     n_blocks = (T + BLOCK - 1) // BLOCK
     for b in range(pid, n_blocks, nprog):
         i = b * BLOCK + offs
@@ -41,8 +41,8 @@ def _local_slot_mapping_kernel(
         slot = tl.where(valid, slot, 0)
         vb = slot // vbs  # virtual block id: int64, the slot range may pass 2**31
         off = (slot - vb * vbs).to(tl.int32)  # < Bk*N: int32 is enough from here on
-        owner = (off // interleave) % dcp
-        local_off = (off // (dcp * interleave)) * interleave + off % interleave
+        owner = (off // interleave) % cp
+        local_off = (off // (cp * interleave)) * interleave + off % interleave
         local = vb * block_size + local_off.to(tl.int64)
         keep = valid & (owner == rank)
         tl.store(res_ptr + i, tl.where(keep, local, -1).to(res_ptr.dtype.element_ty), mask=i_mask)
@@ -51,7 +51,7 @@ def _local_slot_mapping_kernel(
 def local_slot_mapping_triton(
     slot_mapping: torch.Tensor,  # [T] int64 (or int32) global slots, -1 = skip
     *,
-    dcp: int,
+    cp: int,
     rank: int,
     interleave: int,
     block_size: int,
@@ -61,12 +61,12 @@ def local_slot_mapping_triton(
     """Triton twin of `layout.local_slot_mapping` -> [T] local slots, -1 elsewhere.
 
     Output dtype is slot_mapping's (int64 for the usual vLLM slot mapping), as in the
-    reference. block_size is the per-rank page size Bk; a virtual block is Bk * dcp.
+    reference. block_size is the per-rank page size Bk; a virtual block is Bk * cp.
     """
     if slot_mapping.dim() != 1:
         raise ValueError(f"slot_mapping must be 1-D, got shape {tuple(slot_mapping.shape)}")
-    if not (0 <= rank < dcp) or interleave < 1 or block_size < 1:
-        raise ValueError(f"bad layout: block_size={block_size} dcp={dcp} rank={rank} interleave={interleave}")
+    if not (0 <= rank < cp) or interleave < 1 or block_size < 1:
+        raise ValueError(f"bad layout: block_size={block_size} cp={cp} rank={rank} interleave={interleave}")
     slot_mapping = slot_mapping.contiguous()
     T = slot_mapping.shape[0]
     res = torch.empty_like(slot_mapping)
@@ -76,7 +76,7 @@ def local_slot_mapping_triton(
         block = min(next_pow2(T), _MAX_BLOCK)
     grid = (grid_size(triton.cdiv(T, block), slot_mapping.device, num_programs),)
     kernel_for(_local_slot_mapping_kernel, slot_mapping.device)[grid](
-        slot_mapping, res, T, int(block_size), int(dcp), int(rank), int(interleave), BLOCK=block,
+        slot_mapping, res, T, int(block_size), int(cp), int(rank), int(interleave), BLOCK=block,
     )
     return res
 

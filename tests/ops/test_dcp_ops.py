@@ -38,10 +38,10 @@ def test_opcheck_building_blocks():
 def test_localize_matches_layout():
     qsl, seq, slots, _ = _meta()
     s, ls, causal, ctx = cp.dcp_localize_metadata(slots, qsl, seq, 2, 1, 2, 4)
-    assert torch.equal(s, layout.local_slot_mapping(slots, dcp=2, rank=1, interleave=2, block_size=4))
-    assert torch.equal(ls, layout.local_len(seq, dcp=2, rank=1, interleave=2).int())
-    assert torch.equal(causal, layout.local_causal_lens(qsl, seq, 8, dcp=2, rank=1, interleave=2))
-    assert torch.equal(ctx, layout.local_context_lens(qsl, seq, 8, dcp=2, rank=1, interleave=2))
+    assert torch.equal(s, layout.local_slot_mapping(slots, cp=2, rank=1, interleave=2, block_size=4))
+    assert torch.equal(ls, layout.local_len(seq, cp=2, rank=1, interleave=2).int())
+    assert torch.equal(causal, layout.local_causal_lens(qsl, seq, 8, cp=2, rank=1, interleave=2))
+    assert torch.equal(ctx, layout.local_context_lens(qsl, seq, 8, cp=2, rank=1, interleave=2))
 
 
 def test_merge_empty_shards_weigh_zero_and_all_empty_is_zero():

@@ -243,12 +243,12 @@ def test_dcp_decode_end_to_end() -> None:
         v_loc = torch.zeros(NB, Bk, Hkv, D)
         for b in range(B):
             p = torch.arange(int(seq_lens[b]))
-            mine = layout.token_owner(p, dcp=N, interleave=I, block_size=Bk) == r
+            mine = layout.token_owner(p, cp=N, interleave=I, block_size=Bk) == r
             pages = block_table[b, (p // (Bk * N)).long()].long()
-            off = layout.local_offset(p, dcp=N, interleave=I, block_size=Bk)
+            off = layout.local_offset(p, cp=N, interleave=I, block_size=Bk)
             k_loc[pages[mine], off[mine]] = k_glob[pages[mine], (p % (Bk * N))[mine]]
             v_loc[pages[mine], off[mine]] = v_glob[pages[mine], (p % (Bk * N))[mine]]
-        local_lens = layout.local_causal_lens(qsl, seq_lens, T, dcp=N, rank=r, interleave=I)
+        local_lens = layout.local_causal_lens(qsl, seq_lens, T, cp=N, rank=r, interleave=I)
         o, l = paged_attention_with_lse_triton(q, k_loc, v_loc, block_table, qsl, local_lens, scale)
         outs.append(o)
         lses.append(l)
@@ -352,17 +352,17 @@ def test_local_slot_mapping(dcp: int) -> None:
         slots[5] = 3 * 2**31 + 17  # past int32: virtual block id arithmetic must stay int64
         seen = torch.zeros_like(slots)
         for rank in range(dcp):
-            got = local_slot_mapping_triton(slots, dcp=dcp, rank=rank, interleave=interleave, block_size=block_size, block=16,
+            got = local_slot_mapping_triton(slots, cp=dcp, rank=rank, interleave=interleave, block_size=block_size, block=16,
                                             num_programs=2)
-            want = layout.local_slot_mapping(slots, dcp=dcp, rank=rank, interleave=interleave, block_size=block_size)
+            want = layout.local_slot_mapping(slots, cp=dcp, rank=rank, interleave=interleave, block_size=block_size)
             assert got.dtype == torch.int64
             assert torch.equal(got, want), (dcp, interleave, rank)
             seen += got >= 0
         assert torch.equal(seen, (slots >= 0).long())  # every token stored on exactly one rank
     s32 = torch.tensor([-1, 0, 5, 17, 63], dtype=torch.int32)
-    got32 = local_slot_mapping_triton(s32, dcp=dcp, rank=dcp - 1, interleave=2, block_size=block_size)
+    got32 = local_slot_mapping_triton(s32, cp=dcp, rank=dcp - 1, interleave=2, block_size=block_size)
     assert got32.dtype == torch.int32
-    assert torch.equal(got32, layout.local_slot_mapping(s32, dcp=dcp, rank=dcp - 1, interleave=2, block_size=block_size))
+    assert torch.equal(got32, layout.local_slot_mapping(s32, cp=dcp, rank=dcp - 1, interleave=2, block_size=block_size))
 
 
 # ----------------------------------------------------------------------------- fallback

@@ -88,8 +88,8 @@ def test_owner_and_offset_store_every_token_once_without_holes(case):
     dcp, interleave, block_size, lens, bt, _ = case
     vbs = block_size * dcp
     req, pos = all_positions(lens)
-    owner = layout.token_owner(pos, dcp=dcp, interleave=interleave, block_size=block_size)
-    off = layout.local_offset(pos, dcp=dcp, interleave=interleave, block_size=block_size)
+    owner = layout.token_owner(pos, cp=dcp, interleave=interleave, block_size=block_size)
+    off = layout.local_offset(pos, cp=dcp, interleave=interleave, block_size=block_size)
 
     # Matches the seed formula and lies in a physical page.
     assert torch.equal(owner, (pos % vbs // interleave) % dcp)
@@ -121,13 +121,13 @@ def test_owner_and_offset_store_every_token_once_without_holes(case):
 def test_owner_matches_brute_force_scalars(lay, p):
     dcp, interleave, block_size = lay
     t = torch.tensor([p])
-    assert int(layout.token_owner(t, dcp=dcp, interleave=interleave, block_size=block_size)) == owner_bf(p, dcp, interleave, block_size)
+    assert int(layout.token_owner(t, cp=dcp, interleave=interleave, block_size=block_size)) == owner_bf(p, dcp, interleave, block_size)
     # Local offset = rank of p among the owner's positions of its virtual block.
     vbs = block_size * dcp
     start = p // vbs * vbs
     o = owner_bf(p, dcp, interleave, block_size)
     rank_in_block = sum(owner_bf(q, dcp, interleave, block_size) == o for q in range(start, p))
-    assert int(layout.local_offset(t, dcp=dcp, interleave=interleave, block_size=block_size)) == rank_in_block
+    assert int(layout.local_offset(t, cp=dcp, interleave=interleave, block_size=block_size)) == rank_in_block
 
 
 # ----------------------------------------------------------------------------- slot mapping
@@ -148,13 +148,13 @@ def test_local_slot_mapping(case, num_pad):
     slot = global_slots(bt, req, pos, vbs).to(torch.int32)
     pad = req < 0
 
-    owner = layout.token_owner(pos.clamp(min=0), dcp=dcp, interleave=interleave, block_size=block_size)
-    off = layout.local_offset(pos.clamp(min=0), dcp=dcp, interleave=interleave, block_size=block_size)
+    owner = layout.token_owner(pos.clamp(min=0), cp=dcp, interleave=interleave, block_size=block_size)
+    off = layout.local_offset(pos.clamp(min=0), cp=dcp, interleave=interleave, block_size=block_size)
     local_all = bt[req.clamp(min=0), pos.clamp(min=0) // vbs].long() * block_size + off
 
     per_rank = []
     for r in range(dcp):
-        got = layout.local_slot_mapping(slot, dcp=dcp, rank=r, interleave=interleave, block_size=block_size)
+        got = layout.local_slot_mapping(slot, cp=dcp, rank=r, interleave=interleave, block_size=block_size)
         assert got.shape == slot.shape
         expected = torch.where(~pad & (owner == r), local_all, torch.full_like(local_all, -1))
         assert torch.equal(got.long(), expected), r
@@ -176,7 +176,7 @@ def test_local_slot_mapping(case, num_pad):
 def test_local_len_sums_matches_brute_force_and_is_monotone(lay, lens):
     dcp, interleave, block_size = lay
     length = torch.tensor(lens, dtype=torch.int32)
-    per_rank = torch.stack([layout.local_len(length, dcp=dcp, rank=r, interleave=interleave) for r in range(dcp)])
+    per_rank = torch.stack([layout.local_len(length, cp=dcp, rank=r, interleave=interleave) for r in range(dcp)])
     assert per_rank.dtype == torch.int32
     assert torch.equal(per_rank.sum(0), length)
     assert bool((per_rank >= 0).all())
@@ -184,16 +184,16 @@ def test_local_len_sums_matches_brute_force_and_is_monotone(lay, lens):
     # Brute force over every prefix 0..max(lens): counts of owned positions < length.
     n = max(lens) + 1
     prefix = torch.arange(n, dtype=torch.int32)
-    owner = layout.token_owner(torch.arange(n), dcp=dcp, interleave=interleave, block_size=block_size)
+    owner = layout.token_owner(torch.arange(n), cp=dcp, interleave=interleave, block_size=block_size)
     for r in range(dcp):
         counts = torch.cat([torch.zeros(1, dtype=torch.int64), (owner == r).long().cumsum(0)])[:n]
-        got = layout.local_len(prefix, dcp=dcp, rank=r, interleave=interleave)
+        got = layout.local_len(prefix, cp=dcp, rank=r, interleave=interleave)
         assert torch.equal(got.long(), counts), r
         # Monotone, +1 exactly when the next position is owned by r.
-        step = layout.local_len(prefix + 1, dcp=dcp, rank=r, interleave=interleave) - got
+        step = layout.local_len(prefix + 1, cp=dcp, rank=r, interleave=interleave) - got
         assert torch.equal(step.long(), (owner == r).long())
         # local_len(p) is the packed local index of an owned position p.
-        idx = (prefix // (block_size * dcp)) * block_size + layout.local_offset(prefix, dcp=dcp, interleave=interleave, block_size=block_size)
+        idx = (prefix // (block_size * dcp)) * block_size + layout.local_offset(prefix, cp=dcp, interleave=interleave, block_size=block_size)
         assert torch.equal(got[owner == r], idx[owner == r])
 
 
@@ -201,7 +201,7 @@ def test_local_len_tiny_sequences_land_on_low_ranks():
     # Fewer tokens than ranks: the first ranks hold one token each, the rest none.
     for dcp in DCPS:
         for n in range(dcp + 1):
-            got = [int(layout.local_len(torch.tensor(n), dcp=dcp, rank=r, interleave=1)) for r in range(dcp)]
+            got = [int(layout.local_len(torch.tensor(n), cp=dcp, rank=r, interleave=1)) for r in range(dcp)]
             assert got == [1] * n + [0] * (dcp - n)
 
 
@@ -240,21 +240,21 @@ def test_token_positions_and_causal_lens(case):
     assert cl.tolist() == [p + 1 for p in exp_pos]
 
     n = max(seq) + 1
-    owner = layout.token_owner(torch.arange(n), dcp=dcp, interleave=interleave, block_size=block_size)
+    owner = layout.token_owner(torch.arange(n), cp=dcp, interleave=interleave, block_size=block_size)
     causal_sum = torch.zeros(num_tokens, dtype=torch.int64)
     for r in range(dcp):
         counts = torch.cat([torch.zeros(1, dtype=torch.int64), (owner == r).long().cumsum(0)])  # [n+1]
-        lcl = layout.local_causal_lens(qsl, seq_lens, num_tokens, dcp=dcp, rank=r, interleave=interleave)
+        lcl = layout.local_causal_lens(qsl, seq_lens, num_tokens, cp=dcp, rank=r, interleave=interleave)
         assert lcl.dtype == torch.int32 and lcl.shape == (num_tokens,)
         # Keys 0..pos owned by r; padding attends nothing.
         expected = [int(counts[p + 1]) if p >= 0 else 0 for p in exp_pos]
         assert lcl.tolist() == expected, r
         causal_sum += lcl.long()
 
-        lctx = layout.local_context_lens(qsl, seq_lens, num_tokens, dcp=dcp, rank=r, interleave=interleave)
+        lctx = layout.local_context_lens(qsl, seq_lens, num_tokens, cp=dcp, rank=r, interleave=interleave)
         assert lctx.dtype == torch.int32
         assert lctx.tolist() == [int(counts[c]) for c in exp_ctx], r
-        assert lctx.tolist() == layout.local_len(torch.tensor(exp_ctx), dcp=dcp, rank=r, interleave=interleave).tolist()
+        assert lctx.tolist() == layout.local_len(torch.tensor(exp_ctx), cp=dcp, rank=r, interleave=interleave).tolist()
     assert causal_sum.tolist() == [p + 1 for p in exp_pos]
 
 
@@ -288,7 +288,7 @@ def test_global_to_local_indices(case):
     vbs = block_size * dcp
     kept_per_rank = []
     for r in range(dcp):
-        got = layout.global_to_local_indices(indices, dcp=dcp, rank=r, interleave=interleave, block_size=block_size)
+        got = layout.global_to_local_indices(indices, cp=dcp, rank=r, interleave=interleave, block_size=block_size)
         assert got.dtype == indices.dtype and got.shape == indices.shape
         kept_rows = []
         for i in range(indices.shape[0]):
@@ -305,11 +305,11 @@ def test_global_to_local_indices(case):
                 slot_from_local = bt[b, j // block_size].long() * block_size + j % block_size
                 p = torch.tensor(want_global)
                 gslot = global_slots(bt, torch.full_like(p, b), p, vbs).to(torch.int32)
-                lslot = layout.local_slot_mapping(gslot, dcp=dcp, rank=r, interleave=interleave, block_size=block_size)
+                lslot = layout.local_slot_mapping(gslot, cp=dcp, rank=r, interleave=interleave, block_size=block_size)
                 assert torch.equal(slot_from_local, lslot.long()), (row, out)
                 # Inverse map: the token at local index j on rank r is the original position.
                 all_p = torch.arange(lens[b])
-                mine = all_p[layout.token_owner(all_p, dcp=dcp, interleave=interleave, block_size=block_size) == r]
+                mine = all_p[layout.token_owner(all_p, cp=dcp, interleave=interleave, block_size=block_size) == r]
                 assert mine[j].tolist() == want_global
             kept_rows.append(want_global)
         kept_per_rank.append(kept_rows)
@@ -324,10 +324,10 @@ def test_global_to_local_indices_batched_dims_and_empty():
     dcp, interleave, block_size = 4, 2, 16
     idx = torch.randint(-1, 500, (3, 5, 7), generator=g, dtype=torch.int32)
     for r in range(dcp):
-        got = layout.global_to_local_indices(idx, dcp=dcp, rank=r, interleave=interleave, block_size=block_size)
-        flat = layout.global_to_local_indices(idx.reshape(-1, 7), dcp=dcp, rank=r, interleave=interleave, block_size=block_size)
+        got = layout.global_to_local_indices(idx, cp=dcp, rank=r, interleave=interleave, block_size=block_size)
+        flat = layout.global_to_local_indices(idx.reshape(-1, 7), cp=dcp, rank=r, interleave=interleave, block_size=block_size)
         assert torch.equal(got.reshape(-1, 7), flat)
     empty = torch.full((2, 4), -1, dtype=torch.int32)
-    assert torch.equal(layout.global_to_local_indices(empty, dcp=2, rank=0, interleave=1, block_size=16), empty)
+    assert torch.equal(layout.global_to_local_indices(empty, cp=2, rank=0, interleave=1, block_size=16), empty)
     none = torch.zeros((0, 4), dtype=torch.int32)
-    assert layout.global_to_local_indices(none, dcp=2, rank=1, interleave=1, block_size=16).shape == (0, 4)
+    assert layout.global_to_local_indices(none, cp=2, rank=1, interleave=1, block_size=16).shape == (0, 4)

@@ -82,7 +82,7 @@ def _poisoner(cfg: cp_compile.CPConfig, cp_rank: int, models: spec.SpecModels, k
         if pos.numel() == 0:
             return
         slots = torch.tensor(table)[pos // vbs] * vbs + pos % vbs  # global slots
-        local = local_slot_mapping(slots, dcp=n, rank=cp_rank, interleave=cfg.cp_kv_cache_interleave_size,
+        local = local_slot_mapping(slots, cp=n, rank=cp_rank, interleave=cfg.cp_kv_cache_interleave_size,
                                    block_size=cfg.block_size)
         local = local[local >= 0]
         for layer in caches:
