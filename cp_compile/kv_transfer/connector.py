@@ -32,7 +32,7 @@ from cp_compile.kv_transfer.exchange import Exchange, RankInfo, ReadyRequest
 from cp_compile.kv_transfer.layout import KVGeometry, KVLayout, check_compatible
 from cp_compile.kv_transfer.nixl import NixlTransport
 from cp_compile.kv_transfer.plan import RankPlan, plan_rank
-from cp_compile.kv_transfer.reads import layer_reads
+from cp_compile.kv_transfer.reads import group_runs, layer_reads, same_rows
 from cp_compile.kv_transfer.regions import CacheRegion, check_in_regions, regions_of
 from cp_compile.kv_transfer.transport import KVOwnershipError, KVTransferError, KVTransport
 from cp_compile.metadata import BlockAllocator
@@ -168,9 +168,12 @@ class KVConsumer(_Role):
         before the staged rows are copied into the cache. Returns (bytes read, descriptors)."""
         remote = {s: self.producer()[s].regions for s in plan.src_ranks()}
         moved = ndesc = 0
+        # the runs' grouping is the same for every layer of equal row sizes: built once per request
+        groups = group_runs(plan, self.regions, remote, 0) if self.coalesce and same_rows(self.regions, remote) \
+            else None
         for layer in range(self.geometry.num_layers):
             self.check_owned(req_id, plan)
-            reads = layer_reads(plan, self.regions, remote, layer, coalesce=self.coalesce)
+            reads = layer_reads(plan, self.regions, remote, layer, coalesce=self.coalesce, groups=groups)
             local_regions = self.regions
             staging = None
             if reads.staging_bytes:

@@ -20,7 +20,7 @@ import torch
 
 from cp_compile.kv_transfer.layout import KVGeometry, KVLayout, check_compatible
 from cp_compile.kv_transfer.plan import expected_bytes, expected_rank_bytes, plan_rank
-from cp_compile.kv_transfer.reads import STAGE_BELOW, layer_reads
+from cp_compile.kv_transfer.reads import STAGE_BELOW, group_runs, layer_reads, same_rows
 from cp_compile.kv_transfer.regions import CacheRegion, check_in_regions, regions_of
 from cp_compile.errors import ConfigError
 from cp_compile.kv_cache import tp_kv_head_ids
@@ -114,8 +114,11 @@ def transfer(src: KVLayout, dst: KVLayout, geo: KVGeometry, n: int, coalesce: bo
         assert plan.bytes(geo) == expected_rank_bytes(geo, dst, n, d)
         local = regions_of(*got, geo.kind)
         runs += len(plan.runs)
+        # as the connector does: the runs grouped once (layer 0's row sizes), reused for every layer
+        groups = group_runs(plan, local, p_regions, 0) if coalesce and same_rows(local, p_regions) else None
         for layer in range(geo.num_layers):
-            reads = layer_reads(plan, local, p_regions, layer, coalesce=coalesce, stage_below=stage_below)
+            reads = layer_reads(plan, local, p_regions, layer, coalesce=coalesce, stage_below=stage_below,
+                                groups=groups)
             staging = torch.zeros(max(reads.staging_bytes, 1), dtype=torch.uint8)
             stage_region = CacheRegion("staging", -1, staging.data_ptr(), staging.numel(), 1, 1)
             for s, (loc, rem) in reads.bind(staging.data_ptr(), 0).items():
@@ -290,3 +293,44 @@ def test_head_ids_match_kv_cache():
     for tp in (1, 2, 4, 8):
         lay = L(tp, 1, 1, 1, 4)
         assert [geo.kv_heads_of(lay, r) for r in range(tp)] == [tp_kv_head_ids(4, tp, r) for r in range(tp)]
+
+
+def _two_layers(geo: KVGeometry, layout: KVLayout, rank: int, nb: int, n: int, blocks):
+    """Regions of a rank with two layers (the second a copy of the first's shapes, its own memory)."""
+    layers, index = _caches(geo, layout, rank, nb, n, blocks)
+    layers = layers + [tuple(t.clone() for t in layers[0])]
+    index = index + [t.clone() for t in index]
+    return regions_of(layers, index, geo.kind), (layers, index)
+
+
+@pytest.mark.parametrize("kind,kv_heads,src,dst", CASES, ids=[f"{c[0]}-{c[2].describe()}->{c[3].describe()}"
+                                                              .replace(" ", ",") for c in CASES])
+def test_runs_grouped_once_serve_every_layer(kind, kv_heads, src, dst):
+    """The connector groups a request's runs once (`group_runs` at layer 0) and reuses them
+    for every layer: each layer's descriptors, staging and scatters equal those built for
+    that layer alone."""
+    geo, n = _geometry(kind, kv_heads), 37
+    nb = 2 * (-(-n // min(src.virtual_block_size, dst.virtual_block_size))) + 4
+    sb, db = _blocks(src, n, 1), _blocks(dst, n, 0)
+    keep = []  # the tensors must outlive their regions' addresses
+    p_regions = {}
+    for r in range(src.world_size):
+        p_regions[r], t = _two_layers(geo, src, r, nb, n, sb)
+        keep.append(t)
+    for d in range(dst.world_size):
+        local, t = _two_layers(geo, dst, d, nb, n, None)
+        keep.append(t)
+        plan = plan_rank(src, dst, geo, n, sb, db, d)
+        assert same_rows(local, p_regions)
+        groups = group_runs(plan, local, p_regions, 0)
+        for layer in (0, 1):
+            a, b = layer_reads(plan, local, p_regions, layer, groups=groups), layer_reads(plan, local, p_regions, layer)
+            assert a.per_src.keys() == b.per_src.keys() and a.staging_bytes == b.staging_bytes
+            for s in a.per_src:
+                for x, y in zip(a.per_src[s] + (a.staged[s],), b.per_src[s] + (b.staged[s],)):
+                    np.testing.assert_array_equal(x, y)
+            assert [(c.region, c.offset, c.row_bytes) for c in a.scatters] == \
+                [(c.region, c.offset, c.row_bytes) for c in b.scatters]
+            for c, e in zip(a.scatters, b.scatters):
+                np.testing.assert_array_equal(c.dst_slots, e.dst_slots)
+
