@@ -59,9 +59,10 @@ class CpAscendBackend:
     config: checked against the parallel state when given (it must match the config
     passed to `init_parallel`). parallel: the parallel state the compiles are
     specialised on (its `layout`, its measured collective costs), handed in by the
-    entry; without one only tp = dcp = pcp = 1 is allowed (the pipeline is then empty). attention: the model's `AttentionSpec`,
-    required at dcp > 1 or pcp > 1 and validated against the config before any pass
-    runs. roles: the resolved roles of `@cp_module` (`context.resolve_roles`).
+    entry; without one only tp = dcp = pcp = 1 is allowed (the pipeline is then
+    empty). attention: the model's `AttentionSpec`, required at dcp > 1 or pcp > 1
+    and validated against the config before any pass runs. roles: the resolved
+    roles of `@cp_module` (`context.resolve_roles`).
     batch_kind: the batches its graphs serve (None: all; see `CompileContext.batch_kind`).
     """
 

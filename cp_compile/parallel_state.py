@@ -246,8 +246,8 @@ def init_parallel(cfg: CPConfig, device: torch.device | str | None = None,
     assert layout.cp.rank == pcp_rank * dcp + dcp_rank, "the cp mesh dim is pcp-major (docs/pcp.md §2)"
     # The merge's cost model needs the collectives' costs on the group decode merges over.
     costs = calibrate(cp_group, device) if cfg.dcp_merge == "auto" and cfg.context_parallel_size > 1 else None
-    _STATE = ParallelState(cfg=cfg, rank=rank, world_size=world, device=device, backend=backend, layout=layout, mesh=mesh,
-                           tp_group=tp_group, dcp_group=dcp_group, pcp_group=pcp_group, cp_group=cp_group,
+    _STATE = ParallelState(cfg=cfg, rank=rank, world_size=world, device=device, backend=backend, layout=layout,
+                           mesh=mesh, tp_group=tp_group, dcp_group=dcp_group, pcp_group=pcp_group, cp_group=cp_group,
                            timeout_s=timeout_s, collective_costs=costs)
     return _STATE
 
