@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from cp_compile.config import AttentionSpec, ConfigError, CPConfig
+from cp_compile.ops.scratch_block import mark_scratch_block
 from cp_compile.ops.sharded_cache import mark_sharded
 from cp_compile.parallel_state import parallel_state_or_none
 
@@ -109,7 +110,8 @@ def check_dcp_layout(cfg: CPConfig, spec: KVCacheSpec, num_blocks: int, dtype: t
 
 def allocate_kv_cache(cfg: CPConfig, spec: KVCacheSpec, num_blocks: int,
                       dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
-                      attention: AttentionSpec | None = None, check_layout: bool = True) -> KVCache:
+                      attention: AttentionSpec | None = None, check_layout: bool = True,
+                      scratch_block: bool = False) -> KVCache:
     """Allocate this rank's shard: `num_blocks` pages of `cfg.block_size` tokens per layer.
 
     The token capacity of the whole context-parallel group is
@@ -122,6 +124,12 @@ def allocate_kv_cache(cfg: CPConfig, spec: KVCacheSpec, num_blocks: int,
     different KV heads fails here with `ConfigError` on every rank instead of merging
     the wrong partials later. `check_layout=False` skips it (meta-device allocations,
     which hold no data, never check).
+
+    `scratch_block=True` (needed by torchair's GE graph mode, `torchair_mode="max-autotune"`):
+    every cache tensor gets one more page, block `num_blocks`, where the GE graphs write
+    the tokens that write nothing (slot -1; `ops/scratch_block.py`, issue 21). Block ids
+    stay `[0, num_blocks)`: use `BlockAllocator(num_blocks, ...)`; a block table naming
+    the scratch block is refused by the step check.
     """
     if attention is not None:
         cfg.validate_for(attention)
@@ -142,23 +150,24 @@ def allocate_kv_cache(cfg: CPConfig, spec: KVCacheSpec, num_blocks: int,
     if check_layout and torch.device(device).type != "meta":
         check_dcp_layout(cfg, spec, num_blocks, dtype)
     bs = cfg.block_size
+    pages = num_blocks + int(scratch_block)  # the scratch block is the last page
     layers: list[tuple[torch.Tensor, ...]] = []
     replicated: list[torch.Tensor] = []
     for _ in range(spec.num_layers):
         if spec.kind == "gqa":
             if spec.num_kv_heads_per_rank < 1 or spec.head_dim < 1:
                 raise ValueError("GQA cache needs num_kv_heads_per_rank >= 1 and head_dim >= 1")
-            k = torch.zeros(num_blocks, bs, spec.num_kv_heads_per_rank, spec.head_dim, dtype=dtype, device=device)
-            v = torch.zeros(num_blocks, bs, spec.num_kv_heads_per_rank, spec.v_head_dim or spec.head_dim,
+            k = torch.zeros(pages, bs, spec.num_kv_heads_per_rank, spec.head_dim, dtype=dtype, device=device)
+            v = torch.zeros(pages, bs, spec.num_kv_heads_per_rank, spec.v_head_dim or spec.head_dim,
                             dtype=dtype, device=device)
             layers.append((k, v))
         elif spec.kind in ("mla", "sfa"):
             if spec.latent_dim < 1:
                 raise ValueError("MLA cache needs latent_dim >= 1 (kv_lora_rank + rope dim)")
-            layers.append((torch.zeros(num_blocks, bs, spec.latent_dim, dtype=dtype, device=device),))
+            layers.append((torch.zeros(pages, bs, spec.latent_dim, dtype=dtype, device=device),))
             if spec.kind == "sfa":
                 # Replicated: full virtual blocks of block_size * pcp * dcp tokens on every rank.
-                replicated.append(torch.zeros(num_blocks, cfg.virtual_block_size, spec.index_dim, dtype=dtype,
+                replicated.append(torch.zeros(pages, cfg.virtual_block_size, spec.index_dim, dtype=dtype,
                                               device=device))
         else:
             raise ValueError(f"unknown cache kind {spec.kind!r}; use 'gqa', 'mla' or 'sfa'")
@@ -170,4 +179,7 @@ def allocate_kv_cache(cfg: CPConfig, spec: KVCacheSpec, num_blocks: int,
         for layer in layers:
             for t in layer:
                 mark_sharded(t, cfg.context_parallel_size)
+    if scratch_block and torch.device(device).type != "meta":
+        for t in [t for layer in layers for t in layer] + replicated:
+            mark_scratch_block(t)
     return KVCache(layers=layers, block_size=bs, num_blocks=num_blocks, replicated=replicated)

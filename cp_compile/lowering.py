@@ -18,7 +18,10 @@ from typing import Any, Callable, Literal, Sequence
 import torch
 import torch.fx as fx
 
+from cp_compile.errors import ConfigError
 from cp_compile.ops.ge import register_converters
+from cp_compile.ops.scratch_block import has_scratch_block
+from cp_compile.step_check import written_caches
 
 Lowering = Literal["auto", "inductor", "aot_eager", "eager", "torchair"]
 TorchairMode = Literal["reduce-overhead", "max-autotune"]
@@ -84,6 +87,23 @@ def missing_ge_converters(gm: fx.GraphModule) -> list[str]:
     return sorted(missing)
 
 
+def _refuse_caches_without_scratch(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> None:
+    """GE graphs write the tokens of slot -1 into each cache's scratch block (its last
+    page; ops/ge/cache.py, issue 21): a cache without one would have a page of real
+    tokens overwritten. Checked once, at compile time, on the caches the graph writes."""
+    for op, i in written_caches(gm):
+        t = example_inputs[i] if i < len(example_inputs) else None
+        if isinstance(t, torch.Tensor) and not isinstance(t, torch._subclasses.FakeTensor) \
+                and t.device.type != "meta" and not has_scratch_block(t):
+            raise ConfigError(
+                "torchair max-autotune (GE graph mode) writes a cache only with a scratch block",
+                f"graph input {i} (a cache {op} writes, shape {tuple(t.shape)}) has none, but the GE cache "
+                "write sends every slot -1 (padding, another DCP rank's token) to the cache's last page "
+                "(CANN's ScatterNdUpdate does not support out-of-range indices)",
+                "allocate the caches with cp_compile.allocate_kv_cache(..., scratch_block=True) and keep "
+                "BlockAllocator(num_blocks) (it never hands out the scratch block)")
+
+
 def _lower_torchair(gm: fx.GraphModule, example_inputs: Sequence[Any], mode: TorchairMode) -> Callable[..., Any]:
     if mode not in ("reduce-overhead", "max-autotune"):
         raise ValueError(f"torchair mode {mode!r}: use 'reduce-overhead' or 'max-autotune'")
@@ -97,6 +117,7 @@ def _lower_torchair(gm: fx.GraphModule, example_inputs: Sequence[Any], mode: Tor
             raise RuntimeError(f"torchair max-autotune (GE graph) needs GE converters for {missing}. Fix: register "
                                f"one with torchair.register_fx_node_ge_converter (see cp_compile/ops/ge/), or use "
                                f"torchair_mode='reduce-overhead'")
+        _refuse_caches_without_scratch(gm, example_inputs)
         dump = os.environ.get("CP_COMPILE_GE_DUMP")  # GE graphs (original and optimised) as pbtxt
         if dump:
             config.debug.graph_dump.type = "pbtxt"

@@ -23,6 +23,7 @@ import torch
 
 from cp_compile.config import DECODE_KINDS, BatchKind
 from cp_compile.errors import CapacityError, MetadataError
+from cp_compile.ops.scratch_block import has_scratch_block
 from cp_compile.ops.sharded_cache import refuse_sharded
 from cp_compile.parallel_state import parallel_state_or_none
 
@@ -219,7 +220,8 @@ def validate_metadata(meta: AttentionMetadata, *, num_blocks: int, block_size: i
         b, j = divmod(_first(bad_block), nb)
         raise MetadataError("block_table", f"block_table[{b}, {j}] = {int(bt64[b, j])} is outside the cache's "
                             f"blocks [0, {num_blocks})", "use block ids from a BlockAllocator sized to this "
-                            "cache (num_blocks), or allocate more blocks", request=b, value=int(bt64[b, j]))
+                            "cache (num_blocks; the last page of a scratch_block=True cache is its scratch "
+                            "block, never a request's), or allocate more blocks", request=b, value=int(bt64[b, j]))
     if flags["slot"]:
         i = _first(bad_slot)
         if bool(real[i]):
@@ -264,6 +266,9 @@ def _cache_geometry(kv_caches: Sequence[Sequence[torch.Tensor]]) -> tuple[int, i
         raise MetadataError("kv_caches", f"cache tensors disagree: {shown}; pages of {sorted(pages)} tokens",
                             "allocate every layer's cache with one allocate_kv_cache call")
     (num_blocks, device), = geo
+    # A cache allocated with scratch_block=True ends with the GE graphs' scratch block
+    # (ops/scratch_block.py, issue 21): no block table may name it.
+    num_blocks -= int(any(has_scratch_block(c) for c in tensors))
     return num_blocks, pages.pop(), device
 
 

@@ -50,6 +50,20 @@ def _bound(node: fx.Node, schema: torch._C.FunctionSchema) -> dict[str, Any]:
     return named
 
 
+def written_caches(gm: fx.GraphModule) -> list[tuple[str, int]]:
+    """(cp op name, placeholder index) of every graph input a `cp::` op writes (its caches)."""
+    index = {n: i for i, n in enumerate(n for n in gm.graph.nodes if n.op == "placeholder")}
+    out = []
+    for node in gm.graph.nodes:
+        schema = _schema(node.target) if node.op == "call_function" else None
+        if schema is None:
+            continue
+        args = _bound(node, schema)
+        out += [(schema.name, index[args[a.name]]) for a in schema.arguments
+                if a.alias_info is not None and a.alias_info.is_write and args.get(a.name) in index]
+    return out
+
+
 @dataclass(frozen=True)
 class _Group:
     """One metadata (placeholder index per field) and the caches its ops write."""

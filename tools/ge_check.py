@@ -241,7 +241,7 @@ def load_converters(folder: str | None) -> None:
 
     from cp_compile.ops import ge as ge_pkg
 
-    for name in ("_util",) + ge_pkg.MODULES:
+    for name in ("_util",) + ge_pkg.MODULES + ge_pkg.ATEN_MODULES:
         full = f"{ge_pkg.__name__}.{name}"
         spec = importlib.util.spec_from_file_location(full, Path(folder) / f"{name}.py")
         module = importlib.util.module_from_spec(spec)
@@ -267,17 +267,28 @@ def op_cases() -> dict[str, tuple[Callable[..., Any], tuple]]:
     mine[4:] = float("-inf")
     other[5] = float("-inf")
     cp = torch.ops.cp
+    from cp_compile.ops.scratch_block import mark_scratch_block
+
+    def cache(make, *shape, dtype):
+        # A paged cache as allocate_kv_cache(..., scratch_block=True) makes it: its last
+        # page (block NB - 1, named by no table and no slot here) is the scratch block
+        # the GE cache writes send slot -1 to (ops/scratch_block.py).
+        t = make(*shape, dtype=dtype)
+        mark_scratch_block(t)
+        return t
+
     return {
         "cp::dcp_localize_metadata": (lambda s, q, sl: cp.dcp_localize_metadata(s, q, sl, 2, 1, 1, BS),
                                       (slots, qsl, seq)),
-        "cp::cache_write": (lambda n, c, s: (cp.cache_write(n, c, s), c)[1],
-                            (torch.randn(T, Hkv, D, dtype=bf), torch.zeros(NB, BS, Hkv, D, dtype=bf), slots)),
+        # Returns the cache's pages (the scratch block, where slot -1 lands, is undefined).
+        "cp::cache_write": (lambda n, c, s: (cp.cache_write(n, c, s), c[:-1])[1],
+                            (torch.randn(T, Hkv, D, dtype=bf), cache(torch.zeros, NB, BS, Hkv, D, dtype=bf), slots)),
         "cp::paged_attention_lse": (lambda q, k, v, t, qs, kl: cp.paged_attention_lse(q, k, v, t, qs, kl, 0.125),
-                                    (torch.randn(T, Hq, D, dtype=bf), torch.randn(NB, BS, Hkv, D, dtype=bf),
-                                     torch.randn(NB, BS, Hkv, D, dtype=bf), table, qsl, kv_lens)),
+                                    (torch.randn(T, Hq, D, dtype=bf), cache(torch.randn, NB, BS, Hkv, D, dtype=bf),
+                                     cache(torch.randn, NB, BS, Hkv, D, dtype=bf), table, qsl, kv_lens)),
         "cp::mla_partial_attention": (lambda qn, qp, c, t, qs, kl: cp.mla_partial_attention(qn, qp, c, t, qs, kl, 0.1),
                                       (torch.randn(T, H, L, dtype=bf), torch.randn(T, H, R, dtype=bf),
-                                       torch.randn(NB, BS, L + R, dtype=bf), table, qsl, kv_lens)),
+                                       cache(torch.randn, NB, BS, L + R, dtype=bf), table, qsl, kv_lens)),
         "cp::varlen_causal_attention_lse": (lambda q, k, v, qs: cp.varlen_causal_attention_lse(q, k, v, qs, 0.125),
                                             (torch.randn(T, Hq, D, dtype=bf), torch.randn(T, Hkv, D, dtype=bf),
                                              torch.randn(T, Hkv, D, dtype=bf), qsl)),
@@ -289,36 +300,37 @@ def op_cases() -> dict[str, tuple[Callable[..., Any], tuple]]:
         "cp::gqa_paged_attention": (
             lambda q, k, v, kc, vc, s, t, sl, qs: cp.gqa_paged_attention(q, k, v, kc, vc, s, t, sl, qs, 0.125),
             (torch.randn(T, Hq, D, dtype=bf), torch.randn(T, Hkv, D, dtype=bf), torch.randn(T, Hkv, D, dtype=bf),
-             torch.zeros(NB, BS, Hkv, D, dtype=bf), torch.zeros(NB, BS, Hkv, D, dtype=bf), slots, table, seq, qsl)),
+             cache(torch.zeros, NB, BS, Hkv, D, dtype=bf), cache(torch.zeros, NB, BS, Hkv, D, dtype=bf), slots, table,
+             seq, qsl)),
         "cp::mla_attention": (
             lambda qn, qp, c, kp, kv, s, t, sl, qs: cp.mla_attention(qn, qp, c, kp, kv, s, t, sl, qs, 0.1),
             (torch.randn(T, H, L, dtype=bf), torch.randn(T, H, R, dtype=bf), torch.randn(T, L, dtype=bf),
-             torch.randn(T, R, dtype=bf), torch.zeros(NB, BS, L + R, dtype=bf), slots, table, seq, qsl)),
+             torch.randn(T, R, dtype=bf), cache(torch.zeros, NB, BS, L + R, dtype=bf), slots, table, seq, qsl)),
         "cp::lightning_indexer": (
             lambda qi, ki, w, ic, s, t, sl, qs: cp.lightning_indexer(qi, ki, w, ic, s, t, sl, qs, 4),
             (torch.randn(T, 4, 32, dtype=bf), torch.randn(T, 32, dtype=bf), torch.randn(T, 4, dtype=bf),
-             torch.zeros(NB, BS, 32, dtype=bf), slots, table, seq, qsl)),
+             cache(torch.zeros, NB, BS, 32, dtype=bf), slots, table, seq, qsl)),
         "cp::sparse_mla_attention": (
             lambda qn, qp, c, kp, kv, s, t, sl, qs, ti: cp.sparse_mla_attention(qn, qp, c, kp, kv, s, t, sl, qs, ti,
                                                                                 0.1),
             (torch.randn(T, H, L, dtype=bf), torch.randn(T, H, R, dtype=bf), torch.randn(T, L, dtype=bf),
-             torch.randn(T, R, dtype=bf), torch.zeros(NB, BS, L + R, dtype=bf), slots, table, seq, qsl,
+             torch.randn(T, R, dtype=bf), cache(torch.zeros, NB, BS, L + R, dtype=bf), slots, table, seq, qsl,
              torch.zeros(T, 4, dtype=torch.int32))),
         "cp::sparse_mla_partial_attention": (
             lambda qn, qp, c, t, qs, i: cp.sparse_mla_partial_attention(qn, qp, c, t, qs, i, 0.1),
             (torch.randn(T, 2 * H, L, dtype=bf), torch.randn(T, 2 * H, R, dtype=bf),
-             torch.randn(NB, BS, L + R, dtype=bf), table, qsl, torch.zeros(T, 4, dtype=torch.int32))),
+             cache(torch.randn, NB, BS, L + R, dtype=bf), table, qsl, torch.zeros(T, 4, dtype=torch.int32))),
         "cp::dcp_sparse_indices": (lambda i: cp.dcp_sparse_indices(i, 2, 1, 1, BS),
                                    (torch.tensor([[0, 5, 2, -1]] * T, dtype=torch.int32),)),
         # DSA-CP: rank 1's 3 rows of the 6 tokens at tp 2 (rows 3..5, the last one padding).
         "cp::lightning_indexer_topk_rows": (
             lambda qi, ic, w, t, sl, qs: cp.lightning_indexer_topk_rows(qi, ic, w, t, sl, qs, 2, 1, 4),
-            (torch.randn(3, 4, 32, dtype=bf), torch.zeros(NB, BS, 32, dtype=bf), torch.randn(3, 4, dtype=bf),
+            (torch.randn(3, 4, 32, dtype=bf), cache(torch.zeros, NB, BS, 32, dtype=bf), torch.randn(3, 4, dtype=bf),
              table, seq, qsl)),
         "cp::sparse_mla_rows_attention": (
             lambda qn, qp, c, t, sl, qs, i: cp.sparse_mla_rows_attention(qn, qp, c, t, sl, qs, i, 2, 1, 0.1),
-            (torch.randn(3, H, L, dtype=bf), torch.randn(3, H, R, dtype=bf), torch.randn(NB, BS, L + R, dtype=bf),
-             table, seq, qsl, torch.zeros(3, 4, dtype=torch.int32))),
+            (torch.randn(3, H, L, dtype=bf), torch.randn(3, H, R, dtype=bf),
+             cache(torch.randn, NB, BS, L + R, dtype=bf), table, seq, qsl, torch.zeros(3, 4, dtype=torch.int32))),
         # W8A8 o_proj (ops/quant.py): int8 K-major weight [in, out], two activation groups
         # (the DSA-CP full-weight o_proj at tp 2).
         "cp::w8a8_dynamic_linear": (
@@ -341,10 +353,20 @@ def op_cases() -> dict[str, tuple[Callable[..., Any], tuple]]:
             (torch.randn(T, 64, dtype=bf), torch.randn(32, 64, dtype=bf), torch.ones(32, dtype=bf),
              torch.randn(H * (16 + R), 32, dtype=bf), torch.randn(L + R, 64, dtype=bf), torch.ones(L, dtype=bf),
              torch.randn(H, 16, L, dtype=bf), torch.rand(T, R // 2), torch.rand(T, R // 2),
-             torch.zeros(NB, BS, L + R, dtype=bf), slots, torch.zeros(NB, BS, L + R, dtype=bf))),
+             cache(torch.zeros, NB, BS, L + R, dtype=bf), slots, cache(torch.zeros, NB, BS, L + R, dtype=bf))),
+        # Not a cp op: torchair's aten.constant_pad_nd converter refuses a symbolic pad,
+        # ops/ge/aten_pad.py converts it (PadV3), as the DSA-CP prefill graph's token pad
+        # needs (ops/parallel/dsa_cp.pad_tokens). Compiled with dynamic shapes (DYNAMIC_CASES):
+        # the token dim's pad (2 * ceil(T / 2) - T, pad_tokens' formula at tp 2) is a SymInt;
+        # the other dims' pads are static.
+        "aten::constant_pad_nd": (lambda x: torch.nn.functional.pad(
+            x, (1, 2, 0, 0, 0, (x.shape[0] + 1) // 2 * 2 - x.shape[0]), value=0.5),
+                                  (torch.randn(7, 3, 4, dtype=bf),)),
     }
 
 
+# Op cases compiled with dynamic shapes (the others are static).
+DYNAMIC_CASES = {"aten::constant_pad_nd"}
 # Op graphs whose GE path rounds through bf16 where the FX kernel stays in fp32: compared
 # with bf16's tolerance, for the reason given.
 BF16_PATHS = {"cp::lse_combine": (torch.bfloat16, "AttentionUpdate's out has localOut's dtype (bf16 here; the page "
@@ -379,7 +401,7 @@ def run_op_graphs(recorder: _FxRecorder, dump: str | None, with_unconverted: boo
                   only: list[str] | None = None) -> list[GraphResult]:
     results = []
     # Every op the project defines (an op listed here but not defined yet is skipped).
-    cases = {k: v for k, v in op_cases().items() if hasattr(torch.ops.cp, k.split("::")[1])}
+    cases = {k: v for k, v in op_cases().items() if not k.startswith("cp::") or hasattr(torch.ops.cp, k[4:])}
     if with_unconverted:
         op = _unconverted_op()
         cases["cp_check::unconverted"] = (lambda x: op(x) + 1, (torch.randn(4, 4, dtype=torch.bfloat16),))
@@ -389,7 +411,7 @@ def run_op_graphs(recorder: _FxRecorder, dump: str | None, with_unconverted: boo
 
     for name, (fn, args) in cases.items():
         torch._dynamo.reset()
-        compiled = torch.compile(fn, backend=_torchair_backend(dump), fullgraph=True, dynamic=False)
+        compiled = torch.compile(fn, backend=_torchair_backend(dump), fullgraph=True, dynamic=name in DYNAMIC_CASES)
         probe.TOLERANCE_DTYPE = BF16_PATHS.get(name, (None, ""))[0]
         results.append(compile_and_load(lambda: compiled(*args), f"op:{name}", recorder))
         probe.TOLERANCE_DTYPE = None
@@ -467,7 +489,7 @@ def _rank_main(rank: int, world: int, configs: list, dump: str | None) -> list[d
         try:
             model = _model(kind, world, state.tp_rank, state.tp_group, w8a8=dsa)
             cache = cp_compile.allocate_kv_cache(cfg, model.kv_cache_spec(), 16, dtype=torch.bfloat16,
-                                                 attention=model.attention_spec())
+                                                 attention=model.attention_spec(), scratch_block=True)
             compiled = cp_compile.compile_model(model, lowering="torchair", torchair_mode="max-autotune")
             layers = cache.layers if not cache.replicated else \
                 [layer + (index,) for layer, index in zip(cache.layers, cache.replicated)]
@@ -520,10 +542,15 @@ def run_model_graphs(dump: str | None, configs=None) -> list[GraphResult]:
 # ----------------------------------------------------------------------------- expectations
 
 
+# aten ops the project converts itself (ops/ge/aten_pad.py): the GE ops their op graph
+# must hold (GatherV2 builds PadV3's paddings from the symbolic pad: not torchair's converter).
+ATEN_GE_OPS = {"aten::constant_pad_nd": ("PadV3", "GatherV2")}
+
+
 def expect_op(r: GraphResult, op: str) -> list[str]:
     from cp_compile.ops.ge import GE_OPS
 
-    problems = [f"{op}: GE graph lacks {t}" for t in GE_OPS[op] if t not in r.ge_ops]
+    problems = [f"{op}: GE graph lacks {t}" for t in {**GE_OPS, **ATEN_GE_OPS}[op] if t not in r.ge_ops]
     if any("NO CONVERTER" in k for k in r.fx_targets):
         problems.append(f"FX nodes without converter: {[k for k in r.fx_targets if 'NO CONVERTER' in k]}")
     fia = r.attrs.get("FusedInferAttentionScore", [])
@@ -696,7 +723,7 @@ def main(argv: list[str] | None = None) -> int:
     results = [] if args.model else run_op_graphs(recorder, args.dump, args.with_unconverted_op, args.op)
     for r in results:
         op = r.name[3:]
-        if r.status == "ok" and op in GE_OPS:
+        if r.status == "ok" and (op in GE_OPS or op in ATEN_GE_OPS):
             problems = expect_op(r, op)
             if problems:
                 r.status, r.message = "failed", "; ".join(problems)
@@ -719,7 +746,8 @@ def main(argv: list[str] | None = None) -> int:
                      isinstance(getattr(torch.ops.cp, n), torch._ops.OpOverloadPacket) and f"cp::{n}" not in no_ge)
     uncovered = sorted(set(defined) - set(GE_OPS)) if not (args.op or args.model) else []
     failed = [r for r in results if r.status != "ok"]
-    summary = dict(op_graphs=sum(r.name.startswith("op:") for r in results),
+    summary = dict(op_graphs=sum(r.name.startswith("op:cp::") for r in results),
+                   aten_op_graphs=sum(r.name.startswith("op:aten::") for r in results),
                    model_graphs=sum(not r.name.startswith("op:") for r in results),
                    failed=len(failed), fx_nodes=sum(r.fx_nodes for r in results),
                    ge_ops=sum(sum(r.ge_ops.values()) for r in results),
@@ -728,7 +756,8 @@ def main(argv: list[str] | None = None) -> int:
                    seconds=time.perf_counter() - start)
     print(table(results))
     print("\n" + values_table(results))
-    print(f"\ntorchair GE check: {summary['op_graphs']} op graphs, {summary['model_graphs']} model graphs "
+    print(f"\ntorchair GE check: {summary['op_graphs']} cp op graphs (+ {summary['aten_op_graphs']} aten), "
+          f"{summary['model_graphs']} model graphs "
           f"(ranks {list(BUILDING_RANKS)} of {MODEL_WORLD}; SFA on {SFA_WORLD}), "
           f"{summary['fx_nodes']} FX nodes converted, {summary['ge_ops']} GE ops, "
           f"{summary['hccl_ops']} HCCL ops; {summary['failed']} failed; {summary['cp_ops_defined']} cp ops, "

@@ -29,6 +29,9 @@ from cp_compile.ops.spec import GE
 # namespace and with what the converted graphs contain).
 GE_OPS = ge_ops()
 MODULES = tuple(sorted({d.ge.module for d in OPS if isinstance(d.ge, GE)}))
+# Converters of aten ops that replace torchair's (each module's `register()`):
+# aten.constant_pad_nd of a symbolic amount (the DSA-CP token pad).
+ATEN_MODULES = ("aten_pad",)
 
 _registered: list[str] = []
 
@@ -48,7 +51,6 @@ def register_converters() -> list[str]:
         op = getattr(torch.ops.cp, decl.name.split("::", 1)[1]).default
         torchair.register_fx_node_ge_converter(op)(getattr(module, GE.converter(decl.name)))
         _registered.append(decl.name)
-    # aten.constant_pad_nd of a symbolic amount (the DSA-CP token pad); imported like the
-    # converter modules (it imports torchair).
-    importlib.import_module(f"{__name__}.aten_pad").register()
+    for name in ATEN_MODULES:  # imported like the converter modules (they import torchair)
+        importlib.import_module(f"{__name__}.{name}").register()
     return sorted(_registered)

@@ -123,7 +123,8 @@ def convert_gqa_paged_attention(q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor
                                 slot_mapping: Tensor, block_table: Tensor, seq_lens: Tensor, query_start_loc: Tensor,
                                 scale: float, meta_outputs: Any = None):
     # Not ScatterPaKvCache: its page requires every slot in [0, blocks * block_size) and
-    # unique, and padding tokens carry slot -1. The same write as the DCP path instead.
+    # unique; padding tokens (slot -1) all go to the scratch block's one slot. The same
+    # write as the DCP path instead.
     k_new, v_new = scatter_into(k_cache, k, slot_mapping), scatter_into(v_cache, v, slot_mapping)
     k_new.set_meta(k_cache.meta)
     v_new.set_meta(v_cache.meta)

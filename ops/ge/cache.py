@@ -6,14 +6,13 @@
 - `cp::cache_write` -> `ScatterNdUpdate(cache, [slot // BS, slot % BS], new)`, the
   in-place scatter torch_npu exposes as `npu_scatter_nd_update_` (the way
   vLLM-Ascend writes MLA caches in torchair graph mode). Tokens whose local slot
-  is -1 (owned by another DCP rank, or padding) index block -1: ScatterNdUpdate
-  must drop out-of-range rows for this to be a no-op there. That is what the
-  Triton kernel and the reference do; CANN's page documents no out-of-range
-  behaviour, so the GE value check reports the rows that rely on it. Routing them to
-  free slots that write back their own content (as ops/kernels/npu_fused.py does in
-  eager) needs a read of the cache copy torchair hands the converter, and torchair's
-  `optimize_reference_op_redundant_copy` then deletes that copy (TensorMove) under
-  the reader, leaving a dangling input (seen here, issue 21): not done in GE.
+  is -1 (owned by another DCP rank, or padding) write nothing in eager mode; here
+  they are written to the cache's scratch block (its last page,
+  `ops/scratch_block.py`: `allocate_kv_cache(..., scratch_block=True)`), because
+  CANN's aclnnScatterNdUpdate page says out-of-range indices are unsupported
+  ("indices中的索引数据不支持越界") and one scatter cannot skip a row without a
+  data-dependent shape. No block table names the scratch block, so nothing reads
+  what lands there (issue 21; docs/torchair.md, docs/decisions.md).
 """
 
 from __future__ import annotations
@@ -33,9 +32,23 @@ def slot_indices(slot_mapping: Tensor, block_size: int) -> Tensor:
     return ge.Pack([ge.FloorDiv(s, bs), ge.FloorMod(s, bs)], N=2, axis=1)
 
 
+def scratch_slot(cache: Tensor) -> Tensor:
+    """The first slot of `cache`'s last page (its scratch block), int64 scalar."""
+    nb, bs = cache.meta.shape[0], int(cache.meta.shape[1])
+    if isinstance(nb, int):
+        return const((nb - 1) * bs, I64)
+    n = ge.GatherV2(ge.Shape(cache, dtype=I64), const(0, I64), const(0, I64))
+    return ge.Mul(ge.Sub(n, const(1, I64)), const(bs, I64))
+
+
 def scatter_into(cache: Tensor, new: Tensor, slot_mapping: Tensor) -> Tensor:
-    """cache[slot // BS, slot % BS] = new[t], in place (the returned tensor is the ref output)."""
-    return ge.ScatterNdUpdate(cache, slot_indices(slot_mapping, int(cache.meta.shape[1])), new)
+    """cache[slot // BS, slot % BS] = new[t], in place (the returned tensor is the ref output).
+
+    A slot < 0 (writes nothing) goes to the scratch block, so every index is in range.
+    """
+    s = cast(slot_mapping, I64)
+    s = where(ge.GreaterEqual(s, const(0, I64)), s, scratch_slot(cache))  # -1 -> the scratch block
+    return ge.ScatterNdUpdate(cache, slot_indices(s, int(cache.meta.shape[1])), new)
 
 
 def convert_cache_write(new: Tensor, cache: Tensor, slot_mapping: Tensor, meta_outputs: Any = None):

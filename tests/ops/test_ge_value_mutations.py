@@ -48,6 +48,14 @@ MUTATIONS = [
      "s = reshape(cast(input_scale, F32), [1, groups, 1])",
      "s = ge.ReduceMaxD(reshape(cast(input_scale, F32), [1, groups, 1]), axes=[1], keep_dims=True)",
      "cp::w8a8_static_linear"),
+    # cache slots: the GE cache write before issue 21's scratch block, slot -1 -> block -1
+    # (CANN: out-of-range ScatterNdUpdate indices unsupported; the evaluator refuses them)
+    ("slot -1 written as block -1 (no scratch block)", "cache.py",
+     "s = where(ge.GreaterEqual(s, const(0, I64)), s, scratch_slot(cache))", "s = s", "cp::cache_write"),
+    # layouts: PadV3's paddings in torch's order (last dim first), the DSA-CP token pad's converter
+    ("PadV3 paddings not reordered to dim-0-first", "aten_pad.py",
+     "const(padv3_order(self.rank, int(pad_len)), I64)", "const(padv3_order(self.rank, int(pad_len))[::-1], I64)",
+     "aten::constant_pad_nd"),
     # cache slots: the block offset taken as the block
     ("cache write offset slot // BS", "cache.py", "ge.Pack([ge.FloorDiv(s, bs), ge.FloorMod(s, bs)], N=2, axis=1)",
      "ge.Pack([ge.FloorDiv(s, bs), ge.FloorDiv(s, bs)], N=2, axis=1)", "cp::cache_write"),

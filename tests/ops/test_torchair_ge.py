@@ -35,6 +35,11 @@ def test_every_cp_op_converts_to_ge(check, summary_note) -> None:
     assert ops["cp::lse_combine"]["attrs"]["AttentionUpdate"] == [{"update_type": 1, "sp": 2}]
     assert ops["cp::cache_write"]["ge_ops"]["ScatterNdUpdate"] == 1
     assert ops["cp::gqa_paged_attention"]["ge_ops"]["ScatterNdUpdate"] == 2  # k and v (slot -1: no ScatterPaKvCache)
+    # Slot -1 goes to the caches' scratch block (the evaluator refuses out-of-range
+    # indices), and its undefined content is the one part of a cache not compared.
+    assert any("scratch block not compared" in v["what"] for v in ops["cp::cache_write"]["values"])
+    # The symbolic-pad converter of the DSA-CP token pad (ops/ge/aten_pad.py), by value.
+    assert ops["aten::constant_pad_nd"]["ge_ops"]["PadV3"] == 1 and s["aten_op_graphs"] == 1
     assert ops["cp::lightning_indexer"]["attrs"]["LightningIndexer"][0]["sparse_count"] == 4
     assert ops["cp::sparse_mla_attention"]["ge_ops"]["SparseFlashAttention"] == 1
     # What GE is handed: the bf16 query and paged caches in, the bf16 output and fp32 LSE out.

@@ -10,10 +10,12 @@ What the evaluator refuses or reports, instead of guessing:
 - an attribute value whose meaning it does not know (e.g. StridedSliceV2 masks);
 - a documented precondition the graph violates (e.g. a ScatterPaKvCache slot out of
   range): `GEEvalError` naming the op and the rule's source;
+- a ScatterNdUpdate index out of range (CANN's aclnnScatterNdUpdate page: unsupported):
+  `GEEvalError`;
 - a behaviour CANN leaves undocumented that the graph's values depend on (e.g.
-  ScatterNdUpdate with out-of-range rows): executed the way the reference does it
-  and recorded in `Findings.uncertain` (op name, what, how many elements), which the
-  check prints: the value check holds only under that assumption.
+  which of several rows scattered to one index wins): executed one way (or poisoned
+  with NaN where any reading is wrong) and recorded in `Findings.uncertain` (op name,
+  what, how many elements), which the check prints.
 
 In-place ("ref") ops write into their `var` input tensor, as GE does for RefData and
 TensorMove outputs, so the caches torchair hands in come back mutated.
@@ -632,15 +634,25 @@ def _scatter_nd_update(ctx, ins, a):
     upd = updates.reshape(idx.shape[0], *var.shape[k:])
     bounds = torch.tensor(list(var.shape[:k]))
     inside = ((idx >= 0) & (idx < bounds)).all(dim=1)
-    dropped = int((~inside).sum())
-    # CANN's aclnnScatterNdUpdate page (CANN 8.2.RC1.alpha002) says out-of-range indices
-    # are NOT supported ("indices中的索引数据不支持越界"); TF's CPU kernel raises, its GPU
-    # kernel skips them. The reference skips them and reports every graph that has them:
-    # the -1 cache slots of the GE cache writes (ops/ge/cache.py, open: issue 21).
-    ctx.findings.assume(f"ScatterNdUpdate: rows with out-of-range indices are dropped (CANN's aclnn page: "
-                        f"out-of-range indices unsupported; -1 cache slots rely on it)", dropped)
-    idx, upd = idx[inside], upd[inside]
-    if idx.shape[0] != torch.unique(idx, dim=0).shape[0]:
-        raise ctx.fail("duplicate indices (the order of the writes is undocumented)")
+    if not bool(inside.all()):
+        # CANN's aclnnScatterNdUpdate page (CANN 8.0.RC3 .. 8.2.RC1.alpha002, hiascend.com
+        # aolapi/context/aclnnScatterNdUpdate.md): "indices中的索引数据不支持越界", out-of-range
+        # indices are unsupported: what an NPU does with them is undefined, so refused.
+        row = int((~inside).nonzero()[0, 0])
+        raise ctx.fail(f"{int((~inside).sum())} of {idx.shape[0]} indices out of range of {tuple(var.shape[:k])}, "
+                       f"e.g. row {row}: {idx[row].tolist()} (CANN's aclnnScatterNdUpdate page: out-of-range "
+                       f"indices are unsupported; a cache write must route slot -1 in range, e.g. to the "
+                       f"scratch block, ops/scratch_block.py)")
+    uniq, counts = torch.unique(idx, dim=0, return_counts=True)
     var[tuple(idx[:, i] for i in range(k))] = upd.to(var.dtype)
+    if bool((counts > 1).any()):
+        # Several rows on one index: the pages give no order, so the written value is
+        # undefined. Poisoned with NaN: a later read of it (attention over a slot two
+        # tokens wrote) fails the value check; an unread scratch slot does not.
+        if not var.is_floating_point():
+            raise ctx.fail("duplicate indices into a non-float var (the order of the writes is undocumented)")
+        dup = uniq[counts > 1]
+        var[tuple(dup[:, i] for i in range(k))] = float("nan")
+        ctx.findings.assume("ScatterNdUpdate: an index written by several rows holds an undefined value "
+                            "(NaN here; the scratch block's slot in the GE cache writes)", int(dup.shape[0]))
     return var
