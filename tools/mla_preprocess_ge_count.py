@@ -40,7 +40,7 @@ def main() -> int:
         cfg = cp_compile.CPConfig(block_size=4, enable_mla_preprocess=on)
         torch.manual_seed(0)
         model = DeepseekMLAModel(mcfg).eval().to(torch.bfloat16)
-        cache = cp_compile.allocate_kv_cache(cfg, model.kv_cache_spec(), 16, dtype=torch.bfloat16)
+        cache = cp_compile.allocate_kv_cache(cfg, model.kv_cache_spec(), 16, dtype=torch.bfloat16, scratch_block=True)
         compiled = cp_compile.compile_model(model, lowering="torchair", torchair_mode="max-autotune", config=cfg)
         meta = cp_compile.build_attention_metadata([(0, 5), (0, 3)], cp_compile.BlockAllocator(16, 4),
                                                    num_padding_tokens=2, max_blocks_per_req=4)
