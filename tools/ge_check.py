@@ -89,6 +89,7 @@ class GraphResult:
     values: list[dict[str, Any]] = field(default_factory=list)
     uncertain: dict[str, int] = field(default_factory=dict)  # undocumented behaviours the values rely on
     constraints: dict[str, int] = field(default_factory=dict)  # documented NPU limits the CI shapes miss
+    mutation: str = ""  # under --mutations: the converter copy this op graph ran with
 
 
 # ----------------------------------------------------------------------------- GE graph reading
@@ -418,6 +419,25 @@ def run_op_graphs(recorder: _FxRecorder, dump: str | None, with_unconverted: boo
     return results
 
 
+def run_mutations(spec: str, recorder: _FxRecorder) -> list[GraphResult]:
+    """Each (name, converter folder, op) of the JSON list `spec` in turn, in this process:
+    the folder's converter modules replace the registered ones (torchair's registry is a
+    dict keyed by op: registering again overrides), then that op's graph is checked.
+    One process for every mutation (tests/ops/test_ge_value_mutations.py): one torch and
+    torchair import instead of one per mutation."""
+    from cp_compile.ops import ge as ge_pkg
+
+    results = []
+    for name, folder, op in json.loads(Path(spec).read_text()):
+        load_converters(folder)
+        ge_pkg._registered.clear()
+        ge_pkg.register_converters()
+        for r in run_op_graphs(recorder, None, False, [op]):
+            r.mutation = name
+            results.append(r)
+    return results
+
+
 # ----------------------------------------------------------------------------- model graphs (4 gloo ranks)
 
 MODEL_CONFIGS = [("gqa", 1, "ag_rs"), ("gqa", 2, "ag_rs"), ("gqa", 2, "a2a"),
@@ -704,6 +724,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="add an op that has no GE converter (the check must fail)")
     parser.add_argument("--ops-only", action="store_true", help="skip the model graphs (4 gloo ranks)")
     parser.add_argument("--op", action="append", help="only this op graph (e.g. cp::cache_write); implies --ops-only")
+    parser.add_argument("--mutations", help="a JSON list of [name, converter folder, op]: each op graph with its "
+                        "folder's converters, in turn (implies --ops-only)")
     parser.add_argument("--model", action="append", help="only this model graph, KIND:DCP:MERGE (e.g. sfa:2:ag_rs); "
                         "skips the op graphs")
     args = parser.parse_args(argv)
@@ -720,14 +742,17 @@ def main(argv: list[str] | None = None) -> int:
         print(f"torchair GE check not runnable here: {e}", file=sys.stderr)
         return 2
     recorder = _FxRecorder()
-    results = [] if args.model else run_op_graphs(recorder, args.dump, args.with_unconverted_op, args.op)
+    if args.mutations:
+        results = run_mutations(args.mutations, recorder)
+    else:
+        results = [] if args.model else run_op_graphs(recorder, args.dump, args.with_unconverted_op, args.op)
     for r in results:
         op = r.name[3:]
         if r.status == "ok" and (op in GE_OPS or op in ATEN_GE_OPS):
             problems = expect_op(r, op)
             if problems:
                 r.status, r.message = "failed", "; ".join(problems)
-    if not args.ops_only and not args.op:
+    if not args.ops_only and not args.op and not args.mutations:
         chosen = [(k, int(d), m) for k, d, m in (x.split(":") for x in args.model)] if args.model else None
         models = run_model_graphs(args.dump, chosen)
         for r in models:
@@ -744,7 +769,7 @@ def main(argv: list[str] | None = None) -> int:
     no_ge = {d.name for d in OPS if isinstance(d.ge, Absent)}
     defined = sorted(f"cp::{n}" for n in dir(torch.ops.cp) if not n.startswith("_") and
                      isinstance(getattr(torch.ops.cp, n), torch._ops.OpOverloadPacket) and f"cp::{n}" not in no_ge)
-    uncovered = sorted(set(defined) - set(GE_OPS)) if not (args.op or args.model) else []
+    uncovered = sorted(set(defined) - set(GE_OPS)) if not (args.op or args.model or args.mutations) else []
     failed = [r for r in results if r.status != "ok"]
     summary = dict(op_graphs=sum(r.name.startswith("op:cp::") for r in results),
                    aten_op_graphs=sum(r.name.startswith("op:aten::") for r in results),

@@ -1,9 +1,10 @@
 """The GE value check catches wrong converters (docs/torchair.md, tools/ge_eval).
 
 Each case copies the converter modules (ops/ge/*.py) to a temporary folder, breaks one
-converter there the way a reviewer would, and runs the check on that op's graph with
-the copy loaded in place of the library's (`CP_COMPILE_GE_CONVERTERS`): the check
-must fail and name the op. The first three are the mutations that passed the
+converter there the way a reviewer would, and the check runs that op's graph with the
+copy registered in place of the library's (one check process runs every copy in turn,
+`--mutations`, and an unmutated copy last, which must pass): the check must fail and
+name the op. The first three are the mutations that passed the
 structure-only check before the value check existed.
 """
 
@@ -12,7 +13,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
@@ -62,36 +62,46 @@ MUTATIONS = [
 ]
 
 
+CONTROL = "control: the library's converters, after every mutation"
+
+
 @pytest.fixture(scope="module")
 def mutated_checks(torchair_python: str, tmp_path_factory) -> dict:
-    """Each mutation in its own copy and check process, two at a time (the CI machine's cores)."""
-    def one(k: int):
-        name, file, old, new, op = MUTATIONS[k]
-        folder = tmp_path_factory.mktemp(f"mut{k}") / "ge"
+    """Every mutation in its own copy of ops/ge/, all checked by one process in turn
+    (`--mutations`), then an unmutated copy: it must pass, so a mutation's failure is
+    its own and not left over from the ones before it."""
+    root = tmp_path_factory.mktemp("mutations")
+    spec, missing = [], []
+    for k, (name, file, old, new, op) in enumerate(MUTATIONS + [(CONTROL, "cache.py", "", "", "cp::cache_write")]):
+        folder = root / f"mut{k}" / "ge"
         shutil.copytree(REPO / "ops" / "ge", folder)
         source = (folder / file).read_text()
-        if source.count(old) != 1:
-            return None
-        (folder / file).write_text(source.replace(old, new))
-        return run_check(torchair_python, folder.parent / "m.json", "--op", op,
-                         env={"CP_COMPILE_GE_CONVERTERS": str(folder)})
-
-    with ThreadPoolExecutor(max_workers=2) as pool:
-        runs = dict(zip((m[0] for m in MUTATIONS), pool.map(one, range(len(MUTATIONS)))))
+        if old and source.count(old) != 1:
+            missing.append(name)
+            continue
+        (folder / file).write_text(source.replace(old, new) if old else source)
+        spec.append([name, str(folder), op])
+    (root / "spec.json").write_text(json.dumps(spec))
+    rc, data, output = run_check(torchair_python, root / "m.json", "--mutations", str(root / "spec.json"))
+    runs = {name: [r for r in data.get("results", []) if r["mutation"] == name] for name, _, _ in spec}
     if os.environ.get("CP_COMPILE_GE_MUTATIONS_JSON"):  # the mutation table of docs / notes
-        table = {name: None if run is None else dict(rc=run[0], failed=[(r["name"], r["message"][:400]) for r in
-                                                                        run[1].get("results", []) if r["status"] != "ok"])
-                 for name, run in runs.items()}
+        table = {name: [(r["name"], r["status"], r["message"][:400]) for r in rs] for name, rs in runs.items()}
         with open(os.environ["CP_COMPILE_GE_MUTATIONS_JSON"], "w") as f:
-            json.dump(table, f, indent=1)
-    return runs
+            json.dump(dict(table=table, seconds=data.get("summary", {}).get("seconds")), f, indent=1)
+    return dict(runs=runs, missing=missing, output=output)
+
+
+def test_control_copy_passes(mutated_checks: dict) -> None:
+    (control,) = mutated_checks["runs"][CONTROL] or [None]
+    assert control is not None and control["status"] == "ok", mutated_checks["output"]
 
 
 @pytest.mark.parametrize("name,file,old,new,op", MUTATIONS, ids=[m[0] for m in MUTATIONS])
 def test_value_check_fails_on_a_wrong_converter(mutated_checks: dict, name, file, old, new, op) -> None:
-    assert mutated_checks[name] is not None, f"mutation {name!r}: {old!r} must occur once in ops/ge/{file}"
-    rc, data, output = mutated_checks[name]
-    assert rc == 1, f"mutation {name!r} passed the check:\n{output}"
-    (bad,) = [r for r in data["results"] if r["status"] != "ok"]
+    assert name not in mutated_checks["missing"], f"mutation {name!r}: {old!r} must occur once in ops/ge/{file}"
+    runs = mutated_checks["runs"][name]
+    assert len(runs) == 1, f"mutation {name!r}: expected one op graph, got {runs}\n{mutated_checks['output']}"
+    (bad,) = runs
+    assert bad["status"] != "ok", f"mutation {name!r} passed the check:\n{mutated_checks['output']}"
     assert bad["name"] == f"op:{op}", bad
     assert bad["message"], bad
