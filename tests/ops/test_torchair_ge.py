@@ -138,6 +138,12 @@ def test_ge_graphs_equal_fx_graphs_by_value(check) -> None:
     writers = [r for r in results if r["name"] in ("op:cp::cache_write", "op:cp::gqa_paged_attention")
                or not r["name"].startswith("op:")]
     assert all(any("mutated" in v["what"] for v in r["values"]) for r in writers)
-    # The -1 slots rely on an undocumented ScatterNdUpdate behaviour, and the check says so.
+    # The -1 slots go to the caches' scratch block, in range (the evaluator refuses an
+    # out-of-range index). Where several land on its one slot (every model graph: padding,
+    # other ranks' tokens), the evaluator leaves NaN there, and the outputs still match:
+    # no attention read the scratch block.
     cache_write = next(r for r in results if r["name"] == "op:cp::cache_write")
-    assert any("ScatterNdUpdate" in k for k in cache_write["uncertain"]), cache_write["uncertain"]
+    assert cache_write["uncertain"] == {}, cache_write["uncertain"]  # one -1 row: nothing undefined
+    models = [r for r in results if not r["name"].startswith("op:")]
+    assert models and all(any("several rows" in k for k in r["uncertain"]) for r in models), \
+        [(r["name"], r["rank"], r["uncertain"]) for r in models]
