@@ -18,9 +18,9 @@ Two pipeline stages in this file (docs/mla_preprocess.md):
    halves (also HF's rotate_half), or V2's complex `freqs_cis` product). Linears are
    float (`F.linear`, no bias) or `cp::w8a8_dynamic_linear` (one group). Anything else
    (a bias, another rope, a different norm) is left as it is: the layer stays unfused,
-   the pass's count says so and its warning names the reason (`NoMatch`). The attention's inputs are then read from the op, and the now unread
-   unfused nodes are erased (with HF's per-head K expansion that only fed the
-   ignored `key` argument). Every later pass sees the op's outputs where it saw the
+   the pass's count says so and its warning names the reason (`NoMatch`). The
+   attention's inputs are then read from the op, and the now unread unfused nodes are
+   erased (with HF's per-head K expansion that only fed the ignored `key` argument). Every later pass sees the op's outputs where it saw the
    unfused values: DCP gathers them (the Q all-gather reads the op's q_abs / q_pe),
    PCP and DSA-CP run the op on the graph's own token rows.
 

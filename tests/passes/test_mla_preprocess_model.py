@@ -178,7 +178,8 @@ def test_hf_v2_dcp2_every_layer_rewritten(name):
     op's outputs feed the DCP Q all-gather), the local write folded, fused == unfused."""
     for out in run_on_ranks(_hf_rank, 2, name, 2, timeout=900):
         check_hf_pair(out)
-        assert rewrites(out[True], "dcp_attention") == rewrites(out[False], "dcp_attention") == LAYERS, out[True]["hist"]
+        assert rewrites(out[True], "dcp_attention") == rewrites(out[False], "dcp_attention") == LAYERS, \
+            out[True]["hist"]
 
 
 def test_hf_biased_projections_refused_with_reason():
