@@ -17,7 +17,6 @@ import time
 from typing import Any
 
 import pytest
-import torch
 
 import cp_compile
 from cp_compile.kv_transfer import KVConsumer, KVProducer, KVTransferError
