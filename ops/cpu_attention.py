@@ -26,9 +26,10 @@ fp32 natural-log LSE, a query with no keys gets out 0 and lse -inf) as follows:
 - **Nothing past a request's keys reaches a result.** Whole pages are read (and, in
   a padded batch, up to the longest request), so a chunk holds slots past a request's
   largest kv_len: garbage in a `torch.empty` cache, NaN in a rolled-back draft slot.
-  The mask alone cannot cancel a NaN (q.k is NaN before it, 0 * NaN in P @ V), so a
-  chunk reaching past some request's prefix is copied with those keys / values zeroed
-  (`_zero_past`); the chunks every row sees in full stay views.
+  The mask alone cannot cancel a NaN (q.k is NaN before it, 0 * NaN in P @ V), so in
+  a chunk reaching past some request's prefix each request reads exactly its own keys
+  (`_flash_per_request`, one call per request, still views); the chunks every row sees
+  in full go through one batched call, unmasked.
 - **O(T) memory in prefill.** Query rows are tiled (a few thousand rows per tile),
   a tile reads only the chunks its rows can see (the causal skip), and no
   `[H, T, T]` scores exist: the flash kernel keeps its scores per block.
@@ -124,16 +125,24 @@ def _flash_chunk(qt: Tensor, k: Tensor, v: Tensor, kvl: Tensor, c0: int, masked:
     return out, lse.float().masked_fill(empty, float("-inf"))
 
 
-def _zero_past(k: Tensor, v: Tensor, lim: Tensor, c0: int, v_from_k: bool) -> tuple[Tensor, Tensor]:
-    """k/v [Bg, n, Hkv, D|Dv] holding keys c0..c0+n-1 -> copies with every key at or past
-    request b's readable prefix lim[b] set to 0. The mask gives such a key weight 0, but
-    0 * NaN is NaN (q.k of a NaN key, p @ v of a NaN value): NaN would make the chunk's
-    partial NaN, which an LSE merge then reads as empty, a finite wrong answer."""
-    keep = (c0 + torch.arange(k.shape[1], device=k.device))[None, :] < lim[:, None]  # [Bg, n]
-    keep = keep[:, :, None, None]
-    zero = torch.zeros((), dtype=k.dtype, device=k.device)
-    k = torch.where(keep, k, zero)
-    return k, (k if v_from_k else torch.where(keep, v, zero))
+def _flash_per_request(qt: Tensor, k: Tensor, v: Tensor, kvl: Tensor, lim: list[int], c0: int, c1: int, g: int,
+                       scale: float) -> tuple[Tensor, Tensor]:
+    """A chunk (keys c0..c1-1) that reaches past some request's readable prefix lim[b]:
+    request b reads keys c0..min(c1, lim[b])-1 only, a view, so no slot past its prefix
+    enters the flash kernel. The mask alone would not do: it gives such a key weight 0, but
+    q.k of a NaN key is NaN before the mask and 0 * NaN is NaN in P @ V, and a NaN partial
+    is read as empty by an LSE merge (a finite, wrong answer). Shapes as `_flash_chunk`."""
+    Bg, Hkv, R = qt.shape[0], qt.shape[1], qt.shape[2]
+    out = qt.new_zeros(Bg, Hkv, R, v.shape[-1])
+    lse = torch.full((Bg, Hkv, R), float("-inf"), dtype=torch.float32)
+    for b, lb in enumerate(lim):
+        nb = min(c1, lb) - c0
+        if nb <= 0:
+            continue
+        # one query token (decode) sees all nb keys; several need the causal mask
+        o, l = _flash_chunk(qt[b:b + 1], k[b:b + 1, :nb], v[b:b + 1, :nb], kvl[b:b + 1], c0, kvl.shape[1] > 1, g, scale)
+        out[b], lse[b] = o[0], l[0]
+    return out, lse
 
 
 def _merge(acc: Tensor, lse: Tensor, out: Tensor, l: Tensor) -> tuple[Tensor, Tensor]:
@@ -197,7 +206,7 @@ def _attend_group(qp: Tensor, kvl: Tensor, k_cache: Tensor, v_cache: Tensor, tab
         mstep = chunk if rows == 1 else max(BS, min(chunk, MASK_ELEMS // max(Bg * rows * g, 1)) // BS * BS)
         spans = [(c0, min(c0 + chunk, clean)) for c0 in range(0, clean, chunk)]
         spans += [(c0, min(c0 + mstep, end)) for c0 in range(clean, end, mstep)]
-        lim_t = lim[:, i]
+        lim_t = lim[:, i].tolist()
         acc = l_run = None
         bufs: dict[str, Tensor] = {}
         for c0, c1 in spans:
@@ -209,8 +218,6 @@ def _attend_group(qp: Tensor, kvl: Tensor, k_cache: Tensor, v_cache: Tensor, tab
                 pages = tbl[:, c0 // BS:c1 // BS].reshape(-1)
                 k = _gather(k_cache, pages, bufs, "k").view(Bg, n, Hkv, k_cache.shape[3])
                 v = k if v_from_k else _gather(v_cache, pages, bufs, "v").view(Bg, n, Hkv, Dv)
-            if c1 > lim_min:  # slots past a request's prefix: zero them (a mask alone lets NaN through)
-                k, v = _zero_past(k, v, lim_t, c0, v_from_k)
             if k.dtype != cd:
                 k = k.to(cd)
                 v = k if v_from_k else v.to(cd)
@@ -218,7 +225,10 @@ def _attend_group(qp: Tensor, kvl: Tensor, k_cache: Tensor, v_cache: Tensor, tab
                 v = k if v_from_k else torch.nn.functional.pad(v, (0, Dw - Dv))
             if Dw > D:
                 k = torch.nn.functional.pad(k, (0, Dw - D))
-            o_c, l_c = _flash_chunk(qt, k, v, kv_t, c0, c0 + n > nmin, g, scale)
+            if c1 > lim_min:  # a request's prefix ends inside: each request reads exactly its keys
+                o_c, l_c = _flash_per_request(qt, k, v, kv_t, lim_t, c0, c1, g, scale)
+            else:
+                o_c, l_c = _flash_chunk(qt, k, v, kv_t, c0, c0 + n > nmin, g, scale)
             if acc is None:
                 acc, l_run = o_c.float(), l_c
             else:
