@@ -5,7 +5,10 @@ dense math; here the kernel is held to `reference.paged_attention_with_lse` on w
 only the kernel has: the in-place (strided view) path and the gathered path, chunk
 and tile boundaries (forced small), masks cut inside a chunk, padded tokens, a cache
 dtype other than q's, Dv != D, MLA's values read from the key pages, and the new
-tokens of the varlen op. A broken merge must be caught (the last test).
+tokens of the varlen op. A broken merge must be caught (test_a_broken_merge_is_caught).
+The second half poisons every slot no request may read with NaN / inf (what a rolled-back
+draft or a torch.empty cache holds): nothing outside [0, kv_len) may reach a result
+(docs/decisions.md 41).
 """
 
 from __future__ import annotations
