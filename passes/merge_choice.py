@@ -52,13 +52,6 @@ def resolve_merge(ctx: CompileContext, view: Any, gm: fx.GraphModule, patterns: 
     """(`view` with a concrete merge, the decision) for a DCP / PCP pass's context view."""
     if view.merge != "auto":
         return view, {"merge": view.merge, "reason": "explicit dcp_merge"}
-    if ctx.batch_kind == "verify":
-        # Known bug, found at integration (2026-12-01): the A2A merge in a speculative verify graph
-        # lowered by Inductor hands cp::lse_combine its partials as [N, T, H, Dv] (RuntimeError in
-        # merge_partials; dcp 4: an Inductor assert). "auto" must never pick a path that fails, so
-        # verify graphs take AG+RS until it is fixed; an explicit dcp_merge="a2a" still reaches it.
-        return dataclasses.replace(view, merge="ag_rs"), {
-            "merge": "ag_rs", "reason": "verify graph: A2A under Inductor is a known failure (docs/spec_decode.md)"}
     sizes = attention_sizes(gm, patterns)
     if sizes is None:  # nothing to rewrite: any concrete value will do
         return dataclasses.replace(view, merge="ag_rs"), None

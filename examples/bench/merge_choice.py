@@ -51,7 +51,7 @@ def _world(rank: int, world: int, batches: list[int], heads: int, dim: int, roun
 
         def layer(m: str) -> None:
             all_gather_heads(q, ctxs[m])
-            merge_heads(part, lse, ctxs[m], heads, dim, torch.float32)
+            merge_heads(part, lse, ctxs[m], heads, torch.float32)
 
         for m in merge_cost.MERGES:  # warm-up
             layer(m)

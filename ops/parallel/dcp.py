@@ -122,7 +122,7 @@ def gathered_gqa_partial(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tabl
     return rank_major_heads(part[0], ctx.size, kv_heads), rank_major_heads(part[1], ctx.size, kv_heads)
 
 
-def merge_heads(out: Tensor, lse: Tensor, ctx: DCPContext, heads: int, v_dim: int,
+def merge_heads(out: Tensor, lse: Tensor, ctx: DCPContext, heads: int,
                 dtype: torch.dtype) -> tuple[Tensor, Tensor]:
     """Partials over all gathered heads -> this rank's `heads` heads, exactly merged.
 
@@ -145,14 +145,20 @@ def merge_heads(out: Tensor, lse: Tensor, ctx: DCPContext, heads: int, v_dim: in
         mine = _c10d.wait_tensor.default(summed).transpose(0, 1)  # [T, H, Dv]
         total = total.transpose(0, 1)[ctx.rank * heads:(ctx.rank + 1) * heads]  # this rank's heads
         return dense(mine), total.transpose(0, 1)
-    # One all-to-all of [out | lse]; the fp32 LSE rides as raw bytes in out's dtype.
-    packed = torch.cat([out, lse.unsqueeze(-1).view(dtype)], dim=-1)  # [T, N*H, Dv + w]
+    # One all-to-all of [lse | out]; the fp32 LSE rides as raw bytes in out's dtype (w columns).
+    # LSE first, so both halves are cut at the static offset w, and its size-1 dim is dropped by
+    # index, not squeeze: Dv may be symbolic (Dynamo's automatic dynamic made a cache's head dim
+    # dynamic when two models share one forward, issue 25), and then `parts[..., Dv:]` is a slice
+    # of unknown width that `squeeze(-1)` keeps under backed size-oblivious symbols: lse_combine
+    # got [N, H, T, 1] LSEs (a shape error at run time, an Inductor size assert at dcp 4).
+    w = 4 // dtype.itemsize  # fp32 LSE in `dtype` columns
+    packed = torch.cat([lse.unsqueeze(-1).view(dtype), out], dim=-1)  # [T, N*H, w + Dv]
     splits = [heads] * ctx.size
     recv = _c10d.all_to_all_single.default(dense(packed.transpose(0, 1)), splits, splits, ctx.group_name)
-    recv = _c10d.wait_tensor.default(recv)  # [N*H, T, Dv + w]: chunk j = rank j's partial of my heads
-    parts = recv.unflatten(0, (ctx.size, heads))  # [N, H, T, Dv + w]
-    lses = dense(parts[..., v_dim:]).view(torch.float32).squeeze(-1)  # [N, H, T]
-    merged = _cp.lse_combine.default(parts[..., :v_dim], lses)
+    recv = _c10d.wait_tensor.default(recv)  # [N*H, T, w + Dv]: chunk j = rank j's partial of my heads
+    parts = recv.unflatten(0, (ctx.size, heads))  # [N, H, T, w + Dv]
+    lses = dense(parts[..., :w]).view(torch.float32)[..., 0]  # [N, H, T]
+    merged = _cp.lse_combine.default(parts[..., w:], lses)
     merged, total = merged[0], merged[1]
     return dense(merged.to(dtype).transpose(0, 1)), total.transpose(0, 1)
 
@@ -172,7 +178,7 @@ def dcp_gqa_attention(q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_cache:
     _cp.cache_write.default(v, v_cache, local.slot_mapping)
     out, lse = gathered_gqa_partial(q, k_cache, v_cache, block_table, query_start_loc, local.causal_lens, scale,
                                     k.shape[1], ctx)  # [T, N*Hq, Dv], [T, N*Hq]
-    return merge_heads(out, lse, ctx, q.shape[1], v.shape[-1], q.dtype)[0]
+    return merge_heads(out, lse, ctx, q.shape[1], q.dtype)[0]
 
 
 def dcp_mla_attention(q_nope: Tensor, q_pe: Tensor, kv_c: Tensor, k_pe: Tensor, kv_cache: Tensor,
@@ -186,7 +192,7 @@ def dcp_mla_attention(q_nope: Tensor, q_pe: Tensor, kv_c: Tensor, k_pe: Tensor, 
     q_all = all_gather_heads_fused(q_nope, q_pe, ctx)  # [T, N*H, L+R]
     part = _cp.mla_partial_attention.default(q_all[..., :L], q_all[..., L:], kv_cache, block_table,
                                              query_start_loc, local.causal_lens, scale)
-    return merge_heads(part[0], part[1], ctx, q_nope.shape[1], L, q_nope.dtype)[0]
+    return merge_heads(part[0], part[1], ctx, q_nope.shape[1], q_nope.dtype)[0]
 
 
 def dcp_sfa_attention(q_nope: Tensor, q_pe: Tensor, kv_c: Tensor, k_pe: Tensor, kv_cache: Tensor,
@@ -210,4 +216,4 @@ def dcp_sfa_attention(q_nope: Tensor, q_pe: Tensor, kv_c: Tensor, k_pe: Tensor, 
     q_all = all_gather_heads_fused(q_nope, q_pe, ctx)  # [T, N*H, L+R]
     part = _cp.sparse_mla_partial_attention.default(q_all[..., :L], q_all[..., L:], kv_cache, block_table,
                                                     query_start_loc, idx, scale)
-    return merge_heads(part[0], part[1], ctx, q_nope.shape[1], L, q_nope.dtype)[0]
+    return merge_heads(part[0], part[1], ctx, q_nope.shape[1], q_nope.dtype)[0]

@@ -112,13 +112,13 @@ class _Step:
         self.real = cols < qsl[-1]  # [T]
 
 
-def _context_part(part_out: Tensor, part_lse: Tensor, step: _Step, ctx: PCPContext, heads: int, v_dim: int,
+def _context_part(part_out: Tensor, part_lse: Tensor, step: _Step, ctx: PCPContext, heads: int,
                   dtype: torch.dtype) -> tuple[Tensor, Tensor]:
     """Context partials of every global token over all gathered heads -> this rank's
     tokens and heads, merged over the pcp*dcp shards. ([T, dcp*H, Dv], [T, dcp*H]) ->
     ([T_loc, H, Dv] `dtype`, [T_loc, H] fp32)."""
     if ctx.dcp > 1:
-        out, lse = merge_heads(part_out, part_lse, ctx.dcp_group_view(), heads, v_dim, dtype)  # [T, H, ...]
+        out, lse = merge_heads(part_out, part_lse, ctx.dcp_group_view(), heads, dtype)  # [T, H, ...]
     else:
         out, lse = part_out, part_lse
     # PCP merge on tokens: all-gather the LSEs, weight this rank's partial, then a
@@ -191,7 +191,7 @@ def pcp_gqa_attention(q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_cache:
                                            step.local.context_lens, scale)
     ctx_out, ctx_lse = _context_part(rank_major_heads(part[0], ctx.dcp, kv_heads),
                                      rank_major_heads(part[1], ctx.dcp, kv_heads), step, ctx, q.shape[1],
-                                     v.shape[-1], q.dtype)
+                                     q.dtype)
     return _finish(ctx_out, ctx_lse, new[0], new[1], step, q.dtype)
 
 
@@ -215,5 +215,5 @@ def pcp_mla_attention(q_nope: Tensor, q_pe: Tensor, kv_c: Tensor, k_pe: Tensor, 
     q_glob = _gather_tokens(q_h, ctx)[step.inv]  # [T, dcp*H, L+R]
     part = _cp.mla_partial_attention.default(q_glob[..., :L], q_glob[..., L:], kv_cache, block_table,
                                              query_start_loc, step.local.context_lens, scale)
-    ctx_out, ctx_lse = _context_part(part[0], part[1], step, ctx, q_nope.shape[1], L, q_nope.dtype)
+    ctx_out, ctx_lse = _context_part(part[0], part[1], step, ctx, q_nope.shape[1], q_nope.dtype)
     return _finish(ctx_out, ctx_lse, new[0], new[1], step, q_nope.dtype)
