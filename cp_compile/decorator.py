@@ -67,6 +67,20 @@ def no_size_specialisation() -> Any:
     return torch.fx.experimental._config.patch(use_duck_shape=False, backed_size_oblivious=True)
 
 
+def only_marked_dims_dynamic() -> Any:
+    """Dynamic dims are the ones `CompiledForward` marks, nothing else: Dynamo's automatic
+    dynamic shapes off while a step compiles. Its state is kept per code object, so two
+    models sharing one forward (a target and its draft model, `examples/models/common.py`)
+    look to it like one function whose sizes and floats changed: after the draft compiled,
+    the target's verify compile made the caches' head dim dynamic (a symbolic value width
+    then reached the A2A merge) and traced the attention scale as a symbolic float, which
+    the `cp::*` ops take as a Python float, so Dynamo restarted the analysis and the backend
+    ran twice for one compile (issue 25). With it off, each model gets its own static cache
+    entry: one compile per model and batch kind. A size that really varies is marked
+    (`_mark_dynamic`)."""
+    return torch._dynamo.config.patch(automatic_dynamic_shapes=False)
+
+
 def _take_tokens(x: torch.Tensor, token_index: torch.Tensor) -> torch.Tensor:
     """Rows `token_index` of x ([T, ...] -> [T_loc, ...]); zeros where the index is -1
     (a rank's padding rows: token id 0 at position 0, harmless, never read back)."""
@@ -258,7 +272,7 @@ class CompiledForward:
         for name in self.dynamic_args:
             if name in bound.arguments:
                 _mark_dynamic(bound.arguments[name])
-        with no_size_specialisation():
+        with no_size_specialisation(), only_marked_dims_dynamic():
             try:
                 if kind == "prefill" and self._pcp_size > 1:
                     return self._pcp_call(compiled, bound)
