@@ -30,6 +30,10 @@ fp32 natural-log LSE, a query with no keys gets out 0 and lse -inf) as follows:
   a chunk reaching past some request's prefix each request reads exactly its own keys
   (`_flash_per_request`, one call per request, still views); the chunks every row sees
   in full go through one batched call, unmasked.
+- **Decode and verify in C.** A group with few query rows per KV head (<= 64: decode,
+  spec-decode verify) in fp32 goes to `cpu_decode` (ops/cpu_decode.c): one pass over each
+  request's keys through the block table, in place whatever the table; what it does not
+  cover (prefill tiles, bf16, odd head dims, no compiler / AVX2) takes the path below.
 - **O(T) memory in prefill.** Query rows are tiled (a few thousand rows per tile),
   a tile reads only the chunks its rows can see (the causal skip), and no
   `[H, T, T]` scores exist: the flash kernel keeps its scores per block.
@@ -40,6 +44,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from cp_compile.ops import cpu_decode
 from cp_compile.ops.layout import request_index
 
 _flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
@@ -154,6 +159,29 @@ def _merge(acc: Tensor, lse: Tensor, out: Tensor, l: Tensor) -> tuple[Tensor, Te
     return acc * w_old[..., None] + out.float() * w_new[..., None], new
 
 
+def _attend_c(qp: Tensor, kvl: Tensor, k_cache: Tensor, v_cache: Tensor, tbl: Tensor, width: int, scale: float
+              ) -> tuple[Tensor, Tensor] | None:
+    """The C kernel (`cpu_decode`) on a group with few query rows per KV head (decode, verify):
+    [Bg, Tq, Hq, D] -> (out [Bg, Tq, Hq, Dv], lse [Bg, Tq, Hq]), or None where it does not apply."""
+    Bg, Tq, Hq, D = qp.shape
+    Hkv = k_cache.shape[2]
+    g = Hq // Hkv
+    if Tq * g > cpu_decode.MAX_ROWS:
+        return None
+    # C reads the pages the table names without bounds checks: refuse what would run off the cache
+    NB = k_cache.shape[0]
+    if tbl.shape[1] < width or bool(((tbl < 0) | (tbl >= NB)).any()):
+        raise IndexError(f"block_table: a request's page id is outside the cache's {NB} pages, or the table has "
+                         f"{tbl.shape[1]} columns where kv_lens need {width}; fix the block table")
+    qt = qp.unflatten(2, (Hkv, g)).permute(0, 2, 1, 3, 4).reshape(Bg, Hkv, Tq * g, D)
+    res = cpu_decode.attend(qt, kvl, k_cache, v_cache, tbl, scale)
+    if res is None:
+        return None
+    o, l = res  # [Bg, Hkv, Tq * g, Dv], [Bg, Hkv, Tq * g]
+    return (o.unflatten(2, (Tq, g)).permute(0, 2, 1, 3, 4).flatten(2, 3),
+            l.unflatten(2, (Tq, g)).permute(0, 2, 1, 3).flatten(2, 3))
+
+
 def _attend_group(qp: Tensor, kvl: Tensor, k_cache: Tensor, v_cache: Tensor, table: Tensor, scale: float,
                   v_from_k: bool, cd: torch.dtype) -> tuple[Tensor, Tensor]:
     """Padded group: qp [Bg, Tq, Hq, D] (cd), kvl [Bg, Tq] int64 (0: padding),
@@ -168,6 +196,9 @@ def _attend_group(qp: Tensor, kvl: Tensor, k_cache: Tensor, v_cache: Tensor, tab
     width = int(need.max())
     tbl = table[:, :width].long()
     tbl = torch.where(torch.arange(width)[None, :] < need[:, None], tbl, torch.zeros_like(tbl))  # unused -> page 0
+    c_out = _attend_c(qp, kvl, k_cache, v_cache, tbl, width, scale)
+    if c_out is not None:
+        return c_out
     kview = _strided_view(k_cache, tbl, need)
     vview = None if kview is None or v_from_k else _strided_view(v_cache, tbl, need)
     in_place = kview is not None and (v_from_k or vview is not None)

@@ -12,9 +12,15 @@ see the same machine load; a figure is the median over rounds with min / max:
   the bandwidth limit the others are a fraction of (`% read-once`, per round);
 - `sdpa`: torch's CPU flash kernel (`aten._scaled_dot_product_flash_attention_for_cpu`,
   with LSE) on that contiguous KV, the GQA heads folded into the query rows;
+- `fma floor`: the FLOPs this decode must do (4 per query row x key x head dim), as
+  independent AVX2 FMAs with no memory traffic (`cpu_decode.fma_floor`): the time no
+  kernel can beat on this core; at this shape its `% read-once` is the compute ceiling;
 - `op in place`: `cp::paged_attention_lse` over the paged cache, block table as a fresh
-  allocator hands it out (each request's pages consecutive: read through a view);
-- `op gathered`: the same op with the pages shuffled over the cache (chunks gathered);
+  allocator hands it out (each request's pages consecutive); on CPU with AVX2 this is
+  the C decode kernel of `ops/cpu_decode.c`;
+- `op gathered`: the same op with the pages shuffled over the cache;
+- `torch in place` / `torch gathered`: the op's pure-torch kernel (`CP_COMPILE_CPU_DECODE=torch`:
+  flash chunks over a strided view / over gathered chunks), what ran before the C kernel;
 - `reference`: `reference.paged_attention_with_lse`, the oracle the op replaced on CPU.
 
 GB/s is the KV bytes of the batch over the time. `x sdpa` is the method's time over
@@ -36,7 +42,7 @@ from typing import Callable
 import torch
 
 import cp_compile.ops  # noqa: F401  (registers torch.ops.cp.*)
-from cp_compile.ops import reference
+from cp_compile.ops import cpu_decode, reference
 
 _flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 
@@ -79,16 +85,29 @@ def decode_methods(context: int, batch: int, hq: int, hkv: int, d: int, bs: int,
     k_bhsd, v_bhsd = k_flat.transpose(1, 2).contiguous(), v_flat.transpose(1, 2).contiguous()
     q_fold = q.view(batch, hkv, hq // hkv, d)
     op = torch.ops.cp.paged_attention_lse
+    flops = 4 * batch * hq * context * d
     methods: dict[str, Callable[[], object]] = {
         "sum": lambda: (k_bhsd.sum(), v_bhsd.sum()),
+        "fma floor": lambda: cpu_decode.fma_floor(flops),
         "sdpa": lambda: _flash(q_fold, k_bhsd, v_bhsd, scale=scale),
         "op in place": lambda: op(q, k_cache, v_cache, in_place, qsl, kv_lens, scale),
         "op gathered": lambda: op(q, k_cache, v_cache, shuffled, qsl, kv_lens, scale),
+        "torch in place": lambda: _torch_kernel(op, q, k_cache, v_cache, in_place, qsl, kv_lens, scale),
+        "torch gathered": lambda: _torch_kernel(op, q, k_cache, v_cache, shuffled, qsl, kv_lens, scale),
     }
     if with_reference:
         methods["reference"] = lambda: reference.paged_attention_with_lse(q, k_cache, v_cache, in_place, qsl,
                                                                           kv_lens, scale)
     return methods, 2 * batch * context * hkv * d * k_cache.element_size()
+
+
+def _torch_kernel(op, *args):
+    """The op with its C decode kernel switched off (the pure-torch kernel of cpu_attention)."""
+    os.environ["CP_COMPILE_CPU_DECODE"] = "torch"
+    try:
+        return op(*args)
+    finally:
+        del os.environ["CP_COMPILE_CPU_DECODE"]
 
 
 def run_rounds(methods: dict[str, Callable[[], object]], rounds: int, warmup: int = 1) -> dict[str, list[float]]:
@@ -162,7 +181,7 @@ def main(argv: list[str] | None = None) -> None:
         del methods
     prefill = prefill_row(a.prefill, a.heads, a.kv_heads, a.head_dim, dtype) if a.prefill else None
     load1 = os.getloadavg()[0]
-    meta = {"commit": commit(), "load_avg_start": load0, "load_avg_end": load1, "rounds": a.rounds,
+    meta = {"commit": commit(), "c_decode_kernel": cpu_decode.library() is not None, "load_avg_start": load0, "load_avg_end": load1, "rounds": a.rounds,
             "threads": a.threads, "shape": dict(batch=a.batch, heads=a.heads, kv_heads=a.kv_heads,
                                                 head_dim=a.head_dim, block_size=a.block_size, dtype=a.dtype)}
     print(f"commit {meta['commit']}, load average {load0:.1f} -> {load1:.1f}, {a.rounds} rounds (ABBA), "

@@ -6,6 +6,9 @@ only the kernel has: the in-place (strided view) path and the gathered path, chu
 and tile boundaries (forced small), masks cut inside a chunk, padded tokens, a cache
 dtype other than q's, Dv != D, MLA's values read from the key pages, and the new
 tokens of the varlen op. A broken merge must be caught (test_a_broken_merge_is_caught).
+Decode and verify groups (few query rows per KV head, fp32, head dims a multiple of 8) run
+the C kernel of ops/cpu_decode.c; the `kernel` parameter runs a case through it (asserted to
+have run) and through the pure-torch kernel (`CP_COMPILE_CPU_DECODE=torch`).
 The second half poisons every slot no request may read with NaN / inf (what a rolled-back
 draft or a torch.empty cache holds): nothing outside [0, kv_len) may reach a result
 (docs/decisions.md 41).
@@ -17,11 +20,35 @@ import pytest
 import torch
 
 import cp_compile.ops  # noqa: F401  (registers torch.ops.cp.* and the CPU kernels)
-from cp_compile.ops import cpu_attention, reference
+from cp_compile.ops import cpu_attention, cpu_decode, reference
 from cp_compile.ops.kernels import registry
 from cp_compile.ops.layout import request_index
 
 SCALE = 0.3
+KERNELS = ["c", "torch"]
+
+
+def _has_avx2() -> bool:
+    try:
+        return " avx2 " in open("/proc/cpuinfo").read().replace("\n", " ") + " "
+    except OSError:
+        return False
+
+
+def use_kernel(kernel: str, monkeypatch) -> list[bool]:
+    """Route decode / verify groups to the C kernel ("c": returns its call log, one entry per
+    group, True when it ran) or to the pure-torch kernel ("torch")."""
+    if kernel == "torch":
+        monkeypatch.setenv("CP_COMPILE_CPU_DECODE", "torch")
+        return []
+    if not _has_avx2():
+        pytest.skip("this CPU has no AVX2: the C decode kernel never runs here (the torch kernel does)")
+    monkeypatch.delenv("CP_COMPILE_CPU_DECODE", raising=False)
+    assert cpu_decode.library() is not None, "the C decode kernel did not build (see the RuntimeWarning)"
+    calls: list[bool] = []
+    attend = cpu_decode.attend
+    monkeypatch.setattr(cpu_decode, "attend", lambda *a, **kw: (lambda r: calls.append(r is not None) or r)(attend(*a, **kw)))
+    return calls
 
 
 def make_case(ctx: list[int], new: list[int], *, bs: int = 4, hq: int = 4, hkv: int = 2, d: int = 8, dv: int = 8,
@@ -62,15 +89,36 @@ CASES = {
 }
 
 
+@pytest.mark.parametrize("kernel", KERNELS)
 @pytest.mark.parametrize("affine", [False, True], ids=["gathered", "in_place"])
 @pytest.mark.parametrize("name", list(CASES))
-def test_matches_reference(name: str, affine: bool, monkeypatch) -> None:
-    # Small chunks and tiles: every case crosses chunk boundaries and cuts masks inside one.
+def test_matches_reference(name: str, affine: bool, kernel: str, monkeypatch) -> None:
+    # Small chunks and tiles: every case crosses chunk boundaries and cuts masks inside one
+    # (the C kernel's blocks are 32 keys: the long cases cross them, the short ones cut one).
     monkeypatch.setattr(cpu_attention, "CHUNK_BYTES", 8192)
     monkeypatch.setattr(cpu_attention, "VIEW_CHUNK_TOKENS", 32)
     monkeypatch.setattr(cpu_attention, "ROWS_PER_TILE", 16)
+    calls = use_kernel(kernel, monkeypatch)
     ctx, new = CASES[name]
     assert_close_to_reference(make_case(ctx, new, affine=affine, pad=2))
+    assert kernel == "torch" or (calls and all(calls)), "the C kernel did not run"
+
+
+def test_c_kernel_at_the_real_decode_shape(monkeypatch) -> None:
+    """GQA 8 q / 1 KV heads x 128, block 16, a shuffled table, ragged lengths (a block and a
+    page cut inside), and several query tokens per request (a verify step, 32 rows)."""
+    calls = use_kernel("c", monkeypatch)
+    for ctx, new in (([700, 513, 64, 33], [1, 1, 1, 1]), ([95, 300], [4, 3])):
+        assert_close_to_reference(make_case(ctx, new, bs=16, hq=8, hkv=1, d=128, dv=128, pad=1, seed=5))
+    assert len(calls) == 2 and all(calls)  # one group per step (4 and 3 tokens: one power-of-two class)
+
+
+def test_c_kernel_refuses_a_page_outside_the_cache(monkeypatch) -> None:
+    use_kernel("c", monkeypatch)
+    q, k_cache, v_cache, table, qsl, kv_lens = make_case([5, 12, 3], [1, 1, 1])
+    table[1, 2] = k_cache.shape[0]
+    with pytest.raises(IndexError, match="block_table: a request's page id is outside the cache"):
+        cpu_attention.paged_attention_lse(q, k_cache, v_cache, table, qsl, kv_lens, SCALE)
 
 
 def test_in_place_path_is_taken_only_for_an_affine_table() -> None:
@@ -168,7 +216,8 @@ def test_gqa_op_on_a_poisoned_cache_after_rollback(monkeypatch) -> None:
 
 
 def test_a_broken_merge_is_caught(monkeypatch) -> None:
-    """The comparison above fails when the kernel drops every chunk after the first."""
+    """The comparison above fails when the torch kernel drops every chunk after the first."""
+    use_kernel("torch", monkeypatch)
     monkeypatch.setattr(cpu_attention, "CHUNK_BYTES", 8192)
     monkeypatch.setattr(cpu_attention, "_merge", lambda acc, lse, out, l: (acc, lse))
     with pytest.raises(AssertionError):
@@ -183,6 +232,8 @@ def test_a_broken_merge_is_caught(monkeypatch) -> None:
 # entry, not a page of a request whose shard on this rank is empty (kv_len 0).
 POISONS = {"nan": float("nan"), "inf": float("inf")}
 POISON_RUNS = [("default", "nan"), ("small", "nan"), ("small", "inf")]  # chunk sizes as shipped / forced small
+# (kernel, chunks, poison): chunk sizes are the torch kernel's; the C kernel's blocks are fixed
+POISON_KERNEL_RUNS = [("c", "default", "nan"), ("c", "default", "inf")] + [("torch", c, p) for c, p in POISON_RUNS]
 
 
 def prefix_lens(qsl: torch.Tensor, kv_lens: torch.Tensor, B: int) -> torch.Tensor:
@@ -237,14 +288,17 @@ def small_chunks(monkeypatch) -> None:
     monkeypatch.setattr(cpu_attention, "ROWS_PER_TILE", 16)
 
 
-@pytest.mark.parametrize("chunks,poison", POISON_RUNS)
+@pytest.mark.parametrize("kernel,chunks,poison", POISON_KERNEL_RUNS)
 @pytest.mark.parametrize("affine", [False, True], ids=["gathered", "in_place"])
 @pytest.mark.parametrize("name", list(CASES))
-def test_garbage_past_kv_lens_is_never_read(name: str, affine: bool, chunks: str, poison: str, monkeypatch) -> None:
+def test_garbage_past_kv_lens_is_never_read(name: str, affine: bool, kernel: str, chunks: str, poison: str,
+                                            monkeypatch) -> None:
+    calls = use_kernel(kernel, monkeypatch)
     if chunks == "small":
         small_chunks(monkeypatch)
     args = make_case(*CASES[name], affine=affine, pad=2)
     assert_garbage_is_harmless(args, POISONS[poison])
+    assert kernel == "torch" or (calls and all(calls)), "the C kernel did not run"
 
 
 def spec_decode_case(affine: bool, dtype: torch.dtype = torch.float32):
@@ -264,9 +318,10 @@ def spec_decode_case(affine: bool, dtype: torch.dtype = torch.float32):
     return q, k_cache, v_cache, table, qsl, kv_lens
 
 
-@pytest.mark.parametrize("chunks,poison", POISON_RUNS)
+@pytest.mark.parametrize("kernel,chunks,poison", POISON_KERNEL_RUNS)
 @pytest.mark.parametrize("affine", [False, True], ids=["gathered", "in_place"])
-def test_spec_decode_rollback_pattern(affine: bool, chunks: str, poison: str, monkeypatch) -> None:
+def test_spec_decode_rollback_pattern(affine: bool, kernel: str, chunks: str, poison: str, monkeypatch) -> None:
+    calls = use_kernel(kernel, monkeypatch)
     if chunks == "small":
         small_chunks(monkeypatch)
     args = spec_decode_case(affine)
@@ -274,18 +329,22 @@ def test_spec_decode_rollback_pattern(affine: bool, chunks: str, poison: str, mo
         need = torch.tensor([3, 1, 0])
         assert cpu_attention._strided_view(args[1], args[3].long(), need) is not None
     assert_garbage_is_harmless(args, POISONS[poison])
+    assert kernel == "torch" or (calls and all(calls)), "the C kernel did not run"
 
 
 def test_garbage_bf16_cache() -> None:
     assert_garbage_is_harmless(spec_decode_case(False, torch.bfloat16), float("nan"), tol=2e-2)
 
 
+@pytest.mark.parametrize("kernel", KERNELS)
 @pytest.mark.parametrize("affine", [False, True], ids=["gathered", "in_place"])
-def test_mla_garbage_past_kv_lens_is_never_read(affine: bool) -> None:
+def test_mla_garbage_past_kv_lens_is_never_read(affine: bool, kernel: str, monkeypatch) -> None:
+    calls = use_kernel(kernel, monkeypatch)
     g = torch.Generator().manual_seed(1)
-    q, kv_cache, _, table, qsl, kv_lens = make_case([9, 0, 30], [1, 5, 2], hq=4, hkv=1, d=12, affine=affine)
-    kv_cache = kv_cache[:, :, 0]  # [NB, BS, L+R], L = 8, R = 4
-    q_nope, q_pe = q[..., :8].contiguous(), torch.randn(q.shape[0], 4, 4, generator=g)
+    L, R = 16, 8
+    q, kv_cache, _, table, qsl, kv_lens = make_case([9, 0, 30], [1, 5, 2], hq=4, hkv=1, d=L + R, affine=affine)
+    kv_cache = kv_cache[:, :, 0]  # [NB, BS, L+R]
+    q_nope, q_pe = q[..., :L].contiguous(), torch.randn(q.shape[0], 4, R, generator=g)
     clean = reference.mla_attention_with_lse(q_nope, q_pe, kv_cache, table, qsl, kv_lens, SCALE)
     _, bad, _, bad_table, _, _ = poisoned((q, kv_cache.unsqueeze(2), kv_cache.unsqueeze(2), table, qsl, kv_lens),
                                           float("nan"))
@@ -293,6 +352,7 @@ def test_mla_garbage_past_kv_lens_is_never_read(affine: bool) -> None:
         out, lse = fn(q_nope, q_pe, bad[:, :, 0], bad_table, qsl, kv_lens, SCALE)
         torch.testing.assert_close(out, clean[0], atol=1e-5, rtol=1e-5)
         assert torch.equal(torch.isfinite(lse), torch.isfinite(clean[1]))
+    assert kernel == "torch" or (calls and all(calls)), "the C kernel did not run"
 
 
 def test_varlen_garbage_in_padding_tokens_is_never_read() -> None:
