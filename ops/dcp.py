@@ -131,15 +131,17 @@ def lse_rescale(out: Tensor, lse: Tensor, lse_all: Tensor) -> tuple[Tensor, Tens
     out [T,G,Dv], lse [T,G] fp32 (this rank's partial), lse_all [N*G, T] fp32 (the
     all-gathered head-major partial LSEs of the N ranks). Returns the rescaled
     partial [T,G,Dv] fp32 (summing it over ranks gives the exact result) and the
-    merged LSE [T,G]. Empty shards weigh 0; all-empty rows give 0, never NaN.
+    merged LSE [T,G]. Empty shards (lse -inf) weigh 0; all-empty rows give 0, never NaN;
+    a NaN LSE on any rank makes the row NaN (strict, decision 47).
     """
     T, G = lse.shape
-    parts = reference.clean_lse(lse_all.view(-1, G, T).permute(0, 2, 1))  # [N, T, G]
-    total = torch.logsumexp(parts, dim=0)  # [T, G]; -inf when every shard is empty
-    mine = reference.clean_lse(lse)
-    keep = torch.isfinite(total) & torch.isfinite(mine)
-    w = torch.where(keep, torch.exp(mine - total), torch.zeros_like(mine))
-    scaled = torch.where(keep[..., None], out.float() * w[..., None], torch.zeros((), dtype=torch.float32, device=out.device))
+    parts = lse_all.view(-1, G, T).permute(0, 2, 1).float()  # [N, T, G]
+    total = reference.merged_lse(parts)  # [T, G]; -inf when every shard is empty, NaN if one is NaN
+    mine = lse.float()
+    empty = mine == float("-inf")  # own shard empty (so is an all-empty row): weight 0, out not read
+    w = torch.where(empty, torch.zeros_like(mine), torch.exp(mine - total))  # NaN / +inf LSEs propagate
+    scaled = torch.where(empty[..., None], torch.zeros((), dtype=torch.float32, device=out.device),
+                         out.float() * w[..., None])
     return scaled, total
 
 
@@ -152,9 +154,10 @@ def _(out, lse, lse_all):
 def lse_combine(outs: Tensor, lses: Tensor) -> tuple[Tensor, Tensor]:
     """Merge N partials of the same queries: outs [N, ..., Dv], lses [N, ...] ->
     (out [..., Dv] fp32, lse [...] fp32). Used after the all-to-all, and to combine
-    the context and new-token parts of chunked prefill."""
+    the context and new-token parts of chunked prefill. -inf partials weigh 0, NaN
+    propagates (`reference.merge_partials`, decision 47)."""
     merged = reference.merge_partials(outs, lses)
-    return merged, torch.logsumexp(reference.clean_lse(lses), dim=0)
+    return merged, reference.merged_lse(lses)
 
 
 @lse_combine.register_fake

@@ -33,7 +33,7 @@ from torchair.ge._ge_graph import Tensor
 
 from cp_compile.ops.ge._util import I32, I64, cast, const, dims, request_of_token, reshape, tail, token_positions, where
 from cp_compile.ops.ge.cache import scatter_into
-from cp_compile.ops.ge.merge import clean
+from cp_compile.ops.ge.merge import fia_lse
 
 MAX_INT32 = 2147483647
 CAUSAL_MASK = 2048  # FusedInferAttentionScore's compressed mask size for sparse_mode 2/3/4
@@ -69,7 +69,7 @@ def gqa_partial(q, k_cache, v_cache, block_table, query_start_loc, kv_lens, scal
     out, lse = _paged_per_token(q, q, _flat_cache(k_cache), _flat_cache(v_cache), block_table, query_start_loc,
                                 kv_lens, scale, heads=int(H), kv_heads=Hkv, head_dim=int(q.meta.shape[2]),
                                 block_size=int(k_cache.meta.shape[1]))
-    return reshape(out, [T, H, Dv]), clean(reshape(lse, [T, H]))
+    return reshape(out, [T, H, Dv]), fia_lse(reshape(lse, [T, H]))
 
 
 def mla_partial(q_nope, q_pe, kv_cache, block_table, query_start_loc, kv_lens, scale):
@@ -80,7 +80,7 @@ def mla_partial(q_nope, q_pe, kv_cache, block_table, query_start_loc, kv_lens, s
                                 heads=int(H), kv_heads=1, head_dim=int(kv_cache.meta.shape[-1]),
                                 block_size=int(kv_cache.meta.shape[1]))
     out = ge.Slice(out, const([0, 0, 0, 0], I64), const([-1, -1, -1, int(L)], I64))  # value = c: first L columns
-    return reshape(out, [T, H, L]), clean(reshape(lse, [T, H]))
+    return reshape(out, [T, H, L]), fia_lse(reshape(lse, [T, H]))
 
 
 def convert_paged_attention_lse(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_table: Tensor,
@@ -110,7 +110,7 @@ def convert_varlen_causal_attention_lse(q: Tensor, k: Tensor, v: Tensor, query_s
         None, None, None, None, None, None, None,
         num_heads=int(H), scale=float(scale), pre_tokens=MAX_INT32, next_tokens=0, input_layout="TND",
         num_key_value_heads=Hkv, sparse_mode=3, softmax_lse_flag=True)
-    return out, clean(reshape(lse, [T, H]))
+    return out, fia_lse(reshape(lse, [T, H]))
 
 
 def causal_lens(query_start_loc: Tensor, seq_lens: Tensor, like: Tensor) -> Tensor:

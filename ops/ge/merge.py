@@ -9,8 +9,12 @@
 - `cp::lse_rescale` (AG+RS, local half) -> a composition of GE primitives: no
   fused op weights one rank's partial by exp(lse - LSE). The merged LSE is
   max + log(sum(exp(x - max))) with the max made finite first, so an all-empty
-  row gives -inf (not NaN), and weights of non-finite rows are 0 (SelectV2), as in
+  row gives -inf (not NaN), and weights of empty (-inf) rows are 0 (SelectV2), as in
   the reference.
+Strict as the reference (decision 47): only -inf is empty; a NaN or +inf LSE makes
+its row NaN, selected explicitly (not left to how ReduceMax / AttentionUpdate treat
+NaN on the device). FIA's +inf reading of a row without keys (docs/torchair.md) is
+mapped to -inf where FIA's LSE enters (`fia_lse`), not here.
 """
 
 from __future__ import annotations
@@ -23,10 +27,22 @@ from torchair.ge._ge_graph import Tensor
 from cp_compile.ops.ge._util import F32, I64, cast, const, dims, reshape, where
 
 
-def clean(lse: Tensor) -> Tensor:
-    """Any non-finite LSE -> -inf: NaN as reference.clean_lse, and +inf, which CANN's FIA
-    page calls "invalid" LSE data (what FIA gives for a row without keys is not documented)."""
-    return where(ge.IsFinite(lse), lse, const(float("-inf"), F32))
+def fia_lse(lse: Tensor) -> Tensor:
+    """FIA's LSE with its +inf reading of a row without keys made -inf (empty).
+
+    CANN's FIA page calls inf LSE data "invalid" and does not say what a row without
+    keys gives; the check evaluates -inf and +inf there (docs/torchair.md). That
+    reading is handled here, at the FIA boundary only: a NaN passes, and the merges
+    make its row NaN (decision 47)."""
+    return where(ge.Equal(lse, const(float("inf"), F32)), const(float("-inf"), F32), lse)
+
+
+def invalid(lse: Tensor) -> Tensor:
+    """NaN or +inf: no valid partial's LSE (an empty one is -inf)."""
+    return ge.LogicalNot(ge.LogicalOr(ge.IsFinite(lse), ge.Equal(lse, const(float("-inf"), F32))))
+
+
+NAN = float("nan")
 
 
 # A finite stand-in for -inf in AttentionUpdate's inputs: its page gives the formula only,
@@ -39,28 +55,35 @@ def convert_lse_rescale(out: Tensor, lse: Tensor, lse_all: Tensor, meta_outputs:
     NG = int(lse_all.meta.shape[0])
     n = NG // int(G)
     parts = ge.TransposeD(reshape(lse_all, [n, G, T]), perm=[0, 2, 1])  # [N, T, G]
-    parts = clean(cast(parts, F32))
+    parts = cast(parts, F32)
+    bad = ge.ReduceAny(invalid(parts), const([0], I64), keep_dims=False)  # [T, G]
     m = ge.ReduceMaxD(parts, axes=[0], keep_dims=True)
     m = where(ge.IsFinite(m), m, const(0.0, F32))
     total = ge.Add(ge.Log(ge.ReduceSumD(ge.Exp(ge.Sub(parts, m)), axes=[0], keep_dims=True)), m)
-    total = ge.SqueezeV2(total, axis=[0])  # [T, G]
-    mine = clean(cast(lse, F32))
-    keep = ge.LogicalAnd(ge.IsFinite(total), ge.IsFinite(mine))
-    w = where(keep, ge.Exp(ge.Sub(mine, total)), const(0.0, F32))
-    scaled = where(ge.Unsqueeze(keep, axes=[2]), ge.Mul(cast(out, F32), ge.Unsqueeze(w, axes=[2])), const(0.0, F32))
-    return scaled, total
+    total = where(bad, const(NAN, F32), ge.SqueezeV2(total, axis=[0]))  # [T, G]
+    mine = cast(lse, F32)
+    empty = ge.Equal(mine, const(float("-inf"), F32))  # own shard empty (so is an all-empty row)
+    w = where(empty, const(0.0, F32), ge.Exp(ge.Sub(mine, total)))
+    scaled = where(ge.Unsqueeze(empty, axes=[2]), const(0.0, F32), ge.Mul(cast(out, F32), ge.Unsqueeze(w, axes=[2])))
+    poison = ge.LogicalAnd(ge.LogicalNot(empty), bad)
+    return where(ge.Unsqueeze(poison, axes=[2]), const(NAN, F32), scaled), total
 
 
 def convert_lse_combine(outs: Tensor, lses: Tensor, meta_outputs: Any = None):
     n = int(outs.meta.shape[0])
     dv = int(outs.meta.shape[-1])
     go = [reshape(x, [-1, dv]) for x in ge.SplitD(outs, split_dim=0, num_split=n)]
-    cleaned = clean(cast(lses, F32))  # [N, ...]
-    empty = ge.LogicalNot(ge.ReduceAny(ge.IsFinite(cleaned), const([0], I64), keep_dims=False))  # [...]
-    floored = ge.Maximum(cleaned, const(LSE_FLOOR, F32))
+    lses = cast(lses, F32)  # [N, ...]
+    axis0 = const([0], I64)
+    empty = ge.LogicalNot(ge.ReduceAny(ge.LogicalNot(ge.Equal(lses, const(float("-inf"), F32))), axis0,
+                                       keep_dims=False))  # [...]: every partial -inf
+    bad = ge.ReduceAny(invalid(lses), axis0, keep_dims=False)  # [...]: some partial NaN / +inf
+    # AttentionUpdate gets finite LSEs only (an invalid row is overwritten below).
+    floored = where(ge.IsFinite(lses), lses, const(LSE_FLOOR, F32))
     lse = [reshape(x, [-1]) for x in ge.SplitD(floored, split_dim=0, num_split=n)]
     merged, lse_m = ge.AttentionUpdate(lse, go, update_type=1, sp=n)
     # Rows no rank has keys for: out 0, LSE -inf (as the reference), whatever the op does there.
     out = where(ge.Unsqueeze(empty, axes=[-1]), const(0.0, F32), reshape(cast(merged, F32), dims(outs)[1:]))
-    return out, where(empty, const(float("-inf"), F32), reshape(lse_m, dims(lses)[1:]))
-
+    out = where(ge.Unsqueeze(bad, axes=[-1]), const(NAN, F32), out)
+    lse_m = where(empty, const(float("-inf"), F32), reshape(lse_m, dims(lses)[1:]))
+    return out, where(bad, const(NAN, F32), lse_m)

@@ -5,7 +5,8 @@ Two kernels, one per communication strategy:
   partials of its own heads: out = sum_n out_n * exp(lse_n - LSE).
 - `lse_rescale_triton`: all-gather of the LSEs only, each rank scales its own partial
   by exp(lse_r - LSE) and a reduce-scatter sums them.
-Empty shards (lse -inf or NaN) weigh 0 and an all-empty row is 0, never NaN. The max
+Empty shards (lse -inf) weigh 0 and an all-empty row is 0, never NaN; a NaN or +inf
+LSE is invalid and makes its row NaN (strict, decision 47: not read as empty). The max
 is taken before any sum, so the result does not depend on shard order beyond fp32
 rounding. Torch oracle: `cp_compile.ops.reference.merge_partials`.
 """
@@ -58,15 +59,17 @@ def _merge_partials_kernel(
         o_row = t * s_ot + h * s_oh
         tile_mask = r_mask[:, None] & d_mask[None, :]
 
-        # Pass 1: max over shards of the NaN-cleaned LSEs (inlined, not a helper
-        # function, so an interpreted twin of this kernel has no jitted callees).
-        # Shard offsets are advanced by the shard stride, never recomputed as n * stride.
+        # Pass 1: max over shards of the LSEs, and whether any is invalid (NaN / +inf)
+        # (inlined, not a helper function, so an interpreted twin of this kernel has no
+        # jitted callees). Shard offsets are advanced by the shard stride, never
+        # recomputed as n * stride.
         m = tl.full([BLOCK_R], float("-inf"), tl.float32)
+        bad = tl.zeros([BLOCK_R], dtype=tl.int1)
         l_off = l_row
         for n in range(0, N):
             l = tl.load(lses_ptr + l_off, mask=r_mask, other=float("-inf")).to(tl.float32)
-            l = tl.where(l != l, float("-inf"), l)  # NaN marks an empty shard too
-            m = tl.maximum(m, l)
+            bad = bad | (l != l) | (l == float("inf"))  # not an empty shard: the row is NaN
+            m = tl.maximum(m, tl.where(l != l, float("-inf"), l))
             l_off += s_ln
         # All shards empty: m = -inf; use 0 so exp(-inf - 0) = 0 instead of NaN.
         m_safe = tl.where(tl.abs(m) < float("inf"), m, 0.0)
@@ -76,20 +79,22 @@ def _merge_partials_kernel(
         o_off = o_row
         for n in range(0, N):
             l = tl.load(lses_ptr + l_off, mask=r_mask, other=float("-inf")).to(tl.float32)
-            l = tl.where(l != l, float("-inf"), l)
-            w = tl.exp(l - m_safe)
+            empty = l == float("-inf")
+            w = tl.where(empty, 0.0, tl.exp(l - m_safe))
             o = tl.load(outs_ptr + o_off[:, None] + offs_d[None, :] * s_od,
                         mask=tile_mask, other=0.0).to(tl.float32)
             l_off += s_ln
             o_off += s_on
             denom += w
             # Select rather than multiply: an empty shard's out may be garbage/NaN.
-            num += tl.where(w[:, None] > 0.0, o * w[:, None], 0.0)
+            num += tl.where(empty[:, None], 0.0, o * w[:, None])
         has = denom > 0.0
         res = tl.where(has[:, None], num / tl.where(has, denom, 1.0)[:, None], 0.0)
+        res = tl.where(bad[:, None], float("nan"), res)
         tl.store(res_ptr + t[:, None] * s_rt + h[:, None] * s_rh + offs_d[None, :] * s_rd, res, mask=tile_mask)
         if WRITE_LSE:  # merged LSE, -inf for all-empty rows (feeds a later merge)
             lse_tot = tl.where(has, m_safe + tl.log(tl.where(has, denom, 1.0)), float("-inf"))
+            lse_tot = tl.where(bad, float("nan"), lse_tot)
             tl.store(lse_out_ptr + t * s_mt + h * s_mh, lse_tot, mask=r_mask)
 
 
@@ -119,34 +124,35 @@ def _lse_rescale_kernel(
         tile_mask = r_mask[:, None] & d_mask[None, :]
 
         m = tl.full([BLOCK_R], float("-inf"), tl.float32)
+        bad = tl.zeros([BLOCK_R], dtype=tl.int1)  # some shard's LSE is NaN / +inf: the row is NaN
         a_off = a_row  # advanced by the shard stride
         for n in range(0, N):
             l = tl.load(lse_all_ptr + a_off, mask=r_mask, other=float("-inf")).to(tl.float32)
-            l = tl.where(l != l, float("-inf"), l)
-            m = tl.maximum(m, l)
+            bad = bad | (l != l) | (l == float("inf"))
+            m = tl.maximum(m, tl.where(l != l, float("-inf"), l))
             a_off += s_an
         m_safe = tl.where(tl.abs(m) < float("inf"), m, 0.0)
         denom = tl.zeros([BLOCK_R], dtype=tl.float32)
         a_off = a_row
         for n in range(0, N):
             l = tl.load(lse_all_ptr + a_off, mask=r_mask, other=float("-inf")).to(tl.float32)
-            l = tl.where(l != l, float("-inf"), l)
-            denom += tl.exp(l - m_safe)
+            denom += tl.where(l == float("-inf"), 0.0, tl.exp(l - m_safe))
             a_off += s_an
         has = denom > 0.0
-        lse_tot = m_safe + tl.log(tl.where(has, denom, 1.0))  # logsumexp_n, finite when has
+        lse_tot = tl.where(has, m_safe + tl.log(tl.where(has, denom, 1.0)), float("-inf"))  # logsumexp_n
+        lse_tot = tl.where(bad, float("nan"), lse_tot)
 
         own = tl.load(lse_ptr + t * s_lt + h * s_lh, mask=r_mask, other=float("-inf")).to(tl.float32)
-        own = tl.where(own != own, float("-inf"), own)
-        # Own shard empty, or every shard empty: weight 0 (never exp(-inf - -inf)).
-        keep = has & (own > float("-inf"))
-        w = tl.where(keep, tl.exp(own - lse_tot), 0.0)
+        # Own shard empty (so is an all-empty row): weight 0, out not read; a NaN own or
+        # total LSE gives NaN (exp of NaN), as the reference.
+        empty = own == float("-inf")
+        w = tl.where(empty, 0.0, tl.exp(own - lse_tot))
         o = tl.load(out_ptr + t[:, None] * s_ot + h[:, None] * s_oh + offs_d[None, :] * s_od,
                     mask=tile_mask, other=0.0).to(tl.float32)
-        res = tl.where(keep[:, None], o * w[:, None], 0.0)
+        res = tl.where(empty[:, None], 0.0, o * w[:, None])
         tl.store(res_ptr + t[:, None] * s_rt + h[:, None] * s_rh + offs_d[None, :] * s_rd, res, mask=tile_mask)
         if WRITE_LSE:
-            tl.store(lse_out_ptr + t * s_mt + h * s_mh, tl.where(has, lse_tot, float("-inf")), mask=r_mask)
+            tl.store(lse_out_ptr + t * s_mt + h * s_mh, lse_tot, mask=r_mask)
 
 
 def _row_block(dv_pad: int, n_rows: int, block_r: int | None) -> int:
@@ -207,8 +213,8 @@ def merge_partials_triton(
     """Triton twin of `reference.merge_partials` -> out [T, H, Dv] fp32.
 
     LSE = logsumexp_n(lse_n); out = sum_n out_n * exp(lse_n - LSE). A partial with
-    lse -inf or NaN weighs 0 (its out is not read into the sum, even if NaN); a row
-    whose partials are all empty is 0. If `lse_out` ([T, H] fp32, any strides) is
+    lse -inf weighs 0 (its out is not read into the sum, even if NaN); a row
+    whose partials are all empty is 0; a NaN / +inf LSE makes the row NaN. If `lse_out` ([T, H] fp32, any strides) is
     given, the merged LSE is written there (-inf for all-empty rows).
     """
     N, T, H, Dv = outs.shape
@@ -230,8 +236,8 @@ def lse_rescale_triton(
     """out * exp(lse - logsumexp_n(lse_all)) in fp32 -> [T, H, Dv].
 
     Summing the results over the N shards (reduce-scatter) equals
-    `merge_partials(outs, lse_all)`. A row whose own lse is -inf/NaN, or whose
-    shards are all empty, gets 0. lse_all may be a strided view, e.g. a head-major
+    `merge_partials(outs, lse_all)`. A row whose own lse is -inf, or whose
+    shards are all empty, gets 0; a NaN / +inf LSE (own or another shard's) gives NaN. lse_all may be a strided view, e.g. a head-major
     all-gather buffer [N*H, T] passed as `.view(N, H, T).permute(0, 2, 1)`.
     If `lse_out` ([T, H] fp32) is given, logsumexp_n(lse_all) is written there
     (-inf for all-empty rows).

@@ -109,7 +109,9 @@ def _per_token_fia(q, k_cache, v_cache, block_table, query_start_loc, kv_lens, s
         softmax_lse_flag=True)
     lse = lse.reshape(T, H).float()
     # FIA's LSE for a row without keys is undocumented ("inf is invalid"): -inf, as the reference.
-    return out.reshape(T, H, -1), torch.where(torch.isfinite(lse), lse, torch.full_like(lse, float("-inf")))
+    # FIA's +inf reading of a row without keys (docs/torchair.md) -> -inf (empty), here at the FIA
+    # boundary only; a NaN passes and the merge makes its row NaN (decision 47).
+    return out.reshape(T, H, -1), torch.where(torch.isposinf(lse), torch.full_like(lse, float("-inf")), lse)
 
 
 def _paged_attention_lse(q, k_cache, v_cache, block_table, query_start_loc, kv_lens, scale):
@@ -128,11 +130,14 @@ def _lse_combine(outs, lses):
     n, dv = outs.shape[0], outs.shape[-1]
     lses = lses.float()
     finite = torch.isfinite(lses)
-    empty = ~finite.any(dim=0)  # no rank holds a key for this row
-    floored = torch.where(finite, lses, torch.full_like(lses, LSE_FLOOR))
+    empty = (lses == float("-inf")).all(dim=0)  # no rank holds a key for this row
+    bad = (torch.isnan(lses) | torch.isposinf(lses)).any(dim=0)  # invalid LSE: the row is NaN (decision 47)
+    floored = torch.where(finite, lses, torch.full_like(lses, LSE_FLOOR))  # the op gets finite LSEs only
     merged, total = _torch_npu().npu_attention_update([floored[i].reshape(-1) for i in range(n)],
                                                       [outs[i].reshape(-1, dv) for i in range(n)], 1)
     merged = merged.float().reshape(outs.shape[1:])
     total = total.reshape(lses.shape[1:])
-    return (torch.where(empty[..., None], torch.zeros_like(merged), merged),
-            torch.where(empty, torch.full_like(total, float("-inf")), total))
+    merged = torch.where(empty[..., None], torch.zeros_like(merged), merged)
+    total = torch.where(empty, torch.full_like(total, float("-inf")), total)
+    return (torch.where(bad[..., None], torch.full_like(merged, float("nan")), merged),
+            torch.where(bad, torch.full_like(total, float("nan")), total))

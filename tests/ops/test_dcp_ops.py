@@ -49,13 +49,12 @@ def test_merge_empty_shards_weigh_zero_and_all_empty_is_zero():
     lses = torch.randn(3, 4, 2)
     lses[1, 0] = float("-inf")
     outs[1, 0] = float("nan")  # garbage in an empty shard must not leak
-    lses[2, 1] = float("nan")
     lses[:, 2] = float("-inf")  # every shard empty
-    lses[:, 3, 0] = float("nan")
     merged, total = cp.lse_combine(outs, lses)
     assert torch.isfinite(merged).all()
-    assert torch.equal(merged[2], torch.zeros(2, 5)) and torch.equal(merged[3, 0], torch.zeros(5))
-    assert torch.isneginf(total[2]).all()
+    assert torch.equal(merged[2], torch.zeros(2, 5))
+    assert torch.isneginf(total[2]).all() and torch.isfinite(total[[0, 1, 3]]).all()
+    # An empty (-inf) partial is left out exactly: the same as merging the others only.
     keep = torch.tensor([0, 2])
     want, _ = cp.lse_combine(outs[keep, 0:1], lses[keep, 0:1])
     torch.testing.assert_close(merged[0:1], want)
@@ -67,6 +66,32 @@ def test_merge_empty_shards_weigh_zero_and_all_empty_is_zero():
     summed = sum(cp.lse_rescale(outs[i], lses[i], lse_all)[0] for i in range(3))
     torch.testing.assert_close(summed, merged)
     assert torch.isneginf(cp.lse_rescale(outs[0], lses[0], lse_all)[1][2]).all()
+
+
+@pytest.mark.parametrize("poison", [float("nan"), float("inf")])
+def test_merge_an_invalid_partial_is_loud_not_empty(poison: float):
+    """A NaN (or +inf) LSE is no valid partial's: the row comes out NaN, in both merges, and
+    only that row (decision 47). Reading it as empty, as the merge did before, turned decision
+    41's kernel bug into finite, wrong attention."""
+    outs = torch.randn(3, 4, 2, 5)
+    lses = torch.randn(3, 4, 2)
+    lses[2, 1] = poison  # rank 2's partial of token 1 (both heads) is garbage
+    lses[0, 3, 0] = poison
+    lses[1, 0] = float("-inf")  # an empty partial next to it stays empty
+    bad = torch.zeros(4, 2, dtype=torch.bool)
+    bad[1] = True
+    bad[3, 0] = True
+    merged, total = cp.lse_combine(outs, lses)
+    assert torch.isnan(merged[bad]).all() and torch.isnan(total[bad]).all()
+    assert torch.isfinite(merged[~bad]).all() and torch.isfinite(total[~bad]).all()
+    T, G = 4, 2
+    lse_all = lses.permute(0, 2, 1).reshape(3 * G, T)
+    summed = sum(cp.lse_rescale(outs[i], lses[i], lse_all)[0] for i in range(3))
+    assert torch.isnan(summed[bad]).all() and torch.isfinite(summed[~bad]).all()
+    torch.testing.assert_close(summed, merged, equal_nan=True)
+    assert torch.isnan(cp.lse_rescale(outs[0], lses[0], lse_all)[1][bad]).all()
+    # The other rows are exactly the merge without the poisoned token.
+    torch.testing.assert_close(merged[~bad], cp.lse_combine(outs[:, ~bad], lses[:, ~bad])[0])
 
 
 def test_triton_kernels_registered_for_cuda():

@@ -54,31 +54,23 @@ NAN = float("nan")
 
 
 def lse_rescale_ref(out: torch.Tensor, lse: torch.Tensor, lse_all: torch.Tensor) -> torch.Tensor:
-    """out * exp(lse - logsumexp_n lse_all) in fp32; empty (-inf/NaN) own or all-empty rows -> 0."""
-    neg = torch.tensor(NEG_INF)
-    lse_all = torch.where(torch.isnan(lse_all), neg, lse_all.float())  # not nan_to_num: keeps -inf
-    own = torch.where(torch.isnan(lse), neg, lse.float())
-    total = torch.logsumexp(lse_all, dim=0)  # -inf when every shard is empty
-    keep = torch.isfinite(own) & torch.isfinite(total)
-    w = torch.where(keep, torch.exp(own - total), torch.zeros_like(own))
-    return torch.where(keep[..., None], out.float() * w[..., None], torch.zeros((), dtype=torch.float32))
+    """out * exp(lse - logsumexp_n lse_all) in fp32; an empty (-inf) own shard or all-empty row -> 0;
+    a NaN / +inf LSE among the shards -> NaN (strict, decision 47)."""
+    lse_all, own = lse_all.float(), lse.float()
+    invalid = (torch.isnan(lse_all) | torch.isposinf(lse_all)).any(dim=0)
+    total = torch.where(invalid, torch.tensor(NAN), torch.logsumexp(lse_all, dim=0))  # -inf: every shard empty
+    empty = own == NEG_INF
+    w = torch.where(empty, torch.zeros_like(own), torch.exp(own - total))
+    return torch.where(empty[..., None], torch.zeros((), dtype=torch.float32), out.float() * w[..., None])
 
 
 def merge_ref(outs: torch.Tensor, lses: torch.Tensor) -> torch.Tensor:
-    """reference.merge_partials with the all-empty contract enforced.
-
-    reference.merge_partials cleans NaN with torch.nan_to_num, which also turns -inf
-    into -3.4e38: a row whose shards are all empty then averages the outs instead of
-    giving 0 (docs/architecture.md §5 says 0). Those rows are pinned to 0 here.
-    """
-    expected = reference.merge_partials(outs, lses)
-    all_empty = ~torch.isfinite(lses).any(dim=0)  # NaN and +-inf both empty
-    return torch.where(all_empty[..., None], torch.zeros_like(expected), expected)
+    """The torch oracle: empty (-inf) partials weigh 0, all-empty rows 0, NaN / +inf rows NaN."""
+    return reference.merge_partials(outs, lses)
 
 
 def clean_logsumexp(lses: torch.Tensor) -> torch.Tensor:
-    lses = torch.where(torch.isnan(lses), torch.tensor(NEG_INF), lses.float())
-    return torch.logsumexp(lses, dim=0)
+    return reference.merged_lse(lses)
 
 
 # ----------------------------------------------------------------------------- batch builders
@@ -100,13 +92,14 @@ def make_paged_batch(gen: torch.Generator, *, seq_lens: list[int], q_lens: list[
     return {"block_table": pages, "query_start_loc": qsl, "kv_lens": kv_lens, "T": T}
 
 
-def assert_close_report(name: str, got: torch.Tensor, want: torch.Tensor, atol: float, rtol: float = 0.0) -> None:
+def assert_close_report(name: str, got: torch.Tensor, want: torch.Tensor, atol: float, rtol: float = 0.0,
+                        equal_nan: bool = False) -> None:
     assert got.shape == want.shape and got.dtype == want.dtype, (name, got.shape, want.shape, got.dtype, want.dtype)
     same_inf = torch.isinf(want) == torch.isinf(got)
     assert bool(same_inf.all()), f"{name}: -inf pattern differs"
     fin = torch.isfinite(want)
     err = (got[fin].double() - want[fin].double()).abs().max().item() if fin.any() else 0.0
-    torch.testing.assert_close(got, want, atol=atol, rtol=rtol, msg=lambda m: f"{name}: {m}")
+    torch.testing.assert_close(got, want, atol=atol, rtol=rtol, equal_nan=equal_nan, msg=lambda m: f"{name}: {m}")
     print(f"{name}: max abs err {err:.3e}")
 
 
@@ -263,18 +256,25 @@ def test_dcp_decode_end_to_end() -> None:
 
 
 def make_partials(gen: torch.Generator, N: int, T: int, H: int, Dv: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Partials with -inf and NaN shards, one all-empty row (-inf and NaN mixed) and
-    an all-empty head column."""
+    """Partials with -inf shards, one all-empty row and an all-empty head column, and two
+    invalid rows (POISONED: a NaN LSE at (1, 0), a +inf LSE at (3, 1)) that must come out NaN."""
     outs = torch.randn(N, T, H, Dv, generator=gen)
     lses = torch.randn(N, T, H, generator=gen) * 4
     lses[:, :3, H - 1] = NEG_INF  # last head empty on every shard for tokens 0..2
     lses[0, 0, 0] = NEG_INF
-    lses[N - 1, 1, 0] = NAN
-    lses[:, 2, 0] = NEG_INF
-    lses[0, 2, 0] = NAN  # all-empty row with a NaN in it
+    lses[N - 1, 1, 0] = NAN  # a garbage partial: not an empty one (decision 47)
+    lses[:, 2, 0] = NEG_INF  # all-empty row
+    lses[0, 3, 1] = float("inf")
     # An empty shard's out may hold garbage; it must not leak into the result.
     outs[0, 0, 0] = NAN
     return outs, lses
+
+
+def poisoned(T: int, H: int) -> torch.Tensor:
+    """[T, H] True on make_partials' invalid rows."""
+    mask = torch.zeros(T, H, dtype=torch.bool)
+    mask[1, 0] = mask[3, 1] = True
+    return mask
 
 
 @interp
@@ -284,15 +284,16 @@ def test_merge_partials(N: int, T: int, H: int, Dv: int) -> None:
     outs, lses = make_partials(gen, N, T, H, Dv)
     lse_out = torch.empty(T, H)
     got = merge_partials_triton(outs, lses, lse_out=lse_out, block_r=4, num_programs=2)
-    assert got.dtype == torch.float32 and bool(torch.isfinite(got).all())
-    clean = outs.clone()
-    clean[0, 0, 0] = 0.0  # the reference multiplies NaN garbage by weight 0 -> NaN
-    assert_close_report(f"merge N={N}", got, merge_ref(clean, lses), atol=2e-6, rtol=1e-5)
+    bad = poisoned(T, H)
+    assert got.dtype == torch.float32 and bool(torch.isnan(got[bad]).all()) and bool(torch.isfinite(got[~bad]).all())
+    assert_close_report(f"merge N={N}", got, merge_ref(outs, lses), atol=2e-6, rtol=1e-5, equal_nan=True)
     assert bool((got[2, 0] == 0).all()) and bool((got[:3, H - 1] == 0).all())  # all-empty rows are exactly 0
-    assert_close_report(f"merge lse N={N}", lse_out, clean_logsumexp(lses), atol=2e-6, rtol=1e-6)
+    assert bool(torch.isnan(lse_out[bad]).all())
+    assert_close_report(f"merge lse N={N}", lse_out, clean_logsumexp(lses), atol=2e-6, rtol=1e-6, equal_nan=True)
     # Shard order: any permutation gives the same result (up to fp32 rounding).
     perm = torch.randperm(N, generator=gen)
-    torch.testing.assert_close(merge_partials_triton(outs[perm], lses[perm]), got, atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(merge_partials_triton(outs[perm], lses[perm]), got, atol=1e-6, rtol=1e-6,
+                               equal_nan=True)
 
 
 @interp
@@ -314,14 +315,16 @@ def test_lse_rescale(N: int) -> None:
     gen = torch.Generator().manual_seed(30 + N)
     T, H, Dv = 5, 3, 10
     outs, lses = make_partials(gen, N, T, H, Dv)
-    outs[0, 0, 0] = 0.0
     lse_out = torch.empty(T, H)
     for r in range(N):
         got = lse_rescale_triton(outs[r], lses[r], lses, lse_out=lse_out if r == 0 else None, num_programs=2)
-        assert_close_report(f"rescale N={N} r={r}", got, lse_rescale_ref(outs[r], lses[r], lses), atol=2e-6, rtol=1e-5)
-    assert_close_report(f"rescale lse N={N}", lse_out, clean_logsumexp(lses), atol=2e-6, rtol=1e-6)
+        assert_close_report(f"rescale N={N} r={r}", got, lse_rescale_ref(outs[r], lses[r], lses), atol=2e-6,
+                            rtol=1e-5, equal_nan=True)
+    assert_close_report(f"rescale lse N={N}", lse_out, clean_logsumexp(lses), atol=2e-6, rtol=1e-6, equal_nan=True)
     total = sum(lse_rescale_triton(outs[r], lses[r], lses) for r in range(N))
-    torch.testing.assert_close(total, merge_ref(outs, lses), atol=2e-6, rtol=1e-5)
+    bad = poisoned(T, H)
+    assert bool(torch.isnan(total[bad]).all()) and bool(torch.isfinite(total[~bad]).all())
+    torch.testing.assert_close(total, merge_ref(outs, lses), atol=2e-6, rtol=1e-5, equal_nan=True)
 
 
 @interp

@@ -102,12 +102,15 @@ def test_lse_combine_empty_rows_without_host_read(npu: FakeTorchNpu) -> None:
     lses = torch.randn(2, 4, 3)
     lses[0, 1, 0] = float("-inf")  # one empty shard
     lses[:, 2, 1] = float("-inf")  # no rank holds a key: the formula alone gives NaN
-    lses[1, 3, 2] = float("nan")
+    lses[1, 3, 2] = float("nan")  # an invalid partial: its row is NaN, not empty (decision 47)
     with HostReadMode():
         merged, total = npu_fused._lse_combine(outs, lses)
-    torch.testing.assert_close(merged, reference.merge_partials(outs, lses), atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(merged, reference.merge_partials(outs, lses), atol=2e-2, rtol=2e-2, equal_nan=True)
     assert merged[2, 1].abs().max() == 0 and total[2, 1] == float("-inf")
-    assert bool(torch.isfinite(total[torch.arange(4) != 2]).all())
+    assert bool(torch.isnan(merged[3, 2]).all()) and bool(torch.isnan(total[3, 2]))
+    rest = torch.ones(4, 3, dtype=torch.bool)
+    rest[2, 1] = rest[3, 2] = False
+    assert bool(torch.isfinite(total[rest]).all()) and bool(torch.isfinite(merged[rest]).all())
 
 
 def _fia_args():

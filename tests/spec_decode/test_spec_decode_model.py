@@ -35,9 +35,9 @@ The poison's power: an injected fault (`_mtp_keeps_draft_positions`: the MTP lay
 keeps entries of its cache computed from its own hidden states, so its next step
 attends stale slots) fails the poisoned run on the proposer's own logits (the greedy
 tokens and the oracle's drafts are unaffected). A NaN check on the outputs alone
-would not show such a read: the DCP merge reads a NaN partial (a shard holding an
-attended poisoned slot) as empty (`ops/reference.py` `clean_lse`), so it yields
-finite, wrong logits; hence the call-by-call comparison with the single-device run.
+would not have shown such a read: the DCP merge used to read a NaN partial (a shard
+holding an attended poisoned slot) as empty, which yielded finite, wrong logits (since
+decision 47 it propagates NaN); hence the call-by-call comparison with the single-device run.
 """
 
 from __future__ import annotations
