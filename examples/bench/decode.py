@@ -375,6 +375,8 @@ def measure(rank: int, args: BenchArgs, model: torch.nn.Module, sides: list[Side
         row["merge_decision"] = decision
         bd = row["breakdown_ms"]
         parts = ", ".join(f"{k} {bd[k]:.1f}" for k in CATEGORIES) if bd else "no profile"
+        if bd and per_rank and per_rank[0].get("other_ops"):
+            parts += "; other on rank 0: " + ", ".join(f"{n} {ms:.1f}" for n, ms in list(per_rank[0]["other_ops"].items())[:5])
         log(rank, f"[dcp={side.cfg.decode_context_parallel_size} {side.merge}] context={context:>6} batch={batch:>3}: TPOT "
                   f"{row['tpot_ms']:8.2f} ms (steps {', '.join(f'{t:.1f}' for t in step_ms)}), KV/rank "
                   f"{row['kv_cache_bytes_per_rank'] / 2**20:.2f} MiB, graphs {graphs}"

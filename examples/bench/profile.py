@@ -11,7 +11,8 @@ put in buckets by name (an op inside a bucketed op counts for its parent only):
   `cp::lse_combine`, SFA's top-k remap `cp::dcp_sparse_indices`);
 - `dcp_comm`: DCP collectives (all-gather, reduce-scatter, all-to-all), issue + wait;
 - `tp_comm`: TP all-reduces, issue + wait;
-- `other`: the rest of the step (projections, MLP, norms, rope, Python, launch).
+- `other`: the rest of the step (projections, MLP, norms, rope, Python, launch);
+  `other_ops` lists its largest ops by self time, so the rest has names.
 
 A `_c10d_functional::wait_tensor` is charged to the collective it waits for (the
 oldest one not yet waited on, in issue order). On gloo a wait also holds the time
@@ -35,6 +36,7 @@ STEP = "bench::step"
 ATTENTION_OPS = {op for op, bucket in profile_buckets().items() if bucket == "attention"}
 DCP_LOCAL_OPS = {op for op, bucket in profile_buckets().items() if bucket == "dcp_local"}
 _COLL = "_c10d_functional::"
+OTHER_TOP = 8  # ops of `other` listed by self time (the profile's answer to "what is the rest")
 
 
 def _collective_kind(name: str) -> str | None:
@@ -63,6 +65,7 @@ def step_breakdown(step: Any, events: list[Any]) -> dict[str, float]:
                      and t0 <= e.time_range.start and e.time_range.end <= t1),
                     key=lambda e: (e.time_range.start, -e.time_range.end))
     out = dict.fromkeys(CATEGORIES, 0.0)
+    other_ops: dict[str, float] = {}  # self time (ms) of each op outside the buckets: what `other` is
     counts = {"dcp": 0, "tp": 0}
     pending: deque[str] = deque()
     covered_until = t0  # end of the last bucketed event: anything starting before it is nested
@@ -80,12 +83,14 @@ def step_breakdown(step: Any, events: list[Any]) -> dict[str, float]:
         else:
             cat = _bucket(e.name)
         if cat is None:
+            other_ops[e.name] = other_ops.get(e.name, 0.0) + e.self_cpu_time_total / 1e3
             continue
         out[cat] += (t - s) / 1e3
         covered_until = t
     total = (t1 - t0) / 1e3
     out["other"] += max(total - sum(out.values()), 0.0)
-    return dict(step=total, **out, dcp_collectives=counts["dcp"], tp_collectives=counts["tp"])
+    top = dict(sorted(other_ops.items(), key=lambda kv: -kv[1])[:OTHER_TOP])
+    return dict(step=total, **out, dcp_collectives=counts["dcp"], tp_collectives=counts["tp"], other_ops=top)
 
 
 @contextmanager
@@ -108,6 +113,13 @@ def breakdown(prof: Any, label: str = STEP) -> list[dict[str, float]]:
     return [step_breakdown(s, events) for s in steps]
 
 
-def median_breakdown(steps: list[dict[str, float]]) -> dict[str, float]:
-    """Median over steps of each field (the step's own median, not the sum of medians)."""
-    return {k: statistics.median(s[k] for s in steps) for k in steps[0]} if steps else {}
+def median_breakdown(steps: list[dict[str, Any]]) -> dict[str, Any]:
+    """Median over steps of each field (the step's own median, not the sum of medians);
+    `other_ops`: the median over steps of each listed op's self time (0 where absent)."""
+    if not steps:
+        return {}
+    out: dict[str, Any] = {k: statistics.median(s[k] for s in steps) for k in steps[0] if k != "other_ops"}
+    names = {n for s in steps for n in s.get("other_ops", {})}
+    ops = {n: statistics.median(s.get("other_ops", {}).get(n, 0.0) for s in steps) for n in names}
+    out["other_ops"] = dict(sorted(ops.items(), key=lambda kv: -kv[1])[:OTHER_TOP])
+    return out
