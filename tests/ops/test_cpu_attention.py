@@ -232,8 +232,11 @@ def test_a_broken_merge_is_caught(monkeypatch) -> None:
 # entry, not a page of a request whose shard on this rank is empty (kv_len 0).
 POISONS = {"nan": float("nan"), "inf": float("inf")}
 POISON_RUNS = [("default", "nan"), ("small", "nan"), ("small", "inf")]  # chunk sizes as shipped / forced small
-# (kernel, chunks, poison): chunk sizes are the torch kernel's; the C kernel's blocks are fixed
-POISON_KERNEL_RUNS = [("c", "default", "nan"), ("c", "default", "inf")] + [("torch", c, p) for c, p in POISON_RUNS]
+# (kernel, chunks, poison): chunk sizes are the torch kernel's (its chunk and tile boundaries are
+# what the forced-small runs cut); the C kernel's blocks are fixed. The torch kernel at default
+# chunks is no longer the default decode path, so it keeps the two small-chunk runs only.
+POISON_KERNEL_RUNS = [("c", "default", "nan"), ("c", "default", "inf")] + [("torch", c, p) for c, p in POISON_RUNS
+                                                                          if c == "small"]
 
 
 def prefix_lens(qsl: torch.Tensor, kv_lens: torch.Tensor, B: int) -> torch.Tensor:
