@@ -15,7 +15,8 @@ dynamic (int8 weight: pass its scale and offset). The `mla_preprocess` pass
 write is folded in where the graph writes the latent of exactly these tokens
 (DCP / SFA DCP / DSA-CP: the local write; one device: the attention's own write).
 
-Kernels: the torch reference (every device), the Triton kernel for the
+Kernels: the torch reference (every device's oracle), the CPU kernel
+(`ops/mla_preprocess_cpu.py`: the same values without the reference's copies), the Triton kernel for the
 norm + rope + cache-write tail on CUDA (`ops/kernels/mla_preprocess_tail.py`, the
 GEMMs stay library GEMMs), torch_npu's fused MLA prolog on the NPU
 (`ops/kernels/npu_mla_prolog.py`, untested), and the GE converter
@@ -28,6 +29,7 @@ import torch
 from torch import Tensor
 
 from cp_compile.ops import mla_preprocess_reference as ref
+from cp_compile.ops.mla_preprocess_cpu import mla_preprocess_cpu
 from cp_compile.ops.kernels import launch
 from cp_compile.ops.kernels.npu_mla_prolog import mla_preprocess_npu
 from cp_compile.ops.spec import GE, OpDecl
@@ -90,6 +92,17 @@ def mla_preprocess(
                               slot_mapping, q_eps, kv_eps, rope_mode)
 
 
+def _mla_preprocess_cpu(x, q_a_weight, q_a_scale, q_a_offset, q_a_norm, q_b_weight, q_b_scale, q_b_offset,
+                        kv_a_weight, kv_a_scale, kv_a_offset, kv_norm, w_uk, cos, sin, kv_cache, slot_mapping,
+                        q_eps, kv_eps, rope_mode):
+    """The CPU kernel (ops/mla_preprocess_cpu.py: the body's values without its copies), checked as the body."""
+    check_args(x, q_a_weight, q_a_norm, q_b_weight, kv_a_weight, kv_norm, w_uk, cos, kv_cache, slot_mapping,
+               rope_mode)
+    return mla_preprocess_cpu(x, q_a_weight, q_a_scale, q_a_offset, q_a_norm, q_b_weight, q_b_scale, q_b_offset,
+                              kv_a_weight, kv_a_scale, kv_a_offset, kv_norm, w_uk, cos, sin, kv_cache,
+                              slot_mapping, q_eps, kv_eps, rope_mode)
+
+
 def _out_features(weight: Tensor) -> int:
     return weight.shape[-1] if weight.dtype == torch.int8 else weight.shape[0]
 
@@ -109,5 +122,6 @@ def _mla_preprocess_fake(x, q_a_weight, q_a_scale, q_a_offset, q_a_norm, q_b_wei
 # ----------------------------------------------------------------------------- declarations (ops/spec.py)
 OPS = (
     OpDecl(mla_preprocess, cuda=launch.lazy("mla_preprocess_device"), npu=mla_preprocess_npu,
-           ge=GE("mla_preprocess", "MatMulV2", "Rsqrt", "BatchMatMulV2", "ScatterNdUpdate"), profile="other"),
+           ge=GE("mla_preprocess", "MatMulV2", "Rsqrt", "BatchMatMulV2", "ScatterNdUpdate"), profile="other",
+           cpu=_mla_preprocess_cpu),
 )

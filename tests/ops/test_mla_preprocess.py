@@ -98,6 +98,33 @@ def test_cache_write_and_padding_slot():
     assert torch.all(flat[untouched] == 7.0)
 
 
+@pytest.mark.parametrize("q_lora,interleave,quant", CASES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cpu_kernel_equals_the_reference_bitwise(q_lora, interleave, quant, dtype):
+    """The CPU kernel (ops/mla_preprocess_cpu.py, what cp.mla_preprocess runs on CPU) gives the
+    reference's values bit for bit in every rope layout, with a cache write skipping a -1 slot."""
+    from cp_compile.ops.mla_preprocess_cpu import mla_preprocess_cpu
+
+    attn = _layer(q_lora, interleave, quant)
+    if dtype != torch.float32 and not quant:
+        attn = attn.to(dtype)
+    x, cos, sin = _inputs()
+    slots = torch.tensor([0, 1, 5, -1, 9], dtype=torch.int32)
+    modes = ("interleave", "interleave_split", "interleave_fp32") if interleave else ("neox",)
+    for mode in modes:
+        caches = [torch.full((NB, BS, CFG.latent_dim), 7.0, dtype=dtype) for _ in range(2)]
+        args = [list(op_args(attn, x.to(dtype) if not quant else x, cos, sin, c, slots)) for c in caches]
+        for a in args:
+            a[-1] = mode
+        with torch.no_grad():
+            want = ref.mla_preprocess(*args[0])
+            got = mla_preprocess_cpu(*args[1])
+        for name, w, o in zip(("q_abs", "q_pe", "kv_c", "k_pe", "q_resid"), want, got):
+            assert o.is_contiguous() and o.dtype == w.dtype, (mode, name)
+            assert torch.equal(w, o), (mode, name)
+        assert torch.equal(caches[0], caches[1]), mode
+
+
 @pytest.mark.parametrize("q_lora,interleave,quant", [CASES[0], CASES[4]])
 def test_opcheck(q_lora, interleave, quant):
     attn = _layer(q_lora, interleave, quant)
