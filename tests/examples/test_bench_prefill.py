@@ -50,6 +50,7 @@ def test_bench_prefill_minimal(tmp_path: Path) -> None:
     assert (tmp_path / "bench_prefill.png").stat().st_size > 0
 
 
+@pytest.mark.slow  # each ~50-60 s here (a world per variant); test_bench_prefill_minimal stays default
 def test_bench_prefill_sfa(tmp_path: Path) -> None:
     """SFA (`(latent, index_cache)` per layer): the cached prefix is also written into the
     replicated indexer cache; one world at dcp == tp, compiled once per side."""
@@ -77,6 +78,7 @@ def test_prefill_args() -> None:
     assert (v32.num_heads // 2, v32.kv_lora_rank, v32.index_n_heads, v32.index_topk) == (16, 512, 64, 2048)
 
 
+@pytest.mark.slow  # each ~50-60 s here (a world per variant); test_bench_prefill_minimal stays default
 def test_bench_prefill_dsa_cp(tmp_path: Path) -> None:
     """--dsa-cp: one dcp = 1 world, DSA-CP off (plain TP) and on side by side, each compiled once;
     the on row carries the paired TTFT ratio and the all-to-all bytes of the formula."""
@@ -115,6 +117,7 @@ def test_prefill_args_dsa_cp() -> None:
             parse_prefill_args(bad)
 
 
+@pytest.mark.slow  # each ~50-60 s here (a world per variant); test_bench_prefill_minimal stays default
 def test_bench_prefill_pcp(tmp_path: Path) -> None:
     """--pcp 2 at tp 1: one world of 2 ranks, the pcp = 1 baseline (plain lowering, every rank the whole
     prompt) and PCP (token-sharded prefill graph) side by side, one request of a small prompt, with and

@@ -242,6 +242,7 @@ def test_dsa_cp_eager_matches_single_device():
     assert set(worst) == {(True, "eager"), (False, "eager")}
 
 
+@pytest.mark.slow  # ~110 s here; the pass's rewrite is default-tested eager (above) and aot_eager (test_o_proj_dsa_cp)
 def test_dsa_cp_compiled_matches_single_device():
     """Inductor, DSA-CP on: the prefill graph token-shards, the decode graph keeps TP."""
     _run_matrix([(True, "inductor")])
