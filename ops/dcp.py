@@ -165,39 +165,6 @@ def _(outs, lses):
     return outs.new_empty(outs.shape[1:], dtype=torch.float32), lses.new_empty(lses.shape[1:], dtype=torch.float32)
 
 
-@torch.library.custom_op("cp::varlen_causal_attention_lse", mutates_args=())
-def varlen_causal_attention_lse(q: Tensor, k: Tensor, v: Tensor, query_start_loc: Tensor,
-                                scale: float) -> tuple[Tensor, Tensor]:
-    """Causal attention among each request's new tokens only (no cache).
-    q [T,Hq,D], k [T,Hkv,D], v [T,Hkv,Dv] -> out [T,Hq,Dv], lse [T,Hq] fp32."""
-    return reference.paged_attention_with_lse(q, *_new_tokens_as_pages(k, v, query_start_loc, q.shape[0]), scale)
-
-
-def _new_tokens_as_pages(k: Tensor, v: Tensor, query_start_loc: Tensor, T: int
-                         ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """The new tokens of request b as a paged "cache" of block size 1 whose block
-    table row is its token indices; token t sees new tokens 0..(t - qsl[b]).
-    -> (k_cache, v_cache, block_table, query_start_loc, kv_lens) for paged attention."""
-    req = layout.request_index(query_start_loc, T)
-    q_lens = query_start_loc[1:] - query_start_loc[:-1]
-    width = max(int(q_lens.max()) if q_lens.numel() else 0, 1)
-    table = (query_start_loc[:-1, None] + torch.arange(width, dtype=query_start_loc.dtype,
-                                                                      device=query_start_loc.device)).clamp(max=max(T - 1, 0))
-    t = torch.arange(T, dtype=torch.int64, device=query_start_loc.device)
-    kv_lens = torch.where(req >= 0, t - query_start_loc[req.clamp(min=0)].long() + 1, torch.zeros_like(t))
-    return k.unsqueeze(1), v.unsqueeze(1), table, query_start_loc, kv_lens
-
-
-def _varlen_causal_attention_lse_cpu(q: Tensor, k: Tensor, v: Tensor, query_start_loc: Tensor,
-                                     scale: float) -> tuple[Tensor, Tensor]:
-    return cpu_attention.paged_attention_lse(q, *_new_tokens_as_pages(k, v, query_start_loc, q.shape[0]), scale)
-
-
-@varlen_causal_attention_lse.register_fake
-def _(q, k, v, query_start_loc, scale):
-    return q.new_empty(q.shape[0], q.shape[1], v.shape[-1]), q.new_empty(q.shape[0], q.shape[1], dtype=torch.float32)
-
-
 # ----------------------------------------------------------------------------- declarations (ops/spec.py)
 # Every piece of every op above: kernels per device, GE converter, profile bucket.
 OPS = (
@@ -218,7 +185,4 @@ OPS = (
            ge=GE("merge", "ReduceMaxD", "Exp", "Log", "SelectV2"), profile="dcp_local"),
     OpDecl(lse_combine, cuda=launch.lse_combine, npu=npu_fused._lse_combine,
            ge=GE("merge", "AttentionUpdate"), profile="dcp_local"),
-    OpDecl(varlen_causal_attention_lse, cuda=launch.lazy("varlen_causal_attention_lse_device"), npu=TRITON_ASCEND,
-           ge=GE("attention", "FusedInferAttentionScore"), profile="attention",
-           cpu=_varlen_causal_attention_lse_cpu),
 )

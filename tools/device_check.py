@@ -19,8 +19,6 @@ one runs):
 6. cuda_graph: capture and replay of a DCP decode step (`dcp_gqa_attention`, world
    of one NCCL rank: localisation, cache write, partial attention, LSE merge and its
    collectives in one graph); replay output == eager output.
-7. prefill_tflops: the flash-style varlen kernel (`cp::varlen_causal_attention_lse`)
-   at 4k / 16k tokens vs SDPA's flash backend, causal, bf16.
 """
 
 from __future__ import annotations
@@ -41,8 +39,6 @@ DTYPES = ("float32", "bfloat16", "float16")
 TOL = {"float32": 2e-3, "bfloat16": 3e-2, "float16": 1e-2}  # fp32 may run tl.dot in tf32
 DECODE_CONTEXTS = (8192, 32768, 131072)
 DECODE_SHAPE = dict(batch=8, q_heads=32, kv_heads=8, head_dim=128, block_size=64)  # Llama-3-8B-like, bf16
-PREFILL_TOKENS = (4096, 16384)
-PREFILL_SHAPE = dict(q_heads=32, kv_heads=8, head_dim=128)
 
 
 def _cuda_time(fn: Callable[[], Any], iters: int = 20, warmup: int = 3) -> float:
@@ -244,51 +240,9 @@ def step_cuda_graph(dry: bool) -> list[dict]:
              "graph_us": t_graph * 1e6, "eager_us": t_eager * 1e6}]
 
 
-def step_prefill_tflops(dry: bool) -> list[dict]:
-    import torch
-
-    rows = []
-    s = PREFILL_SHAPE
-    for T in PREFILL_TOKENS:
-        flops = 4 * s["q_heads"] * s["head_dim"] * T * (T + 1) / 2  # QK^T and PV over the causal half
-        if dry:
-            rows.append({"tokens": T, **s, "flops": flops, "status": "dry run"})
-            continue
-        from cp_compile.ops.kernels import varlen_attention_lse_triton
-
-        g = torch.Generator(device="cuda").manual_seed(0)
-        q = torch.randn(T, s["q_heads"], s["head_dim"], device="cuda", dtype=torch.bfloat16, generator=g)
-        k = torch.randn(T, s["kv_heads"], s["head_dim"], device="cuda", dtype=torch.bfloat16, generator=g)
-        v = torch.randn_like(k)
-        qsl = torch.tensor([0, T], device="cuda", dtype=torch.int32)
-        row = {"tokens": T, **s, "flops": flops}
-        for bm in (64, 128):
-            t = _cuda_time(lambda: varlen_attention_lse_triton(q, k, v, qsl, 0.088, block_m=bm, block_n=64), iters=10)
-            row[f"triton_bm{bm}_ms"], row[f"triton_bm{bm}_TFLOPS"] = t * 1e3, flops / t / 1e12
-        qs, ks, vs = (x.transpose(0, 1).unsqueeze(0) for x in (q, k, v))
-        from torch.nn.attention import SDPBackend, sdpa_kernel
-
-        try:
-            with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
-                ks_r = ks.repeat_interleave(s["q_heads"] // s["kv_heads"], 1)
-                vs_r = vs.repeat_interleave(s["q_heads"] // s["kv_heads"], 1)
-                t = _cuda_time(lambda: torch.nn.functional.scaled_dot_product_attention(qs, ks_r, vs_r, is_causal=True),
-                               iters=10)
-            row["sdpa_flash_ms"], row["sdpa_flash_TFLOPS"] = t * 1e3, flops / t / 1e12
-        except RuntimeError as exc:
-            row["sdpa_flash"] = f"skipped: {str(exc)[:120]}"
-        out, _ = varlen_attention_lse_triton(q, k, v, qsl, 0.088)
-        with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
-            want = torch.nn.functional.scaled_dot_product_attention(
-                qs, ks.repeat_interleave(4, 1), vs.repeat_interleave(4, 1), is_causal=True, scale=0.088)
-        row["max_abs_err_vs_sdpa"] = float((out.float() - want[0].transpose(0, 1).float()).abs().max())
-        rows.append(row)
-    return rows
-
-
 STEPS: list[tuple[str, Callable[[bool], list[dict]]]] = [
     ("env", step_env), ("aot", step_aot), ("pytest", step_pytest), ("kernels", step_kernels),
-    ("decode_bandwidth", step_decode_bandwidth), ("cuda_graph", step_cuda_graph), ("prefill_tflops", step_prefill_tflops),
+    ("decode_bandwidth", step_decode_bandwidth), ("cuda_graph", step_cuda_graph),
 ]
 
 
@@ -356,7 +310,6 @@ STEP_DOC = {
     "kernels": "every cp:: op's CUDA kernel vs its CPU reference, fp32 / bf16 / fp16",
     "decode_bandwidth": "paged decode kernel HBM GB/s at 8k / 32k / 128k vs SDPA (and FlashInfer)",
     "cuda_graph": "CUDA-graph capture + replay of a DCP decode step",
-    "prefill_tflops": "flash-style varlen prefill TFLOPS vs SDPA flash at 4k / 16k",
 }
 
 if __name__ == "__main__":

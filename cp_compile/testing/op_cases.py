@@ -69,7 +69,6 @@ def op_cases(device: torch.device | str = "cpu", dtype: torch.dtype = torch.floa
                                       ()),
         "cp::lse_rescale": ((rnd(T, 2, D), lse_parts[1], lse_parts.permute(0, 2, 1).reshape(4, T).contiguous()), ()),
         "cp::lse_combine": ((rnd(2, T, 2, D), lse_parts), ()),
-        "cp::varlen_causal_attention_lse": ((rnd(T, Hq, D), rnd(T, Hkv, D), rnd(T, Hkv, D), qsl, SCALE), ()),
         "cp::gqa_paged_attention": ((rnd(T, Hq, D), rnd(T, Hkv, D), rnd(T, Hkv, D), rnd(NB, BS, Hkv, D),
                                      rnd(NB, BS, Hkv, D), slots, bt, seq, qsl, SCALE), (3, 4)),
         "cp::mla_attention": ((rnd(T, H, L), rnd(T, H, R), rnd(T, L), rnd(T, R), rnd(NB, BS, L + R), slots, bt, seq,

@@ -133,21 +133,29 @@ def decode_rows(times: dict[str, list[float]], kv_bytes: int, context: int) -> l
     return rows
 
 
-def prefill_row(T: int, hq: int, hkv: int, d: int, dtype: torch.dtype) -> dict:
-    """One causal prefill of T tokens through `cp::varlen_causal_attention_lse` (flash-style,
-    O(T) memory) beside SDPA's causal flash kernel on the same q/k/v (heads repeated), once each."""
+def prefill_row(T: int, hq: int, hkv: int, d: int, dtype: torch.dtype, bs: int = 16) -> dict:
+    """One causal prefill of T tokens through `cp::paged_attention_lse` (the DCP prefill's
+    partial attention: the T tokens in a paged cache, query t reading keys 0..t; flash over
+    page chunks, O(T) memory) beside SDPA's causal flash kernel on the same q/k/v (heads
+    repeated), once each."""
     g = torch.Generator().manual_seed(1)
     q = torch.randn(T, hq, d, generator=g).to(dtype)
     k = torch.randn(T, hkv, d, generator=g).to(dtype)
     v = torch.randn(T, hkv, d, generator=g).to(dtype)
+    nb = -(-T // bs)  # pages of one request, consecutive (a fresh allocator's table)
+    pad = nb * bs - T
+    k_cache = torch.cat([k, k.new_zeros(pad, hkv, d)]).view(nb, bs, hkv, d)
+    v_cache = torch.cat([v, v.new_zeros(pad, hkv, d)]).view(nb, bs, hkv, d)
+    table = torch.arange(nb, dtype=torch.int32)[None]
     qsl = torch.tensor([0, T], dtype=torch.int32)
-    op_ms = _ms(lambda: torch.ops.cp.varlen_causal_attention_lse(q, k, v, qsl, d ** -0.5))
+    kv_lens = torch.arange(1, T + 1, dtype=torch.int32)  # causal: token t reads keys 0..t
+    op_ms = _ms(lambda: torch.ops.cp.paged_attention_lse(q, k_cache, v_cache, table, qsl, kv_lens, d ** -0.5))
     rep = hq // hkv
     qb = q.transpose(0, 1)[None]
     kb = k.repeat_interleave(rep, dim=1).transpose(0, 1)[None].contiguous()
     vb = v.repeat_interleave(rep, dim=1).transpose(0, 1)[None].contiguous()
     sdpa_ms = _ms(lambda: _flash(qb, kb, vb, is_causal=True, scale=d ** -0.5))
-    return {"op": "varlen_causal_attention_lse (prefill)", "tokens": T, "op_ms": op_ms, "sdpa_ms": sdpa_ms,
+    return {"op": "paged_attention_lse (causal prefill)", "tokens": T, "op_ms": op_ms, "sdpa_ms": sdpa_ms,
             "x_sdpa": op_ms / sdpa_ms}
 
 

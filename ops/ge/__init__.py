@@ -2,7 +2,7 @@
 
 Converter functions `convert_<op>`, registered from the op declarations
 (`OpDecl.ge`, ops/spec.py) by `register_converters()`. One module per op family: `cache` (metadata localisation, cache writes),
-`attention` (paged attention with LSE, single-device GQA / MLA, varlen causal),
+`attention` (paged attention with LSE, single-device GQA / MLA),
 `merge` (LSE merges), `sparse` (lightning indexer, sparse MLA, the SFA DCP ops), `dsa_cp`
 (the DSA-CP token-shard indexer and sparse MLA), `quant` (the W8A8 linears), `mla_preprocess`
 (MLAPO, primitives: why not CANN's MlaProlog is in its docstring). The mapping of each

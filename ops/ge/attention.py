@@ -16,9 +16,6 @@ so a wrong argument fails in Python:
   so no per-step copy of the cache is made to split it (the cost: R/(L+R) more P.V
   work). vLLM-Ascend instead keeps separate nope / rope caches and passes
   `query_rope` / `key_rope`; our cache layout stores one [L+R] row per token.
-- `cp::varlen_causal_attention_lse` (chunked prefill, new tokens): layout TND with
-  cumulative `actual_seq_lengths` = query_start_loc[1:], causal `sparse_mode` 3
-  with the 2048 x 2048 compressed causal mask the op documents.
 - `cp::gqa_paged_attention` / `cp::mla_attention` (dcp = 1): the cache writes
   (`ScatterNdUpdate`, as `cp::cache_write`), then
   the same attention with one-device causal lengths `pos + 1`.
@@ -31,12 +28,11 @@ from typing import Any
 from torchair._ge_concrete_graph import ge_apis as ge
 from torchair.ge._ge_graph import Tensor
 
-from cp_compile.ops.ge._util import I32, I64, cast, const, dims, request_of_token, reshape, tail, token_positions, where
+from cp_compile.ops.ge._util import I32, I64, cast, const, dims, request_of_token, reshape, token_positions, where
 from cp_compile.ops.ge.cache import scatter_into
 from cp_compile.ops.ge.merge import fia_lse
 
 MAX_INT32 = 2147483647
-CAUSAL_MASK = 2048  # FusedInferAttentionScore's compressed mask size for sparse_mode 2/3/4
 
 
 def _paged_per_token(q: Tensor, q_like: Tensor, k_cache: Tensor, v_cache: Tensor, block_table: Tensor, query_start_loc: Tensor,
@@ -91,26 +87,6 @@ def convert_paged_attention_lse(q: Tensor, k_cache: Tensor, v_cache: Tensor, blo
 def convert_mla_partial_attention(q_nope: Tensor, q_pe: Tensor, kv_cache: Tensor, block_table: Tensor,
                                   query_start_loc: Tensor, kv_lens: Tensor, scale: float, meta_outputs: Any = None):
     return mla_partial(q_nope, q_pe, kv_cache, block_table, query_start_loc, kv_lens, scale)
-
-
-def causal_mask() -> Tensor:
-    """[2048, 2048] bool, True above the diagonal (masked), built in-graph."""
-    r = ge.Range(const(0, I32), const(CAUSAL_MASK, I32), const(1, I32))
-    return ge.Greater(ge.Unsqueeze(r, axes=[0]), ge.Unsqueeze(r, axes=[1]))
-
-
-def convert_varlen_causal_attention_lse(q: Tensor, k: Tensor, v: Tensor, query_start_loc: Tensor, scale: float,
-                                        meta_outputs: Any = None):
-    T, H, _ = dims(q)
-    Hkv = int(k.meta.shape[1])
-    ends = tail(cast(query_start_loc, I64))  # cumulative lengths, TND convention
-    out, lse = ge.FusedInferAttentionScore(
-        q, [k], [v], None, causal_mask(), ends, ends,
-        None, None, None, None, None, None, None, None, None, None, None, None, None, None, None, None, None,
-        None, None, None, None, None, None, None,
-        num_heads=int(H), scale=float(scale), pre_tokens=MAX_INT32, next_tokens=0, input_layout="TND",
-        num_key_value_heads=Hkv, sparse_mode=3, softmax_lse_flag=True)
-    return out, fia_lse(reshape(lse, [T, H]))
 
 
 def causal_lens(query_start_loc: Tensor, seq_lens: Tensor, like: Tensor) -> Tensor:

@@ -11,7 +11,6 @@ torch tensors and returns new tensors; CPU tensors run only under TRITON_INTERPR
 - `paged_prefill_attention_lse_triton`  (paged_prefill.py: query-tiled prefill over a paged cache)
 - `cache_write_triton`  (cache_write.py)
 - `mla_preprocess_tail_triton`, `mla_preprocess_device`  (mla_preprocess_tail.py: MLAPO norm + rope + cache write)
-- `varlen_attention_lse_triton`  (varlen_attention.py: flash-style prefill)
 - `sparse_mla_rows_triton`  (sparse_mla.py)
 - `index_scores_triton`, `indexer_topk_rows`  (lightning_indexer.py)
 - `int8_matmul_triton`  (int8_matmul.py)
@@ -39,8 +38,6 @@ _LAUNCHERS = {
     "paged_prefill_attention_lse_triton": "paged_prefill",
     "cache_write_triton": "cache_write",
     "cache_write_device": "cache_write",
-    "varlen_attention_lse_triton": "varlen_attention",
-    "varlen_causal_attention_lse_device": "varlen_attention",
     "sparse_mla_rows_triton": "sparse_mla",
     "sparse_mla_partial_attention_device": "sparse_mla",
     "sparse_mla_rows_attention_device": "sparse_mla",

@@ -31,6 +31,12 @@ SINGLE_DEVICE = {op._qualified_op_name for op in SINGLE_DEVICE_ATTENTION_OPS}
 DEVICE_KERNELS = {d.name: d.cuda for d in OPS if callable(d.cuda)}
 
 
+def ops_without_kernel(ops=OPS) -> dict[str, str]:
+    """op -> the reason it declares for having no accelerator kernel (`OpDecl.cuda =
+    Absent(why)`; NPU falls back to the CUDA entry), for the ops that declare none."""
+    return {d.name: d.cuda.why for d in ops if isinstance(d.cuda, Absent)}
+
+
 class MissingDeviceKernel(NotImplementedError):
     """A cp:: op was called on an accelerator that has no kernel for it."""
 

@@ -4,8 +4,8 @@ The op tests (test_attention.py, test_dcp_ops.py) check the ops against independ
 dense math; here the kernel is held to `reference.paged_attention_with_lse` on what
 only the kernel has: the in-place (strided view) path and the gathered path, chunk
 and tile boundaries (forced small), masks cut inside a chunk, padded tokens, a cache
-dtype other than q's, Dv != D, MLA's values read from the key pages, and the new
-tokens of the varlen op. A broken merge must be caught (test_a_broken_merge_is_caught).
+dtype other than q's, Dv != D, and MLA's values read from the key pages. A broken merge
+must be caught (test_a_broken_merge_is_caught).
 Decode and verify groups (few query rows per KV head, fp32, head dims a multiple of 8) run
 the C kernel of ops/cpu_decode.c; the `kernel` parameter runs a case through it (asserted to
 have run) and through the pure-torch kernel (`CP_COMPILE_CPU_DECODE=torch`).
@@ -163,8 +163,7 @@ def test_ops_dispatch_to_the_cpu_kernels(monkeypatch) -> None:
     """torch.ops.cp.* on CPU run these kernels (OpDecl.cpu), not their bodies: every op's call
     reaches the kernel's group loop (counted), and gives the kernel's result."""
     regs = registry.register_device_kernels()
-    for op in ("gqa_paged_attention", "mla_attention", "paged_attention_lse", "mla_partial_attention",
-               "varlen_causal_attention_lse"):
+    for op in ("gqa_paged_attention", "mla_attention", "paged_attention_lse", "mla_partial_attention"):
         assert f"cp::{op}@cpu" in regs
     calls = []
     group = cpu_attention._attend_group
@@ -175,17 +174,6 @@ def test_ops_dispatch_to_the_cpu_kernels(monkeypatch) -> None:
     monkeypatch.setattr(cpu_attention, "_attend_group", group)
     k_out, k_lse = cpu_attention.paged_attention_lse(*args, SCALE)
     assert torch.equal(out, k_out) and torch.equal(lse, k_lse)
-    monkeypatch.setattr(cpu_attention, "_attend_group", lambda *a, **kw: calls.append(1) or group(*a, **kw))
-    calls.clear()
-    # varlen: the new tokens only, causal within each request
-    g = torch.Generator().manual_seed(2)
-    qsl = torch.tensor([0, 5, 6, 9], dtype=torch.int32)
-    q, k, v = (torch.randn(10, 4, 8, generator=g), torch.randn(10, 2, 8, generator=g), torch.randn(10, 2, 8, generator=g))
-    got = torch.ops.cp.varlen_causal_attention_lse(q, k, v, qsl, SCALE)
-    from cp_compile.ops.dcp import _new_tokens_as_pages
-    ref = reference.paged_attention_with_lse(q, *_new_tokens_as_pages(k, v, qsl, 10), SCALE)
-    torch.testing.assert_close(got[0], ref[0], atol=1e-5, rtol=1e-5)
-    assert calls, "varlen_causal_attention_lse did not run the CPU kernel"
 
 
 def test_gqa_op_on_a_poisoned_cache_after_rollback(monkeypatch) -> None:
@@ -356,18 +344,3 @@ def test_mla_garbage_past_kv_lens_is_never_read(affine: bool, kernel: str, monke
         torch.testing.assert_close(out, clean[0], atol=1e-5, rtol=1e-5)
         assert torch.equal(torch.isfinite(lse), torch.isfinite(clean[1]))
     assert kernel == "torch" or (calls and all(calls)), "the C kernel did not run"
-
-
-def test_varlen_garbage_in_padding_tokens_is_never_read() -> None:
-    """varlen_causal_attention_lse's new tokens as pages of size 1: the table row of a short request
-    runs into the padding tokens (k / v garbage past query_start_loc[-1])."""
-    from cp_compile.ops.dcp import _new_tokens_as_pages
-    g = torch.Generator().manual_seed(2)
-    qsl = torch.tensor([0, 5, 6, 9], dtype=torch.int32)
-    q, k, v = (torch.randn(12, 4, 8, generator=g), torch.randn(12, 2, 8, generator=g), torch.randn(12, 2, 8, generator=g))
-    clean = reference.paged_attention_with_lse(q, *_new_tokens_as_pages(k, v, qsl, 12), SCALE)
-    k[9:], v[9:] = float("nan"), float("inf")
-    for fn in (reference.paged_attention_with_lse, cpu_attention.paged_attention_lse):
-        out, lse = fn(q, *_new_tokens_as_pages(k, v, qsl, 12), SCALE)
-        torch.testing.assert_close(out, clean[0], atol=1e-5, rtol=1e-5)
-        assert torch.equal(torch.isfinite(lse), torch.isfinite(clean[1]))

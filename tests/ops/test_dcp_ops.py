@@ -32,7 +32,6 @@ def test_opcheck_building_blocks():
     torch.library.opcheck(cp.mla_partial_attention, (r(T, 4, 8), r(T, 4, 2), r(8, 4, 10), bt, qsl, kv_lens, 0.3))
     torch.library.opcheck(cp.lse_rescale, (r(T, 4, 6), lse, torch.cat([lse.T, r(4, T)])))
     torch.library.opcheck(cp.lse_combine, (r(3, T, 4, 6), torch.stack([lse, lse, r(T, 4)])))
-    torch.library.opcheck(cp.varlen_causal_attention_lse, (r(T, 4, 8), r(T, 2, 8), r(T, 2, 6), qsl, 0.3))
 
 
 def test_localize_matches_layout():

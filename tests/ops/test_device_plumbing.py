@@ -139,13 +139,13 @@ def test_every_op_has_an_accelerator_kernel() -> None:
 def test_an_op_without_a_device_kernel_is_an_error_naming_it(monkeypatch: pytest.MonkeyPatch) -> None:
     # Without triton every op refuses, by name, with the fix (an op declared with no kernel at all,
     # e.g. the cp::pcp_token_index graph marker, with its declared reason).
-    absent = {d.name: d.cuda.why for d in registry.OPS if isinstance(d.cuda, Absent)}
+    absent = registry.ops_without_kernel()
     for op, fn in registry.kernel_table("cuda", triton_ok=False).items():
         why = re.escape(absent[op]) if op in absent else "triton is not installed"
         with pytest.raises(registry.MissingDeviceKernel, match=f"{op} has no cuda kernel: {why}"):
             fn()
     # With triton, an op whose declaration has no kernel refuses with the declared reason
-    # (all 17 have one: drop one to see it); the others get the declared kernel (NPU: a
+    # (all 16 have one: drop one to see it); the others get the declared kernel (NPU: a
     # torch_npu fused op where declared, else the CUDA entry through triton-ascend).
     ops = tuple(dataclasses.replace(d, cuda=Absent("dropped for this test")) if d.name == "cp::lse_rescale" else d
                 for d in registry.OPS)

@@ -33,9 +33,6 @@ MUTATIONS = [
     # head counts: FIA told one kv head for a two-kv-head cache
     ("num_key_value_heads 1 for Hkv = 2", "attention.py", "heads=int(H), kv_heads=Hkv,",
      "heads=int(H), kv_heads=1,", "cp::paged_attention_lse"),
-    # layouts: the varlen attention's TND queries declared BSND
-    ("varlen attention layout BSND", "attention.py", 'next_tokens=0, input_layout="TND"',
-     'next_tokens=0, input_layout="BSND"', "cp::varlen_causal_attention_lse"),
     # ranks: the DSA-CP row shard computed for rank 0 on rank 1
     ("DSA-CP indexer shard of rank 0", "dsa_cp.py", "cum, k, real = _shard_tnd(q_i, query_start_loc, seq_lens, rank)",
      "cum, k, real = _shard_tnd(q_i, query_start_loc, seq_lens, 0)", "cp::lightning_indexer_topk_rows"),
