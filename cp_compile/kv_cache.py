@@ -21,7 +21,7 @@ import torch.distributed as dist
 from cp_compile.config import AttentionSpec, ConfigError, CPConfig
 from cp_compile.ops.scratch_block import mark_scratch_block
 from cp_compile.ops.sharded_cache import mark_sharded
-from cp_compile.parallel_state import parallel_state_or_none
+from cp_compile.parallel_state import ParallelState, parallel_state_or_none
 
 
 @dataclass
@@ -78,19 +78,20 @@ def _layout(cfg: CPConfig, spec: KVCacheSpec, num_blocks: int, dtype: torch.dtyp
                 interleave=cfg.cp_kv_cache_interleave_size)
 
 
-def check_dcp_layout(cfg: CPConfig, spec: KVCacheSpec, num_blocks: int, dtype: torch.dtype) -> None:
-    """One all-gather over this rank's context-parallel group (the DCP group at
-    pcp = 1, the pcp * dcp ranks sharing its KV heads under PCP): every rank must hold
-    the same cache layout (kind, KV heads or latent dims, pages, dtype). A mismatch
-    raises `ConfigError` on every rank of the group (they all see all layouts), before
-    any step could merge partials of different heads. No-op when pcp * dcp == 1."""
-    state = parallel_state_or_none()
+def check_dcp_layout(cfg: CPConfig, spec: KVCacheSpec, num_blocks: int, dtype: torch.dtype, *,
+                     parallel: ParallelState | None) -> None:
+    """One all-gather over this rank's context-parallel group (`parallel.cp_group`: the
+    DCP group at pcp = 1, the pcp * dcp ranks sharing its KV heads under PCP): every
+    rank must hold the same cache layout (kind, KV heads or latent dims, pages, dtype).
+    A mismatch raises `ConfigError` on every rank of the group (they all see all
+    layouts), before any step could merge partials of different heads. No-op when
+    pcp * dcp == 1 or without a parallel state (`allocate_kv_cache` passes its own)."""
     n = cfg.context_parallel_size
-    if state is None or n == 1:
+    if parallel is None or n == 1:
         return
     mine = _layout(cfg, spec, num_blocks, dtype)
     layouts: list[Any] = [None] * n
-    group = state.context_group
+    group = parallel.cp_group
     dist.all_gather_object(layouts, mine, group=group)
     ranks = dist.get_process_group_ranks(group)
     ref = layouts[0]
@@ -111,7 +112,7 @@ def check_dcp_layout(cfg: CPConfig, spec: KVCacheSpec, num_blocks: int, dtype: t
 def allocate_kv_cache(cfg: CPConfig, spec: KVCacheSpec, num_blocks: int,
                       dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
                       attention: AttentionSpec | None = None, check_layout: bool = True,
-                      scratch_block: bool = False) -> KVCache:
+                      scratch_block: bool = False, parallel: ParallelState | None = None) -> KVCache:
     """Allocate this rank's shard: `num_blocks` pages of `cfg.block_size` tokens per layer.
 
     The token capacity of the whole context-parallel group is
@@ -130,12 +131,16 @@ def allocate_kv_cache(cfg: CPConfig, spec: KVCacheSpec, num_blocks: int,
     the tokens that write nothing (slot -1; `ops/scratch_block.py`, issue 21). Block ids
     stay `[0, num_blocks)`: use `BlockAllocator(num_blocks, ...)`; a block table naming
     the scratch block is refused by the step check.
+
+    `parallel`: the `ParallelState` of `init_parallel` this cache belongs to (its TP
+    rank picks the KV heads, its cp group checks the layout). Left None, the current
+    one is read here, once (this is a front door); nothing below reads the global.
     """
     if attention is not None:
         cfg.validate_for(attention)
     if isinstance(num_blocks, bool) or not isinstance(num_blocks, int) or num_blocks < 1:
         raise ValueError(f"num_blocks={num_blocks!r} must be an integer >= 1")
-    state = parallel_state_or_none()
+    state = parallel if parallel is not None else parallel_state_or_none()
     if state is not None and cfg.context_parallel_size > 1:
         mismatch = {k: (getattr(cfg, k), getattr(state.cfg, k)) for k in
                     ("tensor_parallel_size", "decode_context_parallel_size", "prefill_context_parallel_size",
@@ -146,9 +151,9 @@ def allocate_kv_cache(cfg: CPConfig, spec: KVCacheSpec, num_blocks: int,
                               "allocate the DCP cache with the CPConfig passed to cp_compile.init_parallel")
         if spec.kind == "gqa" and not spec.kv_head_ids and attention is not None:
             spec = KVCacheSpec(**{**asdict(spec), "kv_head_ids": tp_kv_head_ids(
-                attention.num_kv_heads, cfg.tensor_parallel_size, state.tp_rank)})
+                attention.num_kv_heads, cfg.tensor_parallel_size, state.layout.tp.rank)})
     if check_layout and torch.device(device).type != "meta":
-        check_dcp_layout(cfg, spec, num_blocks, dtype)
+        check_dcp_layout(cfg, spec, num_blocks, dtype, parallel=state)
     bs = cfg.block_size
     pages = num_blocks + int(scratch_block)  # the scratch block is the last page
     layers: list[tuple[torch.Tensor, ...]] = []

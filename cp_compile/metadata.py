@@ -25,7 +25,7 @@ from cp_compile.config import DECODE_KINDS, BatchKind
 from cp_compile.errors import CapacityError, MetadataError
 from cp_compile.ops.scratch_block import has_scratch_block
 from cp_compile.ops.sharded_cache import refuse_sharded
-from cp_compile.parallel_state import parallel_state_or_none
+from cp_compile.parallel_state import ParallelState, parallel_state_or_none
 
 __all__ = ["AttentionMetadata", "BatchKind", "DECODE_KINDS", "BlockAllocator", "CapacityError", "MetadataError", "batch_kind",
            "build_attention_metadata", "validate_forward_args", "validate_metadata", "validate_step"]
@@ -282,13 +282,15 @@ def _refuse_sharded_caches(kv_caches: Sequence[Sequence[torch.Tensor]]) -> None:
 
 
 def validate_step(meta: AttentionMetadata, kv_caches: Sequence[Sequence[torch.Tensor]], cp: int | None = None,
-                  num_tokens: int | None = None, single_device_ops: bool = False) -> None:
+                  num_tokens: int | None = None, single_device_ops: bool = False,
+                  parallel: ParallelState | None = None) -> None:
     """Validate one step's metadata against this rank's caches before anything is written.
 
     kv_caches: one tuple of cache tensors per layer, each [num_blocks, block_size, ...]
     (this rank's shard). cp: ranks a virtual block is spread over (the cache's
-    context-parallel group); defaults to the initialised parallel state's pcp * dcp
-    (1 without one): eager callers only, the compiled entry passes it. Run on every rank: the
+    context-parallel group); else the size of `parallel`'s cp group (`ParallelState`);
+    with neither, the current parallel state's, read here once (an eager front door:
+    the compiled entry and the backend's step check pass `cp`), 1 without one. Run on every rank: the
     verdict depends only on global data, so all ranks
     refuse the same step before any collective. single_device_ops: the step runs the
     single-device attention ops as written (an eager forward, a backend other than
@@ -297,8 +299,8 @@ def validate_step(meta: AttentionMetadata, kv_caches: Sequence[Sequence[torch.Te
     if single_device_ops:
         _refuse_sharded_caches(kv_caches)
     if cp is None:
-        state = parallel_state_or_none()
-        cp = state.cfg.context_parallel_size if state is not None else 1
+        state = parallel if parallel is not None else parallel_state_or_none()
+        cp = state.layout.cp.size if state is not None else 1
     num_blocks, block_size, device = _cache_geometry(kv_caches)
     sm = meta.slot_mapping
     if isinstance(sm, torch.Tensor) and sm.device != device:

@@ -40,6 +40,7 @@ from cp_compile.passes.context import resolve_roles
 from cp_compile.metadata import AttentionMetadata, batch_kind
 from cp_compile.ops.parallel.dsa_cp import DSACPContext
 from cp_compile.ops.parallel.o_proj import INPUT_SHARDED, full_linear, gather_tokens, shard_tokens
+from cp_compile.parallel_layout import Group
 
 
 def linear_kind(module: nn.Module) -> str:
@@ -69,7 +70,7 @@ class OProjFullWeight:
                               "build the model with tensor_parallel_size > 1 and its TP process group")
         self.kinds = [linear_kind(m) for m in self.modules]
         self.group: dist.ProcessGroup = group
-        self.ctx = DSACPContext(tp=tp, rank=dist.get_rank(group), group_name=group.group_name)
+        self.ctx = DSACPContext(tp=Group(tp, dist.get_rank(group), group.group_name))  # the model's TP group
         self.pool: dict[tuple[Any, ...], Tensor] = {}
         # Per module: parameter name -> alias of its TP storage (shares the storage).
         self._aliases: list[dict[str, Tensor]] = []
@@ -123,7 +124,7 @@ class OProjFullWeight:
         return forward
 
     def _full_weight_forward(self, i: int, x: Tensor) -> Tensor:  # x [T, in/tp] -> [T, out]
-        m, kind, aliases, tp = self.modules[i], self.kinds[i], self._aliases[i], self.ctx.tp
+        m, kind, aliases, tp = self.modules[i], self.kinds[i], self._aliases[i], self.ctx.tp.size
         full: dict[str, Tensor] = {}
         for name, _ in INPUT_SHARDED[kind]:
             # The float weight [out, in/tp] is gathered as its transpose [in/tp, out]

@@ -17,7 +17,7 @@ is `pcp_rank * dcp + dcp_rank`. Why that order: world ranks are pcp-major
 inside a TP group, so the cp rank is the rank's index in the ascending list of the
 pcp*dcp global ranks that share its KV heads: a process group over them (the DCP
 decode group at N = pcp*dcp) has group rank == cp rank, and a DCP decode with
-`DCPContext(size=N, rank=cp rank)` reads the shards the PCP prefill wrote, in place.
+`DCPContext(group=<the cp group: N ranks, group rank = cp rank>)` reads the shards the PCP prefill wrote, in place.
 
 Keyword-only parameters, in the order of `ops/layout.py` with `pcp` first:
 `pcp, dcp, rank, interleave, block_size` (each function takes the ones it needs).

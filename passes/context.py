@@ -151,22 +151,20 @@ class CompileContext:
         prefill laid out over N = pcp * dcp ranks, so N and the rank are the CP
         group's (docs/pcp.md §5)."""
         cfg = self.config
-        cp = self.cp
-        return DCPContext(size=cp.size, rank=cp.rank, interleave=cfg.cp_kv_cache_interleave_size,
-                          block_size=cfg.block_size, group_name=cp.name, merge=cfg.dcp_merge)
+        return DCPContext(group=self.cp, interleave=cfg.cp_kv_cache_interleave_size, block_size=cfg.block_size,
+                          merge=cfg.dcp_merge)
 
     def pcp_view(self) -> PCPContext:
         """The narrow view the PCP compositions are specialised on: both groups (the
         cache is sharded over pcp * dcp ranks, cp rank = pcp_rank * dcp + dcp_rank)."""
         cfg = self.config
-        return PCPContext(pcp=self.pcp.size, pcp_rank=self.pcp.rank, pcp_group_name=self.pcp.name,
-                          dcp=self.dcp.size, dcp_rank=self.dcp.rank, dcp_group_name=self.dcp.name,
-                          interleave=cfg.cp_kv_cache_interleave_size, block_size=cfg.block_size, merge=cfg.dcp_merge)
+        return PCPContext(pcp=self.pcp, dcp=self.dcp, cp=self.cp, interleave=cfg.cp_kv_cache_interleave_size,
+                          block_size=cfg.block_size, merge=cfg.dcp_merge)
 
     def tp_view(self) -> DSACPContext:
         """The narrow view the DSA-CP compositions are specialised on: the TP group,
         over which the indexer's and sparse attention's queries are token-sharded."""
-        return DSACPContext(tp=self.tp.size, rank=self.tp.rank, group_name=self.tp.name)
+        return DSACPContext(tp=self.tp)
 
     def describe(self) -> str:
         """One line for error messages."""

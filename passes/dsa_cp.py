@@ -62,7 +62,7 @@ class DSACPPass(CPPass):
 
     def __init__(self, ctx: CompileContext) -> None:
         super().__init__(ctx)
-        self.tp = ctx.tp_view()
+        self.shards = ctx.tp_view()
 
     @classmethod
     def is_enabled(cls, ctx: CompileContext) -> bool:
@@ -85,11 +85,11 @@ class DSACPPass(CPPass):
                       and sum(a is idx for a in bind_op_args(_SPARSE, u).values()) == 1]
             others = [u for u in idx.users if u not in paired]
             with graph.inserting_before(idx):
-                rows = dsa.dsa_cp_indexer(**{k: wrap(v) for k, v in args.items()}, ctx=self.tp)  # [rows, K]
+                rows = dsa.dsa_cp_indexer(**{k: wrap(v) for k, v in args.items()}, ctx=self.shards)  # [rows, K]
                 if others:
                     # The indexer-only variant for whatever else reads the top-k: the step's
                     # full [T, K], identical on every rank to the single-device one.
-                    full = dsa.all_gather_topk(rows, self.tp, wrap(args["q_i"]).shape[0])  # [T, K]
+                    full = dsa.all_gather_topk(rows, self.shards, wrap(args["q_i"]).shape[0])  # [T, K]
             for user in others:
                 user.replace_input_with(idx, full.node)
             for attn in paired:
@@ -97,7 +97,7 @@ class DSACPPass(CPPass):
                 a.pop("topk_indices")
                 with graph.inserting_before(attn):
                     out = dsa.dsa_cp_sparse_attention(**{k: wrap(v) for k, v in a.items()}, topk_rows=rows,
-                                                      ctx=self.tp)  # [T, H/tp, L]
+                                                      ctx=self.shards)  # [T, H/tp, L]
                 attn.replace_all_uses_with(out.node)
                 graph.erase_node(attn)
                 count += 1

@@ -133,7 +133,7 @@ class OProjDSACPPass(CPPass):
 
     def __init__(self, ctx: CompileContext) -> None:
         super().__init__(ctx)
-        self.tp = ctx.tp_view()
+        self.shards = ctx.tp_view()
 
     @classmethod
     def is_enabled(cls, ctx: CompileContext) -> bool:
@@ -142,7 +142,7 @@ class OProjDSACPPass(CPPass):
 
     def select(self, gm: fx.GraphModule) -> list[RowParallelMatch]:
         """The o_proj matches: the declared role's, or the inferred ones (module docstring)."""
-        matches = find_row_parallel(gm, self.tp.group_name)
+        matches = find_row_parallel(gm, self.shards.tp.name)
         role = self.ctx.role("o_proj")
         if role is not None:
             by_fqn = {parameter_fqn(m.weight): m for m in matches}
@@ -166,7 +166,7 @@ class OProjDSACPPass(CPPass):
         no-op (issue 19). Row-parallel linears that are all judged not to be the o_proj
         mean inference failed on this model: a ConfigError asking for the role. A graph
         without any row-parallel linear has no TP o_proj to rewrite: a warning."""
-        linears = find_row_parallel(gm, self.tp.group_name)
+        linears = find_row_parallel(gm, self.shards.tp.name)
         if linears:
             raise ConfigError(
                 "the o_proj pass finds the attention's o_proj under enable_dsa_cp",
@@ -189,7 +189,7 @@ class OProjDSACPPass(CPPass):
         for m in selected:
             params = {k: wrap(v) for k, v in m.args.items() if k not in ("x", "groups")}
             with graph.inserting_before(m.linear):
-                out = o_proj_compose.o_proj_full_weight(m.kind, wrap(m.args["x"]), params, self.tp,
+                out = o_proj_compose.o_proj_full_weight(m.kind, wrap(m.args["x"]), params, self.shards,
                                                         groups=int(m.args.get("groups", 1)))
             m.wait.replace_all_uses_with(out.node)
             for n in (m.wait, m.all_reduce, m.linear):

@@ -49,7 +49,7 @@ class SFADCPPass(DCPAttentionPass):
         return ctx.dcp.size > 1 and ctx.pcp.size == 1 and spec is not None and spec.kind == "sfa"
 
     def prepare(self, gm: fx.GraphModule) -> None:
-        vbs = self.cp.block_size * self.cp.size  # tokens per replicated page
+        vbs = self.cp.block_size * self.cp.group.size  # tokens per replicated page
         for node in op_nodes(gm, (torch.ops.cp.lightning_indexer,)):
             args = bind_op_args(torch.ops.cp.lightning_indexer, node)
             cache = fake_value(args["index_cache"])

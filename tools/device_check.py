@@ -205,15 +205,16 @@ def step_cuda_graph(dry: bool) -> list[dict]:
 
     import cp_compile.ops  # noqa: F401
     from cp_compile.ops.parallel.dcp import DCPContext, dcp_gqa_attention
+    from cp_compile.parallel_layout import Group
 
-    plan = "world of 1 NCCL rank; DCPContext(size=1); dcp_gqa_attention decode of 8 requests at 4k"
+    plan = "world of 1 NCCL rank; DCPContext(group of 1); dcp_gqa_attention decode of 8 requests at 4k"
     if dry:
         print(f"would capture: {plan}")
         return [{"step": plan, "status": "dry run"}]
     if not dist.is_initialized():
         dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1,
                                 device_id=torch.device("cuda", 0))
-    ctx = DCPContext(size=1, rank=0, interleave=1, block_size=64, group_name=dist.group.WORLD.group_name)
+    ctx = DCPContext(group=Group(1, 0, dist.group.WORLD.group_name), interleave=1, block_size=64)
     q, k_cache, v_cache, bt, qsl, _ = _decode_inputs(4096, torch.bfloat16)
     B = q.shape[0]
     seq = torch.full((B,), 4096, device="cuda", dtype=torch.int32)

@@ -101,14 +101,15 @@ def build_engine(args: EngineArgs, init: bool = True) -> Any:
     import transformers
 
     cfg = args.cp_config()
+    state = None  # without init: Engine reads the current state (the caller's init_parallel)
     if init and (args.world_size > 1 or args.decode_context_parallel_size > 1):
-        init_parallel(cfg, device=args.device)
+        state = init_parallel(cfg, device=args.device)
     model = transformers.AutoModelForCausalLM.from_pretrained(args.model, dtype=args.torch_dtype()).eval()
     max_len = _max_model_len(args, model.config)
     vbs = cfg.virtual_block_size
     blocks = args.num_kv_blocks or (-(-max_len // vbs)) * args.max_num_seqs + 1
     engine = Engine(model, cfg, num_blocks=blocks, max_batch=args.max_num_seqs,
-                                  max_model_len=max_len, lowering=args.lowering, progress=False)
+                                  max_model_len=max_len, lowering=args.lowering, progress=False, parallel=state)
     engine.model_max_len = max_len  # the Engine clamps max_model_len to its KV capacity; the driver names both
     if args.kv_transfer_config is not None:
         kv_rank.attach(engine, args.kv_transfer_config)

@@ -21,14 +21,13 @@ from typing import Any
 from cp_compile.errors import CapacityError, ConfigError
 from cp_compile.hf.engine import Engine, kv_cache_spec
 from cp_compile.kv_transfer import KVConsumer, KVProducer, KVTransferConfig, KVTransferError
-from cp_compile.parallel_state import parallel_state_or_none
 
 
 def attach(engine: Engine, kv_transfer_config: Any) -> KVProducer | KVConsumer:
     """This rank's role over `engine`'s cache (`engine.kv_role`)."""
     kv = KVTransferConfig.from_dict(kv_transfer_config)
-    state = parallel_state_or_none()
-    rank, tp_rank = (state.rank, state.tp_rank) if state is not None else (0, 0)
+    state = engine.parallel  # the state the engine was built with (no global read here)
+    rank, tp_rank = (state.rank, state.layout.tp.rank) if state is not None else (0, 0)
     spec = kv_cache_spec(engine.model.config, engine.config.tensor_parallel_size, tp_rank)
     if kv.is_producer:
         role: KVProducer | KVConsumer = KVProducer(kv, engine.config, engine.cache, spec, engine.spec, rank)

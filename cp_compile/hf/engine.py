@@ -31,7 +31,7 @@ from cp_compile.hf.tp import shard_model
 from cp_compile.kv_cache import KVCacheSpec, allocate_kv_cache, tp_kv_head_ids
 from cp_compile.lowering import Lowering
 from cp_compile.metadata import BlockAllocator, build_attention_metadata
-from cp_compile.parallel_state import parallel_state_or_none
+from cp_compile.parallel_state import ParallelState, parallel_state_or_none
 
 def _sizes(cfg: CPConfig) -> tuple[int, int, int]:
     return (cfg.tensor_parallel_size, cfg.decode_context_parallel_size, cfg.prefill_context_parallel_size)
@@ -82,11 +82,13 @@ class Engine:
     def __init__(self, model: nn.Module, config: CPConfig, num_blocks: int, *, max_batch: int = 16,
                  max_model_len: int | None = None, lowering: Lowering = "auto", warmup_steps: int = 2,
                  forbid_recompiles: bool = False, eos_token_id: int | None | str = "auto",
-                 progress: bool | None = None, record_logits: bool = False) -> None:
+                 progress: bool | None = None, record_logits: bool = False,
+                 parallel: ParallelState | None = None) -> None:
         self.kind = check_supported(model.config)
         self.spec = attention_spec(model.config)
         config.validate_for(self.spec)
-        state = parallel_state_or_none()
+        # The one read of the current state, at this front door (None: pass parallel=).
+        state = self.parallel = parallel if parallel is not None else parallel_state_or_none()
         sizes = _sizes(config)
         if config.world_size * config.decode_context_parallel_size > 1 and state is None:
             raise ConfigError("init_parallel before Engine at tp, dcp or pcp > 1", _fmt(sizes),
@@ -97,7 +99,7 @@ class Engine:
                               "pass the CPConfig given to init_parallel")
         self.config = config
         self.rank = state.rank if state is not None else 0
-        tp_rank = state.tp_rank if state is not None else 0
+        tp_rank = state.layout.tp.rank if state is not None else 0
         if any(is_moe_block(layer.mlp) for layer in model.model.layers):
             # HF's default expert loop has data-dependent shapes (graph breaks, recompiles).
             model.config._experts_implementation = EXPERTS_IMPLEMENTATION
@@ -113,7 +115,7 @@ class Engine:
         # gets device caches and one host-to-device copy of each step's metadata).
         self.device = first.device
         self.cache = allocate_kv_cache(config, kv_cache_spec(model.config, config.tensor_parallel_size, tp_rank), num_blocks,
-                                       dtype=dtype, device=self.device, attention=self.spec)
+                                       dtype=dtype, device=self.device, attention=self.spec, parallel=state)
         # Per layer: the sharded cache tensors, then SFA's replicated indexer cache.
         self.layer_caches = ([layer + (index,) for layer, index in zip(self.cache.layers, self.cache.replicated)]
                              if self.cache.replicated else self.cache.layers)
@@ -134,7 +136,8 @@ class Engine:
         self.progress = progress
         self.record_logits = record_logits
         self.step_module = _HFStep(model)
-        self.compiled = compile_model(self.step_module, config=config, attention=self.spec, lowering=lowering)
+        self.compiled = compile_model(self.step_module, config=config, attention=self.spec, lowering=lowering,
+                                      parallel=state)
         self.steps = 0
         self.last_logits: dict[int, list[torch.Tensor]] = {}  # prompt index -> [vocab] per generated token
 

@@ -46,8 +46,7 @@ def _world(rank: int, world: int, batches: list[int], heads: int, dim: int, roun
         q = torch.randn(T, heads, dim, generator=g)
         part = torch.randn(T, world * heads, dim, generator=g)
         lse = torch.randn(T, world * heads, generator=g)
-        ctxs = {m: DCPContext(size=world, rank=state.dcp_rank, interleave=1, block_size=16,
-                              group_name=state.dcp_group.group_name, merge=m) for m in merge_cost.MERGES}
+        ctxs = {m: DCPContext(group=state.layout.cp, interleave=1, block_size=16, merge=m) for m in merge_cost.MERGES}
 
         def layer(m: str) -> None:
             all_gather_heads(q, ctxs[m])

@@ -29,6 +29,7 @@ import torch
 from torch import Tensor
 
 import cp_compile.ops  # noqa: F401  (registers the cp::* building blocks)
+from cp_compile.parallel_layout import Group
 
 _c10d = torch.ops._c10d_functional
 _cp = torch.ops.cp
@@ -38,17 +39,18 @@ _cp = torch.ops.cp
 class DCPContext:
     """Static facts a DCP graph is specialised on (baked into the traced graph).
 
-    size / rank / group_name: the group the composition runs over. For attention
-    over the cache that is the cache's context-parallel group (`CompileContext.cp`:
-    the DCP group at pcp = 1, the pcp * dcp ranks at pcp > 1); for the head gather
-    inside a PCP prefill it is the DCP group (`PCPContext.dcp_group_view`).
+    group: the layout's group the composition runs over (`Group(size, rank, name)`,
+    cp_compile/parallel_layout.py; the name addresses the functional collectives).
+    For attention over the cache that is the cache's context-parallel group
+    (`CompileContext.cp`: the DCP group at pcp = 1, the pcp * dcp ranks at pcp > 1);
+    for the head gather inside a PCP prefill it is the DCP group
+    (`PCPContext.dcp_group_view`). The rest are the config's cache knobs and the
+    merge chosen for this graph.
     """
 
-    size: int
-    rank: int
+    group: Group
     interleave: int
     block_size: int  # per-rank page size
-    group_name: str  # the group's name for the functional collectives
     merge: Literal["ag_rs", "a2a"] = "ag_rs"
 
 
@@ -61,7 +63,7 @@ class LocalMetadata(NamedTuple):
 
 def localize(ctx: DCPContext, slot_mapping: Tensor, query_start_loc: Tensor, seq_lens: Tensor) -> LocalMetadata:
     """Once per forward: the metadata every DCP layer of this rank shares."""
-    out = _cp.dcp_localize_metadata.default(slot_mapping, query_start_loc, seq_lens, ctx.size, ctx.rank,
+    out = _cp.dcp_localize_metadata.default(slot_mapping, query_start_loc, seq_lens, ctx.group.size, ctx.group.rank,
                                             ctx.interleave, ctx.block_size)
     return LocalMetadata(out[0], out[1], out[2], out[3])
 
@@ -75,7 +77,7 @@ def dense(x: Tensor) -> Tensor:
 
 def all_gather_heads(x: Tensor, ctx: DCPContext) -> Tensor:
     """[T, H, ...] on each rank -> [T, N*H, ...], heads in group rank order."""
-    g = _c10d.all_gather_into_tensor.default(dense(x.transpose(0, 1)), ctx.size, ctx.group_name)
+    g = _c10d.all_gather_into_tensor.default(dense(x.transpose(0, 1)), ctx.group.size, ctx.group.name)
     return _c10d.wait_tensor.default(g).transpose(0, 1)
 
 
@@ -117,9 +119,9 @@ def gathered_gqa_partial(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tabl
                          ctx: DCPContext) -> tuple[Tensor, Tensor]:
     """Every rank's query heads against this rank's shard: q [T, Hq, D] ->
     (out [T, N*Hq, Dv], lse [T, N*Hq]), heads rank-major, each with its own KV head."""
-    q_all = kv_major_heads(all_gather_heads(q, ctx), ctx.size, kv_heads)  # [T, N*Hq, D]
+    q_all = kv_major_heads(all_gather_heads(q, ctx), ctx.group.size, kv_heads)  # [T, N*Hq, D]
     part = _cp.paged_attention_lse.default(q_all, k_cache, v_cache, block_table, query_start_loc, kv_lens, scale)
-    return rank_major_heads(part[0], ctx.size, kv_heads), rank_major_heads(part[1], ctx.size, kv_heads)
+    return rank_major_heads(part[0], ctx.group.size, kv_heads), rank_major_heads(part[1], ctx.group.size, kv_heads)
 
 
 def merge_heads(out: Tensor, lse: Tensor, ctx: DCPContext, heads: int,
@@ -136,14 +138,14 @@ def merge_heads(out: Tensor, lse: Tensor, ctx: DCPContext, heads: int,
                          "outside a compiled graph, set CPConfig(dcp_merge='ag_rs') or 'a2a' explicitly")
     if ctx.merge == "ag_rs":
         # All-gather the LSEs, weight the local partial, reduce-scatter the sum.
-        lse_all = _c10d.all_gather_into_tensor.default(dense(lse.transpose(0, 1)), ctx.size, ctx.group_name)
+        lse_all = _c10d.all_gather_into_tensor.default(dense(lse.transpose(0, 1)), ctx.group.size, ctx.group.name)
         lse_all = _c10d.wait_tensor.default(lse_all)  # [N*N*H, T]
         rescaled = _cp.lse_rescale.default(out, lse, lse_all)
         scaled, total = rescaled[0], rescaled[1]
         summed = _c10d.reduce_scatter_tensor.default(dense(scaled.to(dtype).transpose(0, 1)), "sum",
-                                                     ctx.size, ctx.group_name)
+                                                     ctx.group.size, ctx.group.name)
         mine = _c10d.wait_tensor.default(summed).transpose(0, 1)  # [T, H, Dv]
-        total = total.transpose(0, 1)[ctx.rank * heads:(ctx.rank + 1) * heads]  # this rank's heads
+        total = total.transpose(0, 1)[ctx.group.rank * heads:(ctx.group.rank + 1) * heads]  # this rank's heads
         return dense(mine), total.transpose(0, 1)
     # One all-to-all of [lse | out]; the fp32 LSE rides as raw bytes in out's dtype (w columns).
     # LSE first, so both halves are cut at the static offset w, and its size-1 dim is dropped by
@@ -153,10 +155,10 @@ def merge_heads(out: Tensor, lse: Tensor, ctx: DCPContext, heads: int,
     # got [N, H, T, 1] LSEs (a shape error at run time, an Inductor size assert at dcp 4).
     w = 4 // dtype.itemsize  # fp32 LSE in `dtype` columns
     packed = torch.cat([lse.unsqueeze(-1).view(dtype), out], dim=-1)  # [T, N*H, w + Dv]
-    splits = [heads] * ctx.size
-    recv = _c10d.all_to_all_single.default(dense(packed.transpose(0, 1)), splits, splits, ctx.group_name)
+    splits = [heads] * ctx.group.size
+    recv = _c10d.all_to_all_single.default(dense(packed.transpose(0, 1)), splits, splits, ctx.group.name)
     recv = _c10d.wait_tensor.default(recv)  # [N*H, T, w + Dv]: chunk j = rank j's partial of my heads
-    parts = recv.unflatten(0, (ctx.size, heads))  # [N, H, T, w + Dv]
+    parts = recv.unflatten(0, (ctx.group.size, heads))  # [N, H, T, w + Dv]
     lses = dense(parts[..., :w]).view(torch.float32)[..., 0]  # [N, H, T]
     merged = _cp.lse_combine.default(parts[..., w:], lses)
     merged, total = merged[0], merged[1]
@@ -211,7 +213,7 @@ def dcp_sfa_attention(q_nope: Tensor, q_pe: Tensor, kv_c: Tensor, k_pe: Tensor, 
     if local is None:
         local = localize(ctx, slot_mapping, query_start_loc, seq_lens)
     _cp.cache_write.default(torch.cat([kv_c, k_pe], dim=-1), kv_cache, local.slot_mapping)
-    idx = _cp.dcp_sparse_indices.default(topk_indices, ctx.size, ctx.rank, ctx.interleave, ctx.block_size)
+    idx = _cp.dcp_sparse_indices.default(topk_indices, ctx.group.size, ctx.group.rank, ctx.interleave, ctx.block_size)
     L = q_nope.shape[-1]
     q_all = all_gather_heads_fused(q_nope, q_pe, ctx)  # [T, N*H, L+R]
     part = _cp.sparse_mla_partial_attention.default(q_all[..., :L], q_all[..., L:], kv_cache, block_table,

@@ -38,6 +38,7 @@ from torch import Tensor
 
 import cp_compile.ops  # noqa: F401  (registers the cp::* building blocks)
 from cp_compile.ops import layout
+from cp_compile.parallel_layout import Group
 
 _c10d = torch.ops._c10d_functional
 _cp = torch.ops.cp
@@ -45,29 +46,28 @@ _cp = torch.ops.cp
 
 @dataclass(frozen=True)
 class DSACPContext:
-    """Static facts a DSA-CP graph is specialised on: the TP group (the token shards)."""
+    """Static facts a DSA-CP graph is specialised on: the layout's TP group (the token
+    shards; `Group(size, rank, name)`, cp_compile/parallel_layout.py)."""
 
-    tp: int
-    rank: int
-    group_name: str  # the TP group's name for the functional collectives
+    tp: Group
 
 
 def shard_rows(num_tokens: int, ctx: DSACPContext) -> int:
     """Rows per rank, ceil(T / tp) (`layout.token_shard_rows`; SymInt-safe)."""
-    return layout.token_shard_rows(num_tokens, tp=ctx.tp)
+    return layout.token_shard_rows(num_tokens, tp=ctx.tp.size)
 
 
 def pad_tokens(x: Tensor, ctx: DSACPContext) -> Tensor:
     """[T, ...] -> [T_pad, ...] with zero rows appended (T_pad = tp * ceil(T / tp))."""
     T = x.shape[0]
-    pad = shard_rows(T, ctx) * ctx.tp - T
+    pad = shard_rows(T, ctx) * ctx.tp.size - T
     return F.pad(x, (0, 0) * (x.dim() - 1) + (0, pad))
 
 
 def local_rows(x: Tensor, ctx: DSACPContext) -> Tensor:
     """This rank's rows of [T, ...]: the padded tensor's rows [rank * rows, (rank + 1) * rows)."""
     rows = shard_rows(x.shape[0], ctx)
-    return pad_tokens(x, ctx)[ctx.rank * rows:(ctx.rank + 1) * rows]
+    return pad_tokens(x, ctx)[ctx.tp.rank * rows:(ctx.tp.rank + 1) * rows]
 
 
 def tokens_to_heads(x: Tensor, ctx: DSACPContext) -> Tensor:
@@ -77,14 +77,14 @@ def tokens_to_heads(x: Tensor, ctx: DSACPContext) -> Tensor:
     rank j's heads of my rows, so heads arrive in TP rank order, the model's layout.
     """
     xp = pad_tokens(x, ctx).contiguous()  # [T_pad, Hl, D]
-    rows = xp.shape[0] // ctx.tp
-    splits = [rows] * ctx.tp
-    recv = _c10d.all_to_all_single.default(xp, splits, splits, ctx.group_name)
+    rows = xp.shape[0] // ctx.tp.size
+    splits = [rows] * ctx.tp.size
+    recv = _c10d.all_to_all_single.default(xp, splits, splits, ctx.tp.name)
     recv = _c10d.wait_tensor.default(recv)  # [tp * rows, Hl, D]: chunk j = rank j's heads of my rows
     # Split the token dim into its tp chunks and lay them side by side on the head dim.
     # No view of the symbolic token dim: a view / reshape splitting tp * rows would make
     # the fake tracer guard rows != 1, and the graph recompile for steps with T <= tp.
-    return torch.cat(recv.tensor_split(ctx.tp, dim=0), dim=1)  # [rows, tp * Hl, D]
+    return torch.cat(recv.tensor_split(ctx.tp.size, dim=0), dim=1)  # [rows, tp * Hl, D]
 
 
 def heads_to_tokens(y: Tensor, ctx: DSACPContext, num_tokens: int) -> Tensor:
@@ -93,11 +93,11 @@ def heads_to_tokens(y: Tensor, ctx: DSACPContext, num_tokens: int) -> Tensor:
     Head chunk j goes to rank j; what comes back from rank j is my heads of rank j's
     rows, which in rank order are the padded token order; the pad rows are dropped.
     """
-    rows, hl = y.shape[0], y.shape[1] // ctx.tp
+    rows, hl = y.shape[0], y.shape[1] // ctx.tp.size
     # Head chunk j first: [tp * rows, Hl, D], concatenated on the token dim (no view of it).
     send = torch.cat(y.split(hl, dim=1), dim=0).contiguous()
-    splits = [rows] * ctx.tp
-    recv = _c10d.all_to_all_single.default(send, splits, splits, ctx.group_name)
+    splits = [rows] * ctx.tp.size
+    recv = _c10d.all_to_all_single.default(send, splits, splits, ctx.tp.name)
     recv = _c10d.wait_tensor.default(recv)  # [T_pad, Hl, D] in token order
     return recv[:num_tokens]
 
@@ -113,7 +113,7 @@ def dsa_cp_indexer(q_i: Tensor, k_i: Tensor, w: Tensor, index_cache: Tensor, slo
     """
     _cp.cache_write.default(k_i, index_cache, slot_mapping)
     return _cp.lightning_indexer_topk_rows.default(local_rows(q_i, ctx), index_cache, local_rows(w, ctx),
-                                                   block_table, seq_lens, query_start_loc, ctx.tp, ctx.rank, topk)
+                                                   block_table, seq_lens, query_start_loc, ctx.tp.size, ctx.tp.rank, topk)
 
 
 def dsa_cp_sparse_attention(q_nope: Tensor, q_pe: Tensor, kv_c: Tensor, k_pe: Tensor, kv_cache: Tensor,
@@ -130,7 +130,7 @@ def dsa_cp_sparse_attention(q_nope: Tensor, q_pe: Tensor, kv_c: Tensor, k_pe: Te
     L = q_nope.shape[-1]
     q = tokens_to_heads(torch.cat([q_nope, q_pe], dim=-1), ctx)  # [rows, H, L+R]: one a2a for both parts
     out = _cp.sparse_mla_rows_attention.default(q[..., :L], q[..., L:], kv_cache, block_table, seq_lens,
-                                                query_start_loc, topk_rows, ctx.tp, ctx.rank, scale)  # [rows, H, L]
+                                                query_start_loc, topk_rows, ctx.tp.size, ctx.tp.rank, scale)  # [rows, H, L]
     return heads_to_tokens(out, ctx, q_nope.shape[0])
 
 
@@ -143,5 +143,5 @@ def all_gather_topk(topk_rows: Tensor, ctx: DSACPContext, num_tokens: int) -> Te
     all-to-all and no change to the o_proj path. It sends K int32 per token instead of
     the all-to-alls' H * (2L + R) activations (docs/dsa_cp.md, "Traffic").
     """
-    g = _c10d.all_gather_into_tensor.default(topk_rows.contiguous(), ctx.tp, ctx.group_name)
+    g = _c10d.all_gather_into_tensor.default(topk_rows.contiguous(), ctx.tp.size, ctx.tp.name)
     return _c10d.wait_tensor.default(g)[:num_tokens]  # [T_pad, K] -> [T, K]

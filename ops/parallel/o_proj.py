@@ -59,7 +59,7 @@ INPUT_SHARDED: dict[str, tuple[tuple[str, int], ...]] = {
 
 def all_gather_dim0(t: Tensor, ctx: DSACPContext) -> Tensor:
     """[d0, ...] on each rank -> [tp * d0, ...] in TP rank order."""
-    g = _c10d.all_gather_into_tensor.default(t.contiguous(), ctx.tp, ctx.group_name)
+    g = _c10d.all_gather_into_tensor.default(t.contiguous(), ctx.tp.size, ctx.tp.name)
     return _c10d.wait_tensor.default(g)
 
 
@@ -74,20 +74,20 @@ def shard_tokens(x: Tensor, ctx: DSACPContext) -> Tensor:
     """
     rows = shard_rows(x.shape[0], ctx)  # ceil(T / tp)
     xp = pad_tokens(x, ctx).contiguous()  # [T_pad, k]
-    splits = [rows] * ctx.tp
-    recv = _c10d.all_to_all_single.default(xp, splits, splits, ctx.group_name)
+    splits = [rows] * ctx.tp.size
+    recv = _c10d.all_to_all_single.default(xp, splits, splits, ctx.tp.name)
     recv = _c10d.wait_tensor.default(recv)  # [tp * rows, k]: chunk j = rank j's features of my rows
     # The tp token chunks side by side on the feature dim. No view of the symbolic token
     # dim: splitting tp * rows with a view makes the tracer guard rows != 1, and the
     # graph would recompile for steps with T <= tp.
-    return torch.cat(recv.tensor_split(ctx.tp, dim=0), dim=1)  # [rows, tp * k]
+    return torch.cat(recv.tensor_split(ctx.tp.size, dim=0), dim=1)  # [rows, tp * k]
 
 
 def gather_tokens(y_rows: Tensor, ctx: DSACPContext, num_tokens: int) -> Tensor:
     """[rows, out] (my rows, complete; a fresh matmul output, so contiguous) -> [T, out]
     (every token, on every rank). No `.contiguous()` here: on a symbolic rows dim it
     makes the tracer guard rows != 1 (a recompile for steps with T <= tp)."""
-    g = _c10d.all_gather_into_tensor.default(y_rows, ctx.tp, ctx.group_name)
+    g = _c10d.all_gather_into_tensor.default(y_rows, ctx.tp.size, ctx.tp.name)
     return _c10d.wait_tensor.default(g)[:num_tokens]
 
 
@@ -129,7 +129,7 @@ def o_proj_full_weight(kind: LinearKind, x: Tensor, params: dict[str, Tensor], c
             del full["weight"]
         else:
             full[name] = all_gather_dim0(t, ctx)  # [tp * d0, ...]
-    y_rows = full_linear(kind, shard_tokens(x, ctx), full, groups * ctx.tp)  # [rows, out]
+    y_rows = full_linear(kind, shard_tokens(x, ctx), full, groups * ctx.tp.size)  # [rows, out]
     return gather_tokens(y_rows, ctx, x.shape[0])
 
 

@@ -15,7 +15,7 @@ data-dependent Python control flow, so a pass can trace them):
    them back in global order;
 2. write this rank's shard of them: the cache is sharded over N = pcp * dcp ranks
    with the §5 rule, cp rank = pcp_rank * dcp + dcp_rank (a DCP decode with
-   `DCPContext(size=N, rank=cp rank)` reads it in place);
+   `DCPContext(group=<the cp group>)` reads it in place);
 3. new-token part: this rank's queries attend causally to the gathered new tokens
    at their global positions (no collective);
 4. context part: queries all-gathered over DCP (heads) and PCP (tokens), every rank
@@ -36,9 +36,11 @@ import torch
 from torch import Tensor
 
 import cp_compile.ops  # noqa: F401  (registers the cp::* building blocks)
+from cp_compile.errors import ConfigError
 from cp_compile.ops import layout, pcp_layout
 from cp_compile.ops.parallel.dcp import (DCPContext, all_gather_heads, dense, kv_major_heads, localize, merge_heads,
                                           rank_major_heads)
+from cp_compile.parallel_layout import Group
 
 _c10d = torch.ops._c10d_functional
 _cp = torch.ops.cp
@@ -46,41 +48,37 @@ _cp = torch.ops.cp
 
 @dataclass(frozen=True)
 class PCPContext:
-    """Static facts a PCP graph is specialised on."""
+    """Static facts a PCP graph is specialised on: the layout's PCP, DCP and cp groups
+    (`Group`s of cp_compile/parallel_layout.py, as `Layout` holds them), the config's
+    cache knobs and the merge chosen for this graph."""
 
-    pcp: int
-    pcp_rank: int
-    pcp_group_name: str
-    dcp: int
-    dcp_rank: int
-    dcp_group_name: str
+    pcp: Group
+    dcp: Group
+    cp: Group  # the cache's pcp * dcp ranks, rank pcp_rank * dcp + dcp_rank (Layout.cp)
     interleave: int
     block_size: int  # per-rank page size; virtual blocks hold block_size * pcp * dcp tokens
     merge: Literal["ag_rs", "a2a"] = "ag_rs"
 
-    @property
-    def cp_size(self) -> int:
-        return pcp_layout.cp_size(pcp=self.pcp, dcp=self.dcp)
-
-    @property
-    def cp_rank(self) -> int:
-        return pcp_layout.cp_rank(pcp_rank=self.pcp_rank, dcp=self.dcp, dcp_rank=self.dcp_rank)
+    def __post_init__(self) -> None:
+        want = (pcp_layout.cp_size(pcp=self.pcp.size, dcp=self.dcp.size),
+                pcp_layout.cp_rank(pcp_rank=self.pcp.rank, dcp=self.dcp.size, dcp_rank=self.dcp.rank))
+        if (self.cp.size, self.cp.rank) != want:
+            raise ConfigError("PCPContext.cp is the pcp * dcp group, rank pcp_rank * dcp + dcp_rank",
+                              f"cp=Group(size={self.cp.size}, rank={self.cp.rank}), pcp={self.pcp}, dcp={self.dcp}",
+                              "pass the Layout's cp group (CompileContext.pcp_view() does)")
 
     def layout_view(self) -> DCPContext:
-        """The cache layout as `localize` sees it: N = pcp*dcp, rank = cp rank.
-        Its group name is unused by `localize` (no collective)."""
-        return DCPContext(size=self.cp_size, rank=self.cp_rank, interleave=self.interleave,
-                          block_size=self.block_size, group_name="")
+        """The cache layout as `localize` sees it: the cp group (N = pcp*dcp, cp rank)."""
+        return DCPContext(group=self.cp, interleave=self.interleave, block_size=self.block_size)
 
     def dcp_group_view(self) -> DCPContext:
         """The DCP group, for the head gather / head merge of the context part."""
-        return DCPContext(size=self.dcp, rank=self.dcp_rank, interleave=self.interleave,
-                          block_size=self.block_size, group_name=self.dcp_group_name, merge=self.merge)
+        return DCPContext(group=self.dcp, interleave=self.interleave, block_size=self.block_size, merge=self.merge)
 
 
 def _gather_tokens(x: Tensor, ctx: PCPContext) -> Tensor:
     """[T_loc, ...] on each PCP rank -> [pcp*T_loc, ...], rank-major (group rank order)."""
-    g = _c10d.all_gather_into_tensor.default(dense(x), ctx.pcp, ctx.pcp_group_name)
+    g = _c10d.all_gather_into_tensor.default(dense(x), ctx.pcp.size, ctx.pcp.name)
     return _c10d.wait_tensor.default(g)
 
 
@@ -117,21 +115,21 @@ def _context_part(part_out: Tensor, part_lse: Tensor, step: _Step, ctx: PCPConte
     """Context partials of every global token over all gathered heads -> this rank's
     tokens and heads, merged over the pcp*dcp shards. ([T, dcp*H, Dv], [T, dcp*H]) ->
     ([T_loc, H, Dv] `dtype`, [T_loc, H] fp32)."""
-    if ctx.dcp > 1:
+    if ctx.dcp.size > 1:
         out, lse = merge_heads(part_out, part_lse, ctx.dcp_group_view(), heads, dtype)  # [T, H, ...]
     else:
         out, lse = part_out, part_lse
     # PCP merge on tokens: all-gather the LSEs, weight this rank's partial, then a
     # reduce-scatter over rows in rank-major token order hands each rank its tokens.
     lse_all = _c10d.wait_tensor.default(_c10d.all_gather_into_tensor.default(
-        dense(lse.transpose(0, 1)), ctx.pcp, ctx.pcp_group_name))  # [pcp*H, T]
+        dense(lse.transpose(0, 1)), ctx.pcp.size, ctx.pcp.name))  # [pcp*H, T]
     rescaled = _cp.lse_rescale.default(out, lse, lse_all)
     scaled, total = rescaled[0], rescaled[1]  # [T, H, Dv] fp32, [T, H] fp32
     rows = step.gathered_index.clamp(min=0)
     keep = (step.gathered_index >= 0)[:, None, None]
     send = torch.where(keep, scaled[rows], 0.0)  # [pcp*T_loc, H, Dv]
     mine = _c10d.wait_tensor.default(_c10d.reduce_scatter_tensor.default(
-        dense(send.to(dtype)), "sum", ctx.pcp, ctx.pcp_group_name))  # [T_loc, H, Dv]
+        dense(send.to(dtype)), "sum", ctx.pcp.size, ctx.pcp.name))  # [T_loc, H, Dv]
     return mine, total[step.token_index.clamp(min=0)]
 
 
@@ -184,13 +182,13 @@ def pcp_gqa_attention(q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_cache:
                                           step.local_qsl, step.new_lens, scale)
     # Context: every global query, every DCP-group head, against this rank's shard.
     kv_heads = k.shape[1]
-    q_h = all_gather_heads(q, ctx.dcp_group_view()) if ctx.dcp > 1 else q  # [T_loc, dcp*Hq, D]
+    q_h = all_gather_heads(q, ctx.dcp_group_view()) if ctx.dcp.size > 1 else q  # [T_loc, dcp*Hq, D]
     # Each DCP rank's heads with their own KV head (identity at one KV head per rank).
-    q_glob = kv_major_heads(_gather_tokens(q_h, ctx)[step.inv], ctx.dcp, kv_heads)  # [T, dcp*Hq, D]
+    q_glob = kv_major_heads(_gather_tokens(q_h, ctx)[step.inv], ctx.dcp.size, kv_heads)  # [T, dcp*Hq, D]
     part = _cp.paged_attention_lse.default(q_glob, k_cache, v_cache, block_table, query_start_loc,
                                            step.local.context_lens, scale)
-    ctx_out, ctx_lse = _context_part(rank_major_heads(part[0], ctx.dcp, kv_heads),
-                                     rank_major_heads(part[1], ctx.dcp, kv_heads), step, ctx, q.shape[1],
+    ctx_out, ctx_lse = _context_part(rank_major_heads(part[0], ctx.dcp.size, kv_heads),
+                                     rank_major_heads(part[1], ctx.dcp.size, kv_heads), step, ctx, q.shape[1],
                                      q.dtype)
     return _finish(ctx_out, ctx_lse, new[0], new[1], step, q.dtype)
 
@@ -211,7 +209,7 @@ def pcp_mla_attention(q_nope: Tensor, q_pe: Tensor, kv_c: Tensor, k_pe: Tensor, 
     new = _cp.mla_partial_attention.default(q_nope, q_pe, latent.unsqueeze(1), step.new_table, step.local_qsl,
                                             step.new_lens, scale)
     q = torch.cat([q_nope, q_pe], dim=-1)  # [T_loc, H, L+R]: one gather per group
-    q_h = all_gather_heads(q, ctx.dcp_group_view()) if ctx.dcp > 1 else q  # [T_loc, dcp*H, L+R]
+    q_h = all_gather_heads(q, ctx.dcp_group_view()) if ctx.dcp.size > 1 else q  # [T_loc, dcp*H, L+R]
     q_glob = _gather_tokens(q_h, ctx)[step.inv]  # [T, dcp*H, L+R]
     part = _cp.mla_partial_attention.default(q_glob[..., :L], q_glob[..., L:], kv_cache, block_table,
                                              query_start_loc, step.local.context_lens, scale)

@@ -80,7 +80,7 @@ def test_compile_path_reads_the_state_its_entry_gave_not_the_global(monkeypatch)
     for b in (be, be.for_batch_kind("decode")):
         ctx = b.make_context()
         assert ctx.layout is state.layout and (ctx.tp.rank, ctx.dcp.rank, ctx.cp.rank) == (3, 1, 1)
-        assert ctx.cp_view().group_name == "test_dcp"
+        assert ctx.cp_view().group is state.layout.cp and state.layout.cp.name == "test_dcp"
     # The decorator's entry binds the state it was given: nothing read at the first call.
     compiled = cp_compile.compile_model(Scaled(), dynamic_args=("input_ids", "positions"), config=cfg,
                                         attention=spec, parallel=state)

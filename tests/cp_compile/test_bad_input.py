@@ -258,7 +258,7 @@ def _dcp_world(rank: int, world: int, hf_config, state_dict, ok_config, ok_state
     alloc = cp_compile.BlockAllocator(4, cfg.virtual_block_size)
     meta = cp_compile.build_attention_metadata([(0, 3)], alloc, num_padding_tokens=1)
     meta.slot_mapping[2] = 4 * cfg.virtual_block_size + 2  # position 2: owned by rank 0 (interleave 1)
-    ctx = D.DCPContext(size=2, rank=state.dcp_rank, interleave=1, block_size=4, group_name=state.dcp_group_name)
+    ctx = D.DCPContext(group=state.layout.cp, interleave=1, block_size=4)
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(meta.num_tokens, h, 8, generator=g) for h in (2, 1, 1))
     before = _clone(cache.layers)

@@ -223,8 +223,7 @@ def _dcp_cases(rank: int, world: int, cases_: list[dict]) -> list[tuple]:
 
     cfg = cp_compile.CPConfig(tensor_parallel_size=2, decode_context_parallel_size=2, block_size=VBS // 2)
     state = cp_compile.init_parallel(cfg, device="cpu", timeout=30)
-    ctx = D.DCPContext(size=2, rank=state.dcp_rank, interleave=1, block_size=VBS // 2,
-                       group_name=state.dcp_group_name)
+    ctx = D.DCPContext(group=state.layout.cp, interleave=1, block_size=VBS // 2)
     out = []
     for case in cases_:
         meta = build(case)

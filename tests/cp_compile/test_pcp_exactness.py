@@ -28,6 +28,7 @@ from cp_compile.passes.context import CompileContext
 from cp_compile.ops import pcp_layout
 from cp_compile.ops.parallel import dcp as D
 from cp_compile.ops.parallel import pcp as P
+from cp_compile.parallel_layout import Group
 from cp_compile.testing.multirank import run_on_ranks
 
 HQ = 4
@@ -133,7 +134,7 @@ def _run(rank: int, world: int, cases: list[Case]):
         state = cp_compile.init_parallel(cfg, device="cpu")
         pctx = CompileContext.from_state(state).pcp_view()
         cp_rank, cp_name = _cp_group(case, state)
-        assert cp_rank == pctx.cp_rank
+        assert cp_rank == pctx.cp.rank
         caches = _caches(case, BLOCK)
         ptrs = [c.data_ptr() for c in caches]
         outs = []
@@ -149,8 +150,8 @@ def _run(rank: int, world: int, cases: list[Case]):
                                             *_meta_args(meta), row, 0.2, pctx)
                 outs.append((row, o))
             else:  # decode on the same cache through the DCP composition at N = pcp*dcp
-                dctx = D.DCPContext(size=pctx.cp_size, rank=cp_rank, interleave=case.interleave,
-                                    block_size=BLOCK, group_name=cp_name, merge=case.merge)
+                dctx = D.DCPContext(group=Group(pctx.cp.size, cp_rank, cp_name), interleave=case.interleave,
+                                    block_size=BLOCK, merge=case.merge)
                 if case.kind == "gqa":
                     o = D.dcp_gqa_attention(x["q"], x["k"], x["v"], *caches, *_meta_args(meta), 0.25, dctx)
                 else:

@@ -17,11 +17,14 @@ import cp_compile
 import cp_compile.ops  # noqa: F401
 from cp_compile.ops import pcp_layout
 from cp_compile.ops.parallel import pcp as P
+from cp_compile.parallel_layout import Layout
 
 
 def _setup(dcp: int):
-    ctx = P.PCPContext(pcp=2, pcp_rank=1, pcp_group_name="test_pcp", dcp=dcp, dcp_rank=dcp - 1,
-                       dcp_group_name="test_dcp" if dcp > 1 else "", interleave=1, block_size=4)
+    layout = Layout.for_test(cp_compile.CPConfig(tensor_parallel_size=dcp, decode_context_parallel_size=dcp,
+                                                 prefill_context_parallel_size=2, block_size=4), rank=2 * dcp - 1)
+    assert (layout.pcp.rank, layout.dcp.rank) == (1, dcp - 1)
+    ctx = P.PCPContext(pcp=layout.pcp, dcp=layout.dcp, cp=layout.cp, interleave=1, block_size=4)
     alloc = cp_compile.BlockAllocator(16, 4 * 2 * dcp)
     meta = cp_compile.build_attention_metadata([(0, 7), (3, 5), (0, 1)], alloc, num_padding_tokens=2,
                                                max_blocks_per_req=4)

@@ -31,8 +31,7 @@ FAST = 30.0  # the other worlds' timeout: a peer failing well within it did not 
 def _decode(rank: int, world: int, mode: str, timeout: float) -> dict:
     cfg = cp_compile.CPConfig(tensor_parallel_size=world, decode_context_parallel_size=world, block_size=BLOCK)
     state = cp_compile.init_parallel(cfg, device="cpu", timeout=timeout)
-    ctx = D.DCPContext(size=world, rank=state.dcp_rank, interleave=1, block_size=BLOCK,
-                       group_name=state.dcp_group_name)
+    ctx = D.DCPContext(group=state.layout.cp, interleave=1, block_size=BLOCK)
     cache = cp_compile.allocate_kv_cache(cfg, cp_compile.KVCacheSpec(1, "gqa", head_dim=8, num_kv_heads_per_rank=1),
                                          8, attention=cp_compile.AttentionSpec("gqa", 2 * world, 1))
     k_cache, v_cache = cache.layers[0]

@@ -43,7 +43,7 @@ def _run(rank: int, world: int, cases: list[tuple]) -> list[list[torch.Tensor]]:
         cfg = cp_compile.CPConfig(prefill_context_parallel_size=PCP, block_size=BLOCK, dcp_merge=merge)
         state = cp_compile.init_parallel(cfg, device="cpu")
         ctx = CompileContext.from_state(state).cp_view()  # what the PCP decode graph runs on
-        assert (ctx.size, ctx.rank) == (PCP, rank)
+        assert (ctx.group.size, ctx.group.rank) == (PCP, rank)
         caches = _caches(kv, BLOCK)
         compose = D.dcp_gqa_attention
         steps = []

@@ -75,8 +75,10 @@ def test_device_kernel_matches_reference(op: str) -> None:
     want = _cpu_reference(op)(*ref_args)
     got = registry.DEVICE_KERNELS[op](*dev_args)
     _assert_same(op, got, want)
-    for i in mutated:
-        assert torch.equal(dev_args[i], ref_args[i]), f"{op}: cache argument {i} written differently"
+    for i in mutated:  # a cache the op writes: same slots, same values (computed ones within fp32 rounding:
+        # cp::mla_preprocess writes its normed / rotated latent, 1 ulp apart on some inputs)
+        torch.testing.assert_close(dev_args[i], ref_args[i], atol=2e-6, rtol=1e-6,
+                                   msg=lambda m: f"{op}: cache argument {i} written differently: {m}")
 
 
 # ----------------------------------------------------------------------------- edge cases

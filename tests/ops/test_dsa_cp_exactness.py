@@ -103,7 +103,7 @@ def _run_cases(rank: int, world: int, names: list[str]) -> dict[str, tuple[list[
     cfg.validate_for(SPEC)
     state = cp_compile.init_parallel(cfg, device="cpu")
     ctx = CompileContext.from_state(state, attention=SPEC).tp_view()
-    assert (ctx.tp, ctx.rank) == (world, rank)
+    assert (ctx.tp.size, ctx.tp.rank) == (world, rank)
     hl = H // world
     heads = slice(rank * hl, (rank + 1) * hl)
     results = {}

@@ -18,6 +18,7 @@ import torch.distributed as dist
 
 from cp_compile.decorator import no_size_specialisation
 from cp_compile.ops.parallel import dcp as D
+from cp_compile.parallel_layout import Group
 from cp_compile.testing.multirank import run_on_ranks
 
 HEADS = 2  # per rank
@@ -32,8 +33,8 @@ def _err(a: torch.Tensor, b: torch.Tensor) -> float:
 
 def _merge_on_rank(rank: int, world: int, dtype: torch.dtype) -> list[tuple[float, float, float, int]]:
     def ctx(merge: str) -> D.DCPContext:
-        return D.DCPContext(size=world, rank=rank, interleave=1, block_size=4,
-                            group_name=dist.group.WORLD.group_name, merge=merge)
+        return D.DCPContext(group=Group(world, rank, dist.group.WORLD.group_name), interleave=1, block_size=4,
+                            merge=merge)
 
     a2a, ag_rs = ctx("a2a"), ctx("ag_rs")
     compiled = torch.compile(lambda out, lse: D.merge_heads(out, lse, a2a, HEADS, dtype), backend="inductor",

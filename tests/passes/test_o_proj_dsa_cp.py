@@ -64,7 +64,7 @@ def _record_graphs(store: list) -> None:
             if node.op == "placeholder" and isinstance(v, torch.Tensor) and v.dim() == 2 \
                     and all(isinstance(d, int) for d in v.shape):
                 out_dim, in_dim = v.shape if v.dtype.is_floating_point else v.shape[::-1]
-                full_shapes |= {(out_dim, in_dim * self.tp.tp), (in_dim * self.tp.tp, out_dim)}
+                full_shapes |= {(out_dim, in_dim * self.shards.tp.size), (in_dim * self.shards.tp.size, out_dim)}
         full = []
         for node in gm.graph.nodes:
             v = fake_value(node)

@@ -18,6 +18,7 @@ from cp_compile.metadata import BlockAllocator, build_attention_metadata
 from cp_compile.ops import pcp_layout
 from cp_compile.passes.fx_utils import fake_value
 from cp_compile.ops.pcp import pcp_token_index
+from cp_compile.parallel_layout import Group
 from cp_compile.passes.pcp_attention import token_index_markers
 from cp_compile.passes.pass_manager import PassManager
 from cp_compile.testing.pass_harness import run_pipeline
@@ -150,7 +151,7 @@ def test_pcp_pass_rewrites_prefill_graph(kind, dcp):
 def test_pcp_decode_graph_runs_dcp_over_the_cache_ranks():
     # Decode graphs keep every token: dcp_attention over N = pcp * dcp ranks (the CP group).
     ctx = _ctx("gqa", dcp=2, batch_kind="decode")
-    assert (ctx.cp_view().size, ctx.cp_view().rank, ctx.cp_view().group_name) == (4, 3, "test_cp")
+    assert ctx.cp_view().group == Group(4, 3, "test_cp")
     model = Attn("gqa")
     meta = build_attention_metadata([(5, 1), (2, 1)], BlockAllocator(NUM_BLOCKS, BLOCK * 4))
     caches = [torch.zeros(NUM_BLOCKS, BLOCK * 4, 1, D) for _ in range(2 * LAYERS)]
