@@ -40,9 +40,11 @@ from cp_compile.parallel_layout import Group, Layout
 @dataclass
 class ParallelState:
     """The live side of the layout: the process groups `init_parallel` created for
-    this rank, its device and backend. What a compile is specialised on is `layout`
-    (sizes, ranks, group names: `cp_compile.parallel_layout.Layout`); the rank and
-    size properties below read it, so nothing is stored twice."""
+    this rank (and the mesh they come from), its device, backend, collective timeout
+    and measured collective costs. What a compile is specialised on is `layout`
+    (`cp_compile.parallel_layout.Layout`: each group's size, this rank's place in it
+    and its name), the one place those facts live: `state.layout.tp.rank`, no copy
+    here (decision 40)."""
 
     cfg: CPConfig
     rank: int
@@ -61,53 +63,6 @@ class ParallelState:
     timeout_s: float = 0.0  # collective timeout of the TP / DCP / PCP groups
     # dcp_merge="auto": the CP group's measured collective costs (merge_cost.calibrate).
     collective_costs: CollectiveCosts | None = None
-
-    @property
-    def tp_rank(self) -> int:
-        return self.layout.tp.rank
-
-    @property
-    def dcp_rank(self) -> int:
-        return self.layout.dcp.rank
-
-    @property
-    def pcp_rank(self) -> int:
-        return self.layout.pcp.rank
-
-    @property
-    def cp_rank(self) -> int:
-        return self.layout.cp.rank
-
-    @property
-    def tp_size(self) -> int:
-        return self.layout.tp.size
-
-    @property
-    def dcp_size(self) -> int:
-        return self.layout.dcp.size
-
-    @property
-    def cp_size(self) -> int:
-        """Ranks one request's KV cache is sharded over: pcp * dcp."""
-        return self.layout.cp.size
-
-    @property
-    def dcp_group_name(self) -> str:
-        """Name the functional collectives use for the DCP group."""
-        return self.layout.dcp.name
-
-    @property
-    def tp_group_name(self) -> str:
-        return self.layout.tp.name
-
-    @property
-    def context_group(self) -> dist.ProcessGroup:
-        """The CP group (the KV cache's context-parallel group)."""
-        return self.cp_group
-
-    @property
-    def cp_group_name(self) -> str:
-        return self.layout.cp.name
 
 
 _STATE: ParallelState | None = None
@@ -169,12 +124,27 @@ def resolve_timeout(timeout: float | timedelta | None) -> float:
     return float(seconds)
 
 
+def _hccl_options() -> Any:
+    """torch_npu's HCCL process-group options class, or None without torch_npu."""
+    try:
+        import torch_npu  # noqa: F401  (optional: the NPU backend)
+    except ImportError:
+        return None
+    return torch_npu._C._distributed_c10d.ProcessGroupHCCL.Options
+
+
 def _options(backend: str, timeout: timedelta) -> tuple[str, Any]:
-    """A process group's backend with this timeout (DeviceMesh creates groups from it)."""
-    opts = {"gloo": dist.ProcessGroupGloo._Options, "nccl": getattr(dist, "ProcessGroupNCCL", None)}.get(backend)
-    if opts is None:  # hccl (torch_npu): its own options class is not importable here; default timeout
+    """A process group's backend with this timeout (DeviceMesh creates groups from it):
+    the backend's options object with `_timeout` set (gloo, NCCL; HCCL through
+    torch_npu's `ProcessGroupHCCL.Options`, as torch_npu's own group factory sets it;
+    not run here: no torch_npu / NPU on this machine), else no options (the default
+    group's timeout)."""
+    nccl = getattr(dist, "ProcessGroupNCCL", None)
+    opts = {"gloo": dist.ProcessGroupGloo._Options, "nccl": nccl.Options if nccl is not None else None,
+            "hccl": _hccl_options() if backend == "hccl" else None}.get(backend)
+    if opts is None:
         return (backend, None)
-    o = opts() if backend == "gloo" else opts.Options()
+    o = opts()
     o._timeout = timeout
     return (backend, o)
 
@@ -266,7 +236,7 @@ def destroy_parallel(destroy_process_group: bool = False) -> None:
     """Forget the current groups (and optionally tear down torch.distributed)."""
     global _STATE
     if _STATE is not None:
-        for grp in {_STATE.tp_group, _STATE.dcp_group, _STATE.pcp_group, _STATE.context_group}:
+        for grp in {_STATE.tp_group, _STATE.dcp_group, _STATE.pcp_group, _STATE.cp_group}:
             dist.destroy_process_group(grp)
     _STATE = None
     if destroy_process_group and dist.is_initialized():

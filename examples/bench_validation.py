@@ -43,7 +43,7 @@ def _world(rank: int, world: int, args: argparse.Namespace, hf_config: Any, stat
     torch.manual_seed(0)
     cfg = cp_compile.CPConfig(tensor_parallel_size=world, decode_context_parallel_size=args.dcp, block_size=BLOCK)
     state = cp_compile.init_parallel(cfg, device="cpu")
-    model = example_from_config(hf_config, state_dict, world, state.tp_rank, state.tp_group)
+    model = example_from_config(hf_config, state_dict, world, state.layout.tp.rank, state.tp_group)
     per_req = -(-(args.context + args.warmup + args.steps + 1) // cfg.virtual_block_size)
     num_blocks = per_req * args.batch + 1
     cache = cp_compile.allocate_kv_cache(cfg, model.kv_cache_spec(), num_blocks, attention=model.attention_spec())

@@ -102,7 +102,7 @@ def _instance(side: Side, hf_config, state_dict, kind: str):
 
     cfg = side.config()
     state = cp_compile.init_parallel(cfg, device="cpu")
-    model = example_from_config(hf_config, state_dict, side.tp, state.tp_rank, state.tp_group)
+    model = example_from_config(hf_config, state_dict, side.tp, state.layout.tp.rank, state.tp_group)
     cache = cp_compile.allocate_kv_cache(cfg, model.kv_cache_spec(), NUM_BLOCKS, attention=model.attention_spec())
     forward = model
     if cfg.context_parallel_size > 1:

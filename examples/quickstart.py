@@ -74,11 +74,11 @@ def _rank_main(rank: int, world: int, kind: str, dcp: int, steps: int, hf_config
                               prefill_context_parallel_size=pcp, block_size=BLOCK)
     state = cp_compile.init_parallel(cfg, device="cpu")
     if kind == "qwen3":
-        model = CompiledQwen3(Qwen3Config.from_hf(hf_config), tp, state.tp_rank, state.tp_group)
+        model = CompiledQwen3(Qwen3Config.from_hf(hf_config), tp, state.layout.tp.rank, state.tp_group)
     elif kind == "mla":
-        model = CompiledMLA(DeepseekMLAConfig.from_hf(hf_config), tp, state.tp_rank, state.tp_group)
+        model = CompiledMLA(DeepseekMLAConfig.from_hf(hf_config), tp, state.layout.tp.rank, state.tp_group)
     else:
-        model = CompiledSFA(DeepseekSFAConfig.from_hf(hf_config), tp, state.tp_rank, state.tp_group)
+        model = CompiledSFA(DeepseekSFAConfig.from_hf(hf_config), tp, state.layout.tp.rank, state.tp_group)
     model.load_hf_state_dict(state_dict)
     cache = cp_compile.allocate_kv_cache(cfg, model.kv_cache_spec(), NUM_BLOCKS, attention=model.attention_spec())
     # The plain-TP baseline (dcp = pcp = 1) for the same token capacity, on the meta device: shapes, no memory.
@@ -112,7 +112,7 @@ def _spec_rank(rank: int, world: int, tp: int, dcp: int, pcp: int, k: int, propo
     cfg = cp_compile.CPConfig(tensor_parallel_size=tp, decode_context_parallel_size=dcp,
                               prefill_context_parallel_size=pcp, block_size=BLOCK)
     state = cp_compile.init_parallel(cfg, device="cpu")
-    models = spec.build(cfg, hf_config, sd, proposer, k, SPEC_BLOCKS, state.tp_rank, state.tp_group,
+    models = spec.build(cfg, hf_config, sd, proposer, k, SPEC_BLOCKS, state.layout.tp.rank, state.tp_group,
                         lowering="inductor", draft_lowering="inductor", draft_hf=draft_hf, max_blocks_per_req=10)
     t0 = time.perf_counter()
     res = spec.decoder(models, cfg, SPEC_BLOCKS, max_blocks_per_req=10).generate(_spec_prompts(), SPEC_NEW_TOKENS)

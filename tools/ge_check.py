@@ -504,7 +504,7 @@ def _rank_main(rank: int, world: int, configs: list, dump: str | None) -> list[d
             cp_compile.destroy_parallel()
             continue
         try:
-            model = _model(kind, world, state.tp_rank, state.tp_group, w8a8=dsa)
+            model = _model(kind, world, state.layout.tp.rank, state.tp_group, w8a8=dsa)
             cache = cp_compile.allocate_kv_cache(cfg, model.kv_cache_spec(), 16, dtype=torch.bfloat16,
                                                  attention=model.attention_spec(), scratch_block=True)
             compiled = cp_compile.compile_model(model, lowering="torchair", torchair_mode="max-autotune")

@@ -305,7 +305,7 @@ def build_sides(rank: int, world_size: int, args: BenchArgs, world: World, sourc
     model at the world's dcp; each KV pool holds `max(args.batch)` requests of `tokens_per_req`."""
     dcp, merge = world
     t0 = time.perf_counter()
-    model = source.build(world_size, state.tp_rank, state.tp_group)
+    model = source.build(world_size, state.layout.tp.rank, state.tp_group)
     # Parameters only: the rope inverse frequencies stay fp32 (as in HF).
     for p in model.parameters():
         p.data = p.data.to(device=device, dtype=args.torch_dtype)
@@ -314,7 +314,7 @@ def build_sides(rank: int, world_size: int, args: BenchArgs, world: World, sourc
     if dcp > 1:  # the baseline first: side 0
         base_cfg = cp_compile.CPConfig(tensor_parallel_size=args.tp, block_size=args.block_size)
         sides.append(_side(args, model, base_cfg, "none", 0, True, device, tokens_per_req))
-    sides.append(_side(args, model, state.cfg, merge, state.dcp_rank, False, device, tokens_per_req))
+    sides.append(_side(args, model, state.cfg, merge, state.layout.dcp.rank, False, device, tokens_per_req))
     log(rank, f"[dcp={dcp} {merge}] {args.shape} tp={args.tp}: model built in {time.perf_counter() - t0:.1f} s; "
               + "; ".join(f"dcp={s.cfg.decode_context_parallel_size} pool {s.geom.num_blocks} pages x {args.block_size} tokens/rank "
                           f"({s.cache.sharded_bytes / 2**20:.2f} MiB KV/rank)" for s in sides)

@@ -62,7 +62,7 @@ def build_dsa_cp_sides(rank: int, world_size: int, args: PrefillArgs, source: Mo
                        device: torch.device, tokens_per_req: int) -> tuple[torch.nn.Module, list[Side]]:
     """The model on this rank; side 0 DSA-CP off (plain lowering), side 1 on (cp_ascend)."""
     t0 = time.perf_counter()
-    model = source.build(world_size, state.tp_rank, state.tp_group)
+    model = source.build(world_size, state.layout.tp.rank, state.tp_group)
     for p in model.parameters():  # parameters only: the rope inverse frequencies stay fp32 (as in HF)
         p.data = p.data.to(device=device, dtype=args.torch_dtype)
     model.to(device)

@@ -63,7 +63,7 @@ def build_pcp_sides(rank: int, args: PrefillArgs, source: ModelSource, state: An
     of `tokens_per_req` tokens."""
     t0 = time.perf_counter()
     # tp, not the world size: every PCP group holds the whole model, TP-sharded the same way.
-    model = source.build(args.tp, state.tp_rank, state.tp_group)
+    model = source.build(args.tp, state.layout.tp.rank, state.tp_group)
     for p in model.parameters():  # parameters only: the rope inverse frequencies stay fp32 (as in HF)
         p.data = p.data.to(device=device, dtype=args.torch_dtype)
     model.to(device)
@@ -81,7 +81,7 @@ def build_pcp_sides(rank: int, args: PrefillArgs, source: ModelSource, state: An
             def graphs(c: Any = compiled) -> int:  # one per batch kind that ran (prefill only here)
                 return sum(len(b.pass_managers) for b in c.backends.values())
 
-            sides.append(Side(cfg, "pcp", state.cp_rank, cache, geom, compiled, graphs))
+            sides.append(Side(cfg, "pcp", state.layout.cp.rank, cache, geom, compiled, graphs))
         else:
             backend = _CountingBackend(args.lowering)
             sides.append(Side(cfg, "none", 0, cache, geom, PlainCompiled(model.forward, backend),

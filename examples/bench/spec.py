@@ -60,11 +60,11 @@ def spec_world(rank: int, world_size: int, args: BenchArgs, world: World, source
         width = -(-per_req // cfg.virtual_block_size)
         num_blocks = width * max(args.batch)
         t0 = time.perf_counter()
-        sides = {"off": spec.build(cfg, source.hf_config, source.state_dict, None, 0, num_blocks, state.tp_rank,
+        sides = {"off": spec.build(cfg, source.hf_config, source.state_dict, None, 0, num_blocks, state.layout.tp.rank,
                                    state.tp_group, lowering=args.lowering, max_blocks_per_req=width,
                                    device=str(device)),
                  "on": spec.build(cfg, source.hf_config, source.state_dict, args.proposer, k, num_blocks,
-                                  state.tp_rank, state.tp_group, lowering=args.lowering,
+                                  state.layout.tp.rank, state.tp_group, lowering=args.lowering,
                                   draft_lowering=args.lowering, draft_hf=source.draft_hf,  # type: ignore[attr-defined]
                                   max_blocks_per_req=width, device=str(device))}
         log(rank, f"[dcp={dcp} spec k={k} {args.proposer}] models built in {time.perf_counter() - t0:.1f} s")

@@ -245,7 +245,7 @@ def _dcp_world(rank: int, world: int, hf_config, state_dict, ok_config, ok_state
     state = cp_compile.init_parallel(cfg, device="cpu", timeout=20)
     # 1. The compiled path skipped the model rule: 2 KV heads at tp = dcp = 2 gives each
     # rank a different head, and the DCP merge mixed them (logits off by ~10).
-    model = example_from_config(hf_config, state_dict, 2, state.tp_rank, state.tp_group)
+    model = example_from_config(hf_config, state_dict, 2, state.layout.tp.rank, state.tp_group)
     try:
         cp_compile.allocate_kv_cache(cfg, model.kv_cache_spec(), 8)
         out["layout"] = None
@@ -272,7 +272,7 @@ def _dcp_world(rank: int, world: int, hf_config, state_dict, ok_config, ok_state
         out["bad_step"] = str(e)
     out["unchanged"] = _same(cache.layers, before)
     # The compiled entry refuses the same step (before tracing, so no compile here).
-    ok_model = example_from_config(ok_config, ok_state_dict, 2, state.tp_rank, state.tp_group)
+    ok_model = example_from_config(ok_config, ok_state_dict, 2, state.layout.tp.rank, state.tp_group)
     compiled = cp_compile.compile_model(ok_model, lowering="eager")
     try:
         compiled(torch.zeros(meta.num_tokens, dtype=torch.long), meta.positions, cache.layers, meta)

@@ -56,7 +56,7 @@ def _world(rank: int, world: int) -> dict[str, int]:
     state = cp_compile.init_parallel(cfg, device="cpu")
     hf = hf_qwen3(num_kv_heads=1)
     graphs = {}
-    for name, (compiled, model) in _entries(world, state.tp_rank, state.tp_group, hf).items():
+    for name, (compiled, model) in _entries(world, state.layout.tp.rank, state.tp_group, hf).items():
         torch._dynamo.reset()
         cache = cp_compile.allocate_kv_cache(cfg, model.kv_cache_spec(), 12, attention=model.attention_spec())
         _run(compiled, cfg, cache.layers)

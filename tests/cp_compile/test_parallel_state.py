@@ -20,10 +20,10 @@ def _groups(rank: int, world: int, cfgs: list[cp_compile.CPConfig]) -> list[dict
         out.append(dict(tp=dist.get_process_group_ranks(st.tp_group),
                         dcp=dist.get_process_group_ranks(st.dcp_group),
                         pcp=dist.get_process_group_ranks(st.pcp_group),
-                        cp=dist.get_process_group_ranks(st.context_group), cp_rank=st.cp_rank,
-                        cp_group_rank=dist.get_rank(st.context_group),
+                        cp=dist.get_process_group_ranks(st.cp_group), cp_rank=st.layout.cp.rank,
+                        cp_group_rank=dist.get_rank(st.cp_group),
                         ctx_cp=cp_compile.passes.context.CompileContext.from_state(st).cp,
-                        tp_rank=st.tp_rank, dcp_rank=st.dcp_rank, pcp_rank=st.pcp_rank,
+                        tp_rank=st.layout.tp.rank, dcp_rank=st.layout.dcp.rank, pcp_rank=st.layout.pcp.rank,
                         dcp_sum=t.item(), backend=st.backend))
         cp_compile.destroy_parallel()
     return out
@@ -82,3 +82,31 @@ def test_rank_exception_carries_traceback():
 def test_hang_is_killed():
     with pytest.raises(TimeoutError, match="did not finish"):
         run_on_ranks(_hang, 2, timeout=8)
+
+
+def test_group_options_carry_the_timeout(monkeypatch):
+    """Every backend's groups get the configured timeout as options (DeviceMesh's
+    backend_override). HCCL through torch_npu's ProcessGroupHCCL.Options: torch_npu
+    cannot be installed here, so a module of that shape stands in for it (what the
+    real class accepts is unverified without an NPU)."""
+    import sys
+    from datetime import timedelta
+    from types import ModuleType, SimpleNamespace
+
+    from cp_compile.parallel_state import _options
+
+    t = timedelta(seconds=7)
+    for backend in ("gloo", "nccl"):
+        name, opts = _options(backend, t)
+        if backend == "nccl" and not dist.is_nccl_available():  # a CPU-only torch build (CI)
+            assert opts is None
+            continue
+        assert name == backend and opts._timeout == t
+    monkeypatch.setitem(sys.modules, "torch_npu", None)  # not importable: no options, the default timeout
+    assert _options("hccl", t) == ("hccl", None)
+    npu = ModuleType("torch_npu")
+    npu._C = SimpleNamespace(_distributed_c10d=SimpleNamespace(ProcessGroupHCCL=SimpleNamespace(
+        Options=type("Options", (), {}))))
+    monkeypatch.setitem(sys.modules, "torch_npu", npu)
+    name, opts = _options("hccl", t)
+    assert name == "hccl" and type(opts).__name__ == "Options" and opts._timeout == t

@@ -139,9 +139,10 @@ def _run(rank: int, world: int, cases: list[Case]):
         ptrs = [c.data_ptr() for c in caches]
         outs = []
         for step, meta in enumerate(_metas(case)):
-            x = _heads(_inputs(case, meta.num_tokens, seed=step), case.tp, state.tp_rank)
+            x = _heads(_inputs(case, meta.num_tokens, seed=step), case.tp, state.layout.tp.rank)
             if step < 2:  # PCP prefill steps
-                row = pcp_layout.pcp_token_table(meta.query_start_loc, meta.num_tokens, pcp=case.pcp)[state.pcp_rank]
+                rows = pcp_layout.pcp_token_table(meta.query_start_loc, meta.num_tokens, pcp=case.pcp)
+                row = rows[state.layout.pcp.rank]
                 xs = _tokens(x, row)
                 if case.kind == "gqa":
                     o = P.pcp_gqa_attention(xs["q"], xs["k"], xs["v"], *caches, *_meta_args(meta), row, 0.25, pctx)
@@ -159,7 +160,7 @@ def _run(rank: int, world: int, cases: list[Case]):
                                             *_meta_args(meta), 0.2, dctx)
                 outs.append((None, o))
         assert [c.data_ptr() for c in caches] == ptrs  # the decode read the tensors the prefill wrote
-        results.append(dict(outs=outs, tp_rank=state.tp_rank, pcp_rank=state.pcp_rank))
+        results.append(dict(outs=outs, tp_rank=state.layout.tp.rank, pcp_rank=state.layout.pcp.rank))
         cp_compile.destroy_parallel()
     return results
 

@@ -48,7 +48,7 @@ def _refusal(call) -> str:
 def _world(rank: int, world: int, hf_config, sd, qwen_config, qwen_sd) -> dict:
     cfg = cp_compile.CPConfig(tensor_parallel_size=world, decode_context_parallel_size=world, block_size=4)
     state = cp_compile.init_parallel(cfg, device="cpu")
-    model = example_from_config(hf_config, sd, world, state.tp_rank, state.tp_group)
+    model = example_from_config(hf_config, sd, world, state.layout.tp.rank, state.tp_group)
     cache = cp_compile.allocate_kv_cache(cfg, model.kv_cache_spec(), 8, attention=model.attention_spec())
     layers = layer_caches(cache)
     meta = cp_compile.build_attention_metadata([(0, 6)], cp_compile.BlockAllocator(8, cfg.virtual_block_size))
@@ -76,7 +76,7 @@ def _world(rank: int, world: int, hf_config, sd, qwen_config, qwen_sd) -> dict:
     out["compiled_finite"] = bool(torch.isfinite(logits).all())
     # The README's plain torch.compile at dcp 2: an explicit cp_ascend backend (the string
     # backend cannot read the model's AttentionSpec, which dcp 2 requires).
-    qwen = example_from_config(qwen_config, qwen_sd, world, state.tp_rank, state.tp_group)
+    qwen = example_from_config(qwen_config, qwen_sd, world, state.layout.tp.rank, state.tp_group)
     qcache = cp_compile.allocate_kv_cache(cfg, qwen.kv_cache_spec(), 6, attention=qwen.attention_spec())
     be = cp_compile.backend(lowering="eager", attention=qwen.attention_spec())
     out["plain"] = run_bad_step(torch.compile(qwen, backend=be, fullgraph=True), qcache.layers,

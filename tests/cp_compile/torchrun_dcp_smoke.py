@@ -20,11 +20,11 @@ def main() -> None:
     q, k, v = torch.randn(6, 4, 8, generator=g), torch.randn(6, 1, 8, generator=g), torch.randn(6, 1, 8, generator=g)
     args = (meta.slot_mapping, meta.block_table, meta.seq_lens, meta.query_start_loc, 0.3)
     ref = torch.ops.cp.gqa_paged_attention(q, k, v, torch.zeros(4, 8, 1, 8), torch.zeros(4, 8, 1, 8), *args)
-    r = state.tp_rank
+    r = state.layout.tp.rank
     out = D.dcp_gqa_attention(q[:, 2 * r:2 * r + 2], k, v, torch.zeros(4, 4, 1, 8), torch.zeros(4, 4, 1, 8), *args,
                               CompileContext.from_state(state).cp_view())
     torch.testing.assert_close(out, ref[:, 2 * r:2 * r + 2], atol=1e-5, rtol=1e-5)
-    print(f"rank {state.rank} backend={state.backend} dcp_rank={state.dcp_rank} OK", flush=True)
+    print(f"rank {state.rank} backend={state.backend} dcp_rank={state.layout.dcp.rank} OK", flush=True)
     cp_compile.destroy_parallel(destroy_process_group=True)
 
 

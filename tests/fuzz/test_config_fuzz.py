@@ -151,7 +151,7 @@ def _rank(rank: int, world: int, cases: list[tuple[dict, dict, dict]]) -> list[d
             cfg = _config(c)
             state = cp_compile.init_parallel(cfg, device="cpu")
             try:
-                model = example_from_config(hf_config, sd, c.tp, state.tp_rank, state.tp_group)
+                model = example_from_config(hf_config, sd, c.tp, state.layout.tp.rank, state.tp_group)
                 cfg.validate_for(model.attention_spec())
                 cache = cp_compile.allocate_kv_cache(cfg, model.kv_cache_spec(), NUM_BLOCKS,
                                                      attention=model.attention_spec())

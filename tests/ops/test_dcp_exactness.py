@@ -99,7 +99,7 @@ def _run_cases(rank: int, world: int, cases: list[Case]) -> list[list[torch.Tens
         caches = _caches(case, BLOCK, 1, case.dtype)
         outs = []
         for step, meta in enumerate(_metas(case)):
-            x = _rank_heads(case, state.tp_rank, _inputs(case, meta.num_tokens, seed=step))
+            x = _rank_heads(case, state.layout.tp.rank, _inputs(case, meta.num_tokens, seed=step))
             if case.kind == "gqa":
                 o = D.dcp_gqa_attention(x["q"], x["k"], x["v"], *caches, *meta_args(meta), 0.25, ctx)
             else:

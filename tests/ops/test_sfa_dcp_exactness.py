@@ -89,7 +89,7 @@ def _run_cases(rank: int, world: int, cases: list[Case]) -> list[list[tuple[torc
         latent = torch.zeros(NUM_BLOCKS, BLOCK, L + R, dtype=case.dtype)  # this rank's shard
         index_cache = _index_cache(case)
         hl = H // world
-        heads = slice(state.tp_rank * hl, (state.tp_rank + 1) * hl)
+        heads = slice(state.layout.tp.rank * hl, (state.layout.tp.rank + 1) * hl)
         outs = []
         for step, meta in enumerate(_metas(case)):
             x = _inputs(case, meta.num_tokens, seed=step)

@@ -42,7 +42,7 @@ def _dcp_world(rank: int, world: int, kind: str, dcp: int, lowering: str, merge:
     cfg = cp_compile.CPConfig(tensor_parallel_size=world, decode_context_parallel_size=dcp, block_size=BLOCK,
                               dcp_merge=merge, cp_kv_cache_interleave_size=interleave)
     state = cp_compile.init_parallel(cfg, device="cpu")
-    model = example_from_config(hf_config, state_dict, world, state.tp_rank, state.tp_group)
+    model = example_from_config(hf_config, state_dict, world, state.layout.tp.rank, state.tp_group)
     cache = cp_compile.allocate_kv_cache(cfg, model.kv_cache_spec(), NUM_BLOCKS, attention=model.attention_spec())
     compiled = cp_compile.compile_model(model, lowering=lowering)
 

@@ -126,7 +126,7 @@ def _world(rank: int, world: int, hf_config, state_dict, runs: list[tuple[bool, 
     for dsa_cp, lowering in runs:
         cfg = CPConfig(tensor_parallel_size=world, block_size=BLOCK, enable_dsa_cp=dsa_cp)
         state = cp_compile.init_parallel(cfg, device="cpu")
-        model = example_from_config(hf_config, state_dict, world, state.tp_rank, state.tp_group)
+        model = example_from_config(hf_config, state_dict, world, state.layout.tp.rank, state.tp_group)
         cache = cp_compile.allocate_kv_cache(cfg, model.kv_cache_spec(), NUM_BLOCKS,
                                              attention=model.attention_spec())
         torch._dynamo.reset()  # a fresh model of the same class: its graphs are not recompiles

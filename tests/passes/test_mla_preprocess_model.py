@@ -58,7 +58,7 @@ def run_pair(rank: int, world: int, hf_config, state_dict, cfg_kwargs: dict, qua
     for on in (False, True):
         cfg = cp_compile.CPConfig(block_size=BLOCK, enable_mla_preprocess=on, **cfg_kwargs)
         state = cp_compile.init_parallel(cfg, device="cpu") if world > 1 else None
-        model = build(hf_config, state_dict, cfg.tensor_parallel_size, state.tp_rank if state else 0,
+        model = build(hf_config, state_dict, cfg.tensor_parallel_size, state.layout.tp.rank if state else 0,
                       state.tp_group if state else None, quant).to(dtype)
         cache = cp_compile.allocate_kv_cache(cfg, model.kv_cache_spec(), NUM_BLOCKS, dtype=dtype,
                                              attention=model.attention_spec())

@@ -27,7 +27,7 @@ class NoAttention(torch.nn.Module):
 def _world(rank: int, world: int) -> str:
     cfg = cp_compile.CPConfig(tensor_parallel_size=world, block_size=4, enable_dsa_cp=True)
     state = cp_compile.init_parallel(cfg, device="cpu")
-    m = NoAttention(world, state.tp_rank, state.tp_group)
+    m = NoAttention(world, state.layout.tp.rank, state.tp_group)
     compiled = cp_compile.compile_model(m, lowering="eager", dynamic_args=("x",),
                                         attention=AttentionSpec("sfa", num_heads=4, has_indexer=True))
     meta = cp_compile.build_attention_metadata([(0, 5)], cp_compile.BlockAllocator(4, 4))  # a prefill step

@@ -101,7 +101,7 @@ def _sfa_world(rank: int, world: int, hf_config, state_dict) -> dict:
     graphs: list = []
     _record_graphs(graphs)
     _run_compiled_graphs_under(_RUNTIME_MODE)
-    model = example_from_config(hf_config, state_dict, world, state.tp_rank, state.tp_group)
+    model = example_from_config(hf_config, state_dict, world, state.layout.tp.rank, state.tp_group)
     cache = cp_compile.allocate_kv_cache(cfg, model.kv_cache_spec(), NUM_BLOCKS, attention=model.attention_spec())
     compiled = cp_compile.compile_model(model, lowering="aot_eager")
     before = _snapshot(model)
@@ -197,7 +197,7 @@ def _sfa_model(hf_config, state_dict, tp: int, rank: int, group, quant):
 
 def _eager_run(cfg: CPConfig, state, hf_config, state_dict, quant) -> dict:
     """One schedule with the eager full-weight switch, one without (TP), one injected failure."""
-    model = _sfa_model(hf_config, state_dict, cfg.tensor_parallel_size, state.tp_rank, state.tp_group, quant)
+    model = _sfa_model(hf_config, state_dict, cfg.tensor_parallel_size, state.layout.tp.rank, state.tp_group, quant)
     fw = ofw.OProjFullWeight(model)
     before = _snapshot(model)
     intact, pool_ptrs = [], []
@@ -349,13 +349,13 @@ def _quant_world(rank: int, world: int) -> dict:
                     ("static", W8A8Config("static", input_scales=(0.03, 0.05), input_offsets=(1, -4)))):
         torch._dynamo.reset()
         torch.manual_seed(1)
-        m = QuantAttnOut(q, world, state.tp_rank, state.tp_group)
+        m = QuantAttnOut(q, world, state.layout.tp.rank, state.tp_group)
         m.o_proj.load_full(W)
         compiled = cp_compile.compile_model(m, lowering="aot_eager", dynamic_args=("x",), o_proj="o_proj")
         before = _snapshot_all(m.o_proj)
         for T, reqs in ((7, [(0, 5), (2, 2)]), (9, [(0, 9)]), (2, [(3, 1), (5, 1)])):
             meta = build_attention_metadata(reqs, BlockAllocator(8, BLOCK))
-            x = torch.randn(T, IN, generator=g)[:, state.tp_rank * k:(state.tp_rank + 1) * k].contiguous()
+            x = torch.randn(T, IN, generator=g)[:, state.layout.tp.rank * k:(state.layout.tp.rank + 1) * k].contiguous()
             with torch.no_grad():
                 out[(name, T)] = torch.equal(compiled(x, meta), m(x, meta))
         out[(name, "intact")] = _same_all(before, m.o_proj)
@@ -363,7 +363,7 @@ def _quant_world(rank: int, world: int) -> dict:
                                for kd, b in compiled.backends.items()}
     # A declared o_proj that is no row-parallel linear: refused at compile time, naming it.
     torch._dynamo.reset()
-    bad = cp_compile.compile_model(QuantAttnOut(W8A8Config("dynamic"), world, state.tp_rank, state.tp_group),
+    bad = cp_compile.compile_model(QuantAttnOut(W8A8Config("dynamic"), world, state.layout.tp.rank, state.tp_group),
                                    lowering="aot_eager", dynamic_args=("x",), o_proj="other")
     try:
         bad(torch.randn(5, k), build_attention_metadata([(0, 5)], BlockAllocator(8, BLOCK)))

@@ -94,7 +94,7 @@ def _world(rank: int, world: int, cases: list[tuple]) -> list[dict]:
                                   prefill_context_parallel_size=pcp, cp_kv_cache_interleave_size=interleave,
                                   block_size=BLOCK)
         state = cp_compile.init_parallel(cfg, device="cpu")
-        model = example_from_config(hf_config, state_dict, tp, state.tp_rank, state.tp_group)
+        model = example_from_config(hf_config, state_dict, tp, state.layout.tp.rank, state.tp_group)
         cache = cp_compile.allocate_kv_cache(cfg, model.kv_cache_spec(), NUM_BLOCKS,
                                              attention=model.attention_spec())
         compiled = cp_compile.compile_model(model, lowering=lowering)
@@ -115,7 +115,7 @@ def _world(rank: int, world: int, cases: list[tuple]) -> list[dict]:
                 for kind, b in compiled.backends.items()}
         kinds = {kind: [c.batch_kind for c in b.contexts] for kind, b in compiled.backends.items()}
         outs.append(dict(results=res, cache=[tuple(t.clone() for t in layer) for layer in cache.layers],
-                         cp_rank=state.cp_rank, hist=hist, kinds=kinds, wall=wall, tp_rank=state.tp_rank))
+                         cp_rank=state.layout.cp.rank, hist=hist, kinds=kinds, wall=wall, tp_rank=state.layout.tp.rank))
         cp_compile.destroy_parallel()
         torch._dynamo.reset()  # the next case compiles the same forward code afresh
     return outs

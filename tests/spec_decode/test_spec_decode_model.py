@@ -175,14 +175,15 @@ def _world(rank: int, world: int, cases: list[dict]) -> list[dict]:
                                   dcp_merge=c["merge"])
         state = cp_compile.init_parallel(cfg, device="cpu")
         models = spec.build(cfg, c["hf_config"], c["state_dict"], c["proposer"], c["k"], NUM_BLOCKS,
-                            state.tp_rank, state.tp_group, lowering=c["lowering"],
+                            state.layout.tp.rank, state.tp_group, lowering=c["lowering"],
                             draft_lowering=c["draft_lowering"], draft_hf=c["draft_hf"], padding=PAD,
                             max_blocks_per_req=MAX_BLOCKS)
         oracle = _Oracle(models.proposer, c["oracle"][0] if c["oracle"] else None)
         if c["fault"] == "mtp_keeps_draft_positions":
             _mtp_keeps_draft_positions(models.proposer)
         holder: dict = {}
-        hook = _poisoner(cfg, state.cp_rank, models, c["k"], c["proposer"], holder, c["poison"]) if c["poison"] else None
+        hook = (_poisoner(cfg, state.layout.cp.rank, models, c["k"], c["proposer"], holder, c["poison"])
+                if c["poison"] else None)
         dec = spec.decoder(models, cfg, NUM_BLOCKS, padding=PAD, max_blocks_per_req=MAX_BLOCKS, on_rollback=hook)
         holder["alloc"] = dec.alloc
         res = dec.generate(_prompts(), MAX_NEW)
