@@ -59,7 +59,7 @@ def test_device_check_dry_run(tmp_path: Path) -> None:
     assert all(r["status"] == "ok" and r["registers"] > 0 for r in aot)
     assert len(steps["kernels"]["rows"]) == 3 * len({r["op"] for r in steps["kernels"]["rows"]}) >= 3 * 16
     assert [r["context"] for r in steps["decode_bandwidth"]["rows"]] == [8192, 32768, 131072]
-    assert (tmp_path / "device_check.md").read_text().count("### ") == 7
+    assert (tmp_path / "device_check.md").read_text().count("### ") == 6
 
 
 def test_aot_check_fails_on_a_compile_error(tmp_path: Path) -> None:
