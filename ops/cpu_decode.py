@@ -121,8 +121,8 @@ def attend(qt: Tensor, kvl: Tensor, k_cache: Tensor, v_cache: Tensor, tbl: Tenso
     q = torch.nn.functional.pad(qt, (0, 0, 0, Rp - R)).contiguous()
     rl = torch.nn.functional.pad(kvl.long().repeat_interleave(g, dim=1), (0, Rp - R)).contiguous()  # [Bg, Rp]
     tbl = tbl.long().contiguous()
-    out = torch.empty(Bg, Hkv, Rp, Dv, dtype=torch.float32)
-    lse = torch.empty(Bg, Hkv, Rp, dtype=torch.float32)
+    out = torch.empty(Bg, Hkv, Rp, Dv, dtype=torch.float32, device=qt.device)
+    lse = torch.empty(Bg, Hkv, Rp, dtype=torch.float32, device=qt.device)
     ks, vs = k_cache.stride(), v_cache.stride()
     rc = lib.cp_decode_attention(torch.get_num_threads(), q.data_ptr(), rl.data_ptr(), Bg, Hkv, Rp, D, Dv, scale,
                                  k_cache.data_ptr(), v_cache.data_ptr(), ks[0], ks[1], ks[2], vs[0], vs[1], vs[2],
