@@ -86,9 +86,14 @@ def all_gather_heads_fused(q_nope: Tensor, q_pe: Tensor, ctx: DCPContext) -> Ten
 
     One collective instead of two per layer: on a shared machine each collective
     costs a fixed latency far above its bytes, and on devices it is one launch less.
-    The caller slices the nope and rope parts back out (views, no copy).
+    The caller slices the nope and rope parts back out (views, no copy). The two parts are
+    concatenated straight into the collective's head-major [H, T, L+R] input (one copy of Q;
+    `all_gather_heads` of the token-major cat would copy it twice: the cat, then the dense
+    transpose; issue 27).
     """
-    return all_gather_heads(torch.cat([q_nope, q_pe], dim=-1), ctx)
+    both = torch.cat([q_nope.transpose(0, 1), q_pe.transpose(0, 1)], dim=-1)  # [H, T, L+R], contiguous
+    g = _c10d.all_gather_into_tensor.default(both, ctx.group.size, ctx.group.name)
+    return _c10d.wait_tensor.default(g).transpose(0, 1)
 
 
 def kv_major_heads(x: Tensor, ranks: int, kv_heads: int) -> Tensor:
