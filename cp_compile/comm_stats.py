@@ -23,25 +23,29 @@ def merge_collectives(num_tokens: int, heads_per_rank: int, q_dim: int, v_dim: i
 
     Q all-gather: (N-1)*T*H*dq*bytes. AG+RS merge: LSE all-gather (N-1)*T*N*H*4 plus
     reduce-scatter (N-1)*T*H*dv*bytes. All-to-all merge: (N-1)*T*H*(dv*bytes + 4)
-    ([out | lse], lse as 4 raw bytes).
+    ([out | lse], lse as 4 raw bytes). Query replication ("replicate"): no Q all-gather
+    (every rank computed the group's queries), the all-to-all only.
     """
     n, t, h = dcp, num_tokens, heads_per_rank
     if n == 1:  # no DCP group: nothing to merge, whatever the (possibly still 'auto') merge says
         return []
-    if merge not in ("ag_rs", "a2a"):
-        raise ValueError(f"merge={merge!r}: use 'ag_rs' or 'a2a' (the DCP pass resolves 'auto' per graph; "
-                         "pass the merge it chose, PassRecord.decision)")
+    if merge not in ("ag_rs", "a2a", "replicate"):
+        raise ValueError(f"merge={merge!r}: use 'ag_rs', 'a2a' or 'replicate' (the DCP pass resolves 'auto' per "
+                         "graph; pass the merge it chose, PassRecord.decision)")
+    a2a = ("all_to_all", (n - 1) * t * h * (v_dim * dtype_bytes + 4))
+    if merge == "replicate":
+        return [a2a]
     q = ("all_gather", (n - 1) * t * h * q_dim * dtype_bytes)
     if merge == "ag_rs":
         return [q, ("all_gather", (n - 1) * t * n * h * 4), ("reduce_scatter", (n - 1) * t * h * v_dim * dtype_bytes)]
-    return [q, ("all_to_all", (n - 1) * t * h * (v_dim * dtype_bytes + 4))]
+    return [q, a2a]
 
 
 def decode_comm_bytes_per_layer(num_tokens: int, heads_per_rank: int, q_dim: int, v_dim: int, dtype_bytes: int,
                                 dcp: int, merge: str = "ag_rs") -> int:
     """Bytes one rank sends per DCP attention layer and step (independent of context length):
     the sum over `merge_collectives`; AG+RS (N-1)*T*H*((dq+dv)*bytes + 4N), A2A
-    (N-1)*T*H*((dq+dv)*bytes + 4)."""
+    (N-1)*T*H*((dq+dv)*bytes + 4), replicate (N-1)*T*H*(dv*bytes + 4)."""
     return sum(b for _, b in merge_collectives(num_tokens, heads_per_rank, q_dim, v_dim, dtype_bytes, dcp, merge))
 
 

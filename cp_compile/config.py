@@ -74,10 +74,14 @@ class CPConfig:
     enable_dsa_cp: bool = False
     # How decode partial outputs are merged: "ag_rs" (all-gather LSE, rescale,
     # reduce-scatter), "a2a" (one all-to-all of [out | lse] + local combine), or
-    # "auto": per compiled graph, the one the cost model predicts cheaper from the bytes
-    # each moves and the group's collective costs measured at init_parallel
-    # (cp_compile/merge_cost.py, issue 26).
-    dcp_merge: Literal["auto", "ag_rs", "a2a"] = "auto"
+    # "replicate" (query replication, Helix-style: every rank of the group computes the
+    # query heads of all its ranks, so the query all-gather goes and one all-to-all of
+    # [out | lse] is the layer's only collective; decode graphs' DCP attention, the
+    # query projection's parameters gathered once at compile time, decision 49), or
+    # "auto": per compiled graph, the one the cost model predicts cheapest from the bytes
+    # each moves, the group's collective costs and the replicated query projection's
+    # cost, measured at init_parallel (cp_compile/merge_cost.py, issue 26).
+    dcp_merge: Literal["auto", "ag_rs", "a2a", "replicate"] = "auto"
     # MLAPO: the `mla_preprocess` pass fuses each MLA layer's pre-attention subgraph
     # (projections, norms, rope, W_UK absorption, latent cache write) into
     # cp::mla_preprocess. Off by default: exact everywhere, but faster only where the
@@ -123,9 +127,9 @@ class CPConfig:
                               f"prefill_context_parallel_size={self.prefill_context_parallel_size}",
                               "set enable_dsa_cp=False to shard the cache with DCP, or "
                               "decode_context_parallel_size=1 and prefill_context_parallel_size=1 to use DSA-CP")
-        if self.dcp_merge not in ("auto", "ag_rs", "a2a"):
-            raise ConfigError("dcp_merge is auto|ag_rs|a2a", f"dcp_merge={self.dcp_merge!r}",
-                              "use 'auto' (the cost model chooses), 'ag_rs' or 'a2a'")
+        if self.dcp_merge not in ("auto", "ag_rs", "a2a", "replicate"):
+            raise ConfigError("dcp_merge is auto|ag_rs|a2a|replicate", f"dcp_merge={self.dcp_merge!r}",
+                              "use 'auto' (the cost model chooses), 'ag_rs', 'a2a' or 'replicate'")
 
     @property
     def world_size(self) -> int:

@@ -17,13 +17,17 @@ from __future__ import annotations
 from typing import Any, Callable
 
 import torch
+import torch.distributed as dist
 import torch.fx as fx
 
 from cp_compile.passes.context import CompileContext
 from cp_compile.ops.parallel import dcp as dcp_compose
 from cp_compile.passes.base import CPPass
 from cp_compile.passes.fx_utils import ShapedProxy, bind_op_args
+from cp_compile.config import ConfigError
 from cp_compile.passes.merge_choice import resolve_merge
+from cp_compile.passes.query_replication import (NotReplicable, QueryChain, check_replicated_inputs, query_chain,
+                                                 replicate_queries)
 
 
 class AttentionPattern:
@@ -31,6 +35,7 @@ class AttentionPattern:
 
     op: torch._ops.OpOverloadPacket
     composition: Callable[..., Any]
+    queries: tuple[str, ...] = ("q",)  # the query arguments (replicated under dcp_merge="replicate")
 
     def matches(self, node: fx.Node) -> bool:
         return node.op == "call_function" and node.target in (self.op, self.op.default)
@@ -75,6 +80,7 @@ class GQAPattern(AttentionPattern):
 class MLAPattern(AttentionPattern):
     op = torch.ops.cp.mla_attention
     composition = staticmethod(dcp_compose.dcp_mla_attention)
+    queries = ("q_nope", "q_pe")
 
 
 class DCPAttentionPass(CPPass):
@@ -102,9 +108,49 @@ class DCPAttentionPass(CPPass):
     def prepare(self, gm: fx.GraphModule) -> None:
         """Hook before the rewrite (subclasses check or claim other nodes here)."""
 
+    # Query replication (dcp_merge="replicate") is built for these patterns (GQA, MLA).
+    replicates_queries = True
+
+    def query_chains(self, gm: fx.GraphModule) -> tuple[dict[fx.Node, QueryChain], str | None]:
+        """Each attention node's replicable query chain, or ({}, why not). Collective over
+        the group (every rank compiles the same graph)."""
+        if not self.replicates_queries:
+            return {}, f"query replication is not built for the {self.name} pass"
+        nodes = [(n, p) for n in gm.graph.nodes for p in self.patterns if p.matches(n)]
+        caches = {v for n, p in nodes for k, v in p.bind(n).items() if "cache" in k and isinstance(v, fx.Node)}
+        chains = {}
+        try:
+            for node, pattern in nodes:
+                args = pattern.bind(node)
+                queries = tuple(args[q] for q in pattern.queries)
+                others = [v for k, v in args.items() if k not in pattern.queries and isinstance(v, fx.Node)]
+                chains[node] = query_chain(gm.graph, queries, others)
+            if not dist.is_initialized():
+                return {}, "no initialised process group to gather the query parameters over (a test context)"
+            for node, chain in chains.items():
+                check_replicated_inputs(chain, caches, self.cp.size, self.cp.group_name)
+        except NotReplicable as why:
+            return {}, str(why)
+        return chains, None
+
     def __call__(self, gm: fx.GraphModule) -> int:
         self.prepare(gm)
-        self.cp, self.decision = resolve_merge(self.ctx, self.cp, gm, self.patterns)
+        chains, why = {}, None
+        # "auto" without measured costs keeps AG+RS (merge_cost.choose): no chain analysis then.
+        if self.cp.merge == "replicate" or (self.cp.merge == "auto" and self.ctx.collective_costs is not None):
+            chains, why = self.query_chains(gm)
+        if self.cp.merge == "replicate" and why is not None:
+            raise ConfigError("dcp_merge='replicate' needs a replicable query projection",
+                              f"{why} ({self.ctx.describe()})",
+                              "use dcp_merge='a2a' (the same merge with the query all-gather) or 'auto'")
+        first = next(iter(chains.values()), None)
+        self.cp, self.decision = resolve_merge(self.ctx, self.cp, gm, self.patterns,
+                                               first.weights if first else None, why)
+        if self.cp.replicated:
+            for node, chain in chains.items():
+                for old, new in zip(chain.outputs, replicate_queries(gm, node, chain, self.cp.size, self.cp.rank,
+                                                                     self.cp.group_name)):
+                    node.replace_input_with(old, new)
         graph = gm.graph
         tracer = fx.proxy.GraphAppendingTracer(graph)
         wrap = lambda a: fx.map_arg(a, lambda n: ShapedProxy(n, tracer))  # noqa: E731

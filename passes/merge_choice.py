@@ -48,12 +48,23 @@ def attention_sizes(gm: fx.GraphModule, patterns: tuple) -> dict[str, int] | Non
     return None
 
 
-def resolve_merge(ctx: CompileContext, view: Any, gm: fx.GraphModule, patterns: tuple) -> tuple[Any, dict | None]:
-    """(`view` with a concrete merge, the decision) for a DCP / PCP pass's context view."""
+def resolve_merge(ctx: CompileContext, view: Any, gm: fx.GraphModule, patterns: tuple,
+                  query_weights: merge_cost.QueryWeights | None = None,
+                  not_replicable: str | None = None) -> tuple[Any, dict | None]:
+    """(`view` with a concrete merge, the decision) for a DCP / PCP pass's context view.
+
+    `query_weights`: the graph's replicable query projection per layer (the DCP pass,
+    passes/query_replication.py), making "replicate" a candidate of "auto"; else
+    `not_replicable` says why it is not one (recorded in the decision)."""
     if view.merge != "auto":
         return view, {"merge": view.merge, "reason": "explicit dcp_merge"}
     sizes = attention_sizes(gm, patterns)
     if sizes is None:  # nothing to rewrite: any concrete value will do
         return dataclasses.replace(view, merge="ag_rs"), None
-    choice = merge_cost.choose(ctx.collective_costs, **sizes)
-    return dataclasses.replace(view, merge=choice.merge), choice.to_json()
+    choice = merge_cost.choose(ctx.collective_costs, **sizes, query_weights=query_weights)
+    decision = choice.to_json()
+    if query_weights is not None:
+        decision["query_weights"] = dataclasses.asdict(query_weights)
+    elif not_replicable is not None:
+        decision["not_replicable"] = not_replicable
+    return dataclasses.replace(view, merge=choice.merge), decision

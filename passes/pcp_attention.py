@@ -33,6 +33,8 @@ graph computes its sizes at run time instead of baking in the traced ones.
 
 from __future__ import annotations
 
+import dataclasses
+
 from typing import Any
 
 import torch
@@ -104,7 +106,14 @@ class PCPAttentionPass(CPPass):
         graph = gm.graph
         if self.ctx.batch_kind is None:
             raise self._refuse("a graph serving every batch kind")
-        self.pcp, self.decision = resolve_merge(self.ctx, self.pcp, gm, self.patterns)
+        if self.pcp.merge == "replicate":
+            # PCP prefill attention gathers its queries over DCP and tokens (ops/parallel/pcp.py);
+            # replication is built for the DCP pass (decode graphs at pcp > 1). Same merge: A2A.
+            self.pcp = dataclasses.replace(self.pcp, merge="a2a")
+            self.decision = {"merge": "a2a", "reason": "dcp_merge='replicate': PCP prefill graphs gather their "
+                             "queries; the merge is the all-to-all"}
+        else:
+            self.pcp, self.decision = resolve_merge(self.ctx, self.pcp, gm, self.patterns)
         markers = token_index_markers(gm)
         if len(markers) != 1:
             raise self._refuse(f"a prefill graph with {len(markers)} calls of cp::pcp_token_index (the marker of "

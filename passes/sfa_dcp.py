@@ -39,6 +39,7 @@ class SFADCPPass(DCPAttentionPass):
 
     name = "sfa_dcp"
     patterns = (SparseMLAPattern(),)
+    replicates_queries = False  # the composition takes replicated queries; the pass is not built / tested for it
     handles = (torch.ops.cp.sparse_mla_attention, torch.ops.cp.lightning_indexer)
     enabled_when = ("decode_context_parallel_size > 1, prefill_context_parallel_size == 1 and an "
                     "attention kind of 'sfa' (a model with a lightning indexer)")

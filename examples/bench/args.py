@@ -102,9 +102,9 @@ def int_list(text: str) -> tuple[int, ...]:
 
 def merge_list(text: str) -> tuple[str, ...]:
     values = tuple(dict.fromkeys(v.strip() for v in text.split(",") if v.strip()))
-    bad = [v for v in values if v not in ("ag_rs", "a2a", "auto")]
+    bad = [v for v in values if v not in ("ag_rs", "a2a", "replicate", "auto")]
     if not values or bad:
-        raise argparse.ArgumentTypeError(f"expected a comma list of ag_rs, a2a, auto, got {text!r}")
+        raise argparse.ArgumentTypeError(f"expected a comma list of ag_rs, a2a, replicate, auto, got {text!r}")
     return values
 
 
@@ -143,7 +143,7 @@ def build_parser(description: str, bench: str = "decode") -> argparse.ArgumentPa
     p.add_argument("--warmup", type=int, default=2 if bench == "decode" else 1, help="untimed steps per config")
     p.add_argument("--lowering", choices=("inductor", "aot_eager"), default="inductor")
     p.add_argument("--merge", type=merge_list, default=("ag_rs",),
-                   help="DCP LSE merges to compare side by side: ag_rs, a2a, auto (the cost model "
+                   help="DCP LSE merges to compare side by side: ag_rs, a2a, replicate, auto (the cost model "
                         "chooses per graph; the row's merge_decision says what and why), e.g. ag_rs,a2a,auto")
     p.add_argument("--out", default=f"results/bench_{bench}", help="output directory")
     p.add_argument("--dtype", choices=tuple(DTYPES), default="float32")

@@ -14,6 +14,12 @@ Compositions receive a `DCPContext`: the narrow view of the compile context
 (`cp_compile.passes.context.CompileContext.cp_view()`) holding only what DCP attention is
 specialised on. Nothing here reads module-level parallel state.
 
+Query replication (`merge="replicate"`, decision 49): the caller hands in the queries
+of every rank of the group (q [T, N*Hq, D], rank-major: what `all_gather_heads` would
+have given), so the compositions skip the Q all-gather and the merge is one
+all-to-all; in graphs the DCP pass builds those queries by replicating the query
+projection (passes/query_replication.py).
+
 Head layout: collectives work on dim 0, so tensors cross the wire head-major
 ([heads, T, ...]); gathered heads are in DCP-group rank order, which is the order
 the reduce-scatter / all-to-all chunks return them in.
@@ -51,7 +57,15 @@ class DCPContext:
     group: Group
     interleave: int
     block_size: int  # per-rank page size
-    merge: Literal["ag_rs", "a2a"] = "ag_rs"
+    merge: Literal["ag_rs", "a2a", "replicate"] = "ag_rs"
+
+    @property
+    def replicated(self) -> bool:
+        """Queries arrive replicated (the group's heads on every rank): no Q all-gather."""
+        return self.merge == "replicate"
+
+
+MERGES = ("ag_rs", "a2a", "replicate")
 
 
 class LocalMetadata(NamedTuple):
@@ -119,12 +133,18 @@ def rank_major_heads(x: Tensor, ranks: int, kv_heads: int) -> Tensor:
     return dense(x.unflatten(1, (kv_heads, ranks, -1)).transpose(1, 2).flatten(1, 3))
 
 
+def group_queries(q: Tensor, ctx: DCPContext) -> Tensor:
+    """The group's query heads [T, N*H, ...] (rank-major): gathered, or as given when replicated."""
+    return q if ctx.replicated else all_gather_heads(q, ctx)
+
+
 def gathered_gqa_partial(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_table: Tensor,
                          query_start_loc: Tensor, kv_lens: Tensor, scale: float, kv_heads: int,
                          ctx: DCPContext) -> tuple[Tensor, Tensor]:
-    """Every rank's query heads against this rank's shard: q [T, Hq, D] ->
-    (out [T, N*Hq, Dv], lse [T, N*Hq]), heads rank-major, each with its own KV head."""
-    q_all = kv_major_heads(all_gather_heads(q, ctx), ctx.group.size, kv_heads)  # [T, N*Hq, D]
+    """Every rank's query heads against this rank's shard: q [T, Hq, D] (replicated:
+    [T, N*Hq, D]) -> (out [T, N*Hq, Dv], lse [T, N*Hq]), heads rank-major, each with its
+    own KV head."""
+    q_all = kv_major_heads(group_queries(q, ctx), ctx.group.size, kv_heads)  # [T, N*Hq, D]
     part = _cp.paged_attention_lse.default(q_all, k_cache, v_cache, block_table, query_start_loc, kv_lens, scale)
     return rank_major_heads(part[0], ctx.group.size, kv_heads), rank_major_heads(part[1], ctx.group.size, kv_heads)
 
@@ -137,10 +157,11 @@ def merge_heads(out: Tensor, lse: Tensor, ctx: DCPContext, heads: int,
     Sizes and dtype are passed in (not read off `out`) so that the function also
     traces with FX proxies, which carry no shapes.
     """
-    if ctx.merge not in ("ag_rs", "a2a"):  # "auto" is resolved by the pass (passes/merge_choice.py)
+    if ctx.merge not in MERGES:  # "auto" is resolved by the pass (passes/merge_choice.py)
         raise ValueError(f"merge={ctx.merge!r} reached the composition unresolved; the DCP / PCP pass must "
-                         "replace 'auto' by the merge it chose ('ag_rs' or 'a2a'). Fix: calling a composition "
-                         "outside a compiled graph, set CPConfig(dcp_merge='ag_rs') or 'a2a' explicitly")
+                         "replace 'auto' by the merge it chose ('ag_rs', 'a2a' or 'replicate'). Fix: calling a "
+                         "composition outside a compiled graph, set CPConfig(dcp_merge='ag_rs') (or 'a2a', "
+                         "'replicate') explicitly")
     if ctx.merge == "ag_rs":
         # All-gather the LSEs, weight the local partial, reduce-scatter the sum.
         lse_all = _c10d.all_gather_into_tensor.default(dense(lse.transpose(0, 1)), ctx.group.size, ctx.group.name)
@@ -152,7 +173,7 @@ def merge_heads(out: Tensor, lse: Tensor, ctx: DCPContext, heads: int,
         mine = _c10d.wait_tensor.default(summed).transpose(0, 1)  # [T, H, Dv]
         total = total.transpose(0, 1)[ctx.group.rank * heads:(ctx.group.rank + 1) * heads]  # this rank's heads
         return dense(mine), total.transpose(0, 1)
-    # One all-to-all of [lse | out]; the fp32 LSE rides as raw bytes in out's dtype (w columns).
+    # A2A and replicate: one all-to-all of [lse | out]; the fp32 LSE rides as raw bytes in out's dtype (w columns).
     # LSE first, so both halves are cut at the static offset w, and its size-1 dim is dropped by
     # index, not squeeze: Dv may be symbolic (Dynamo's automatic dynamic made a cache's head dim
     # dynamic when two models share one forward, issue 25), and then `parts[..., Dv:]` is a slice
@@ -174,7 +195,8 @@ def dcp_gqa_attention(q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_cache:
                       block_table: Tensor, seq_lens: Tensor, query_start_loc: Tensor, scale: float,
                       ctx: DCPContext, local: LocalMetadata | None = None) -> Tensor:
     """DCP version of `cp::gqa_paged_attention`: same arguments (global metadata,
-    this rank's cache shard), same output [T, Hq, Dv] for this rank's heads.
+    this rank's cache shard), same output [T, Hq, Dv] for this rank's heads
+    (replicated: q [T, N*Hq, D] holds the group's heads, the output this rank's Hq).
 
     Exact for decode, prefill, chunked prefill and mixed batches: every query
     attends its local causal prefix `local_len(r, pos+1)` on every rank.
@@ -185,7 +207,12 @@ def dcp_gqa_attention(q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_cache:
     _cp.cache_write.default(v, v_cache, local.slot_mapping)
     out, lse = gathered_gqa_partial(q, k_cache, v_cache, block_table, query_start_loc, local.causal_lens, scale,
                                     k.shape[1], ctx)  # [T, N*Hq, Dv], [T, N*Hq]
-    return merge_heads(out, lse, ctx, q.shape[1], q.dtype)[0]
+    return merge_heads(out, lse, ctx, own_heads(q, ctx), q.dtype)[0]
+
+
+def own_heads(q: Tensor, ctx: DCPContext) -> int:
+    """This rank's query heads: q's, or 1/N of them when q holds the group's (replicated)."""
+    return q.shape[1] // ctx.group.size if ctx.replicated else q.shape[1]
 
 
 def dcp_mla_attention(q_nope: Tensor, q_pe: Tensor, kv_c: Tensor, k_pe: Tensor, kv_cache: Tensor,
@@ -195,11 +222,20 @@ def dcp_mla_attention(q_nope: Tensor, q_pe: Tensor, kv_c: Tensor, k_pe: Tensor, 
     if local is None:
         local = localize(ctx, slot_mapping, query_start_loc, seq_lens)
     _cp.cache_write.default(torch.cat([kv_c, k_pe], dim=-1), kv_cache, local.slot_mapping)
+    heads = own_heads(q_nope, ctx)
+    q_nope, q_pe = group_mla_queries(q_nope, q_pe, ctx)  # [T, N*H, L], [T, N*H, R]
+    part = _cp.mla_partial_attention.default(q_nope, q_pe, kv_cache, block_table,
+                                             query_start_loc, local.causal_lens, scale)
+    return merge_heads(part[0], part[1], ctx, heads, q_nope.dtype)[0]
+
+
+def group_mla_queries(q_nope: Tensor, q_pe: Tensor, ctx: DCPContext) -> tuple[Tensor, Tensor]:
+    """The group's MLA queries: one fused all-gather, or as given when replicated."""
+    if ctx.replicated:
+        return q_nope, q_pe
     L = q_nope.shape[-1]
     q_all = all_gather_heads_fused(q_nope, q_pe, ctx)  # [T, N*H, L+R]
-    part = _cp.mla_partial_attention.default(q_all[..., :L], q_all[..., L:], kv_cache, block_table,
-                                             query_start_loc, local.causal_lens, scale)
-    return merge_heads(part[0], part[1], ctx, q_nope.shape[1], q_nope.dtype)[0]
+    return q_all[..., :L], q_all[..., L:]
 
 
 def dcp_sfa_attention(q_nope: Tensor, q_pe: Tensor, kv_c: Tensor, k_pe: Tensor, kv_cache: Tensor,
@@ -219,8 +255,8 @@ def dcp_sfa_attention(q_nope: Tensor, q_pe: Tensor, kv_c: Tensor, k_pe: Tensor, 
         local = localize(ctx, slot_mapping, query_start_loc, seq_lens)
     _cp.cache_write.default(torch.cat([kv_c, k_pe], dim=-1), kv_cache, local.slot_mapping)
     idx = _cp.dcp_sparse_indices.default(topk_indices, ctx.group.size, ctx.group.rank, ctx.interleave, ctx.block_size)
-    L = q_nope.shape[-1]
-    q_all = all_gather_heads_fused(q_nope, q_pe, ctx)  # [T, N*H, L+R]
-    part = _cp.sparse_mla_partial_attention.default(q_all[..., :L], q_all[..., L:], kv_cache, block_table,
+    heads = own_heads(q_nope, ctx)
+    q_nope, q_pe = group_mla_queries(q_nope, q_pe, ctx)  # [T, N*H, L], [T, N*H, R]
+    part = _cp.sparse_mla_partial_attention.default(q_nope, q_pe, kv_cache, block_table,
                                                     query_start_loc, idx, scale)
-    return merge_heads(part[0], part[1], ctx, q_nope.shape[1], q_nope.dtype)[0]
+    return merge_heads(part[0], part[1], ctx, heads, q_nope.dtype)[0]

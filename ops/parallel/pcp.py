@@ -57,7 +57,7 @@ class PCPContext:
     cp: Group  # the cache's pcp * dcp ranks, rank pcp_rank * dcp + dcp_rank (Layout.cp)
     interleave: int
     block_size: int  # per-rank page size; virtual blocks hold block_size * pcp * dcp tokens
-    merge: Literal["ag_rs", "a2a"] = "ag_rs"
+    merge: Literal["ag_rs", "a2a", "replicate"] = "ag_rs"
 
     def __post_init__(self) -> None:
         want = (pcp_layout.cp_size(pcp=self.pcp.size, dcp=self.dcp.size),

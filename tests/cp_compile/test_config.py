@@ -91,8 +91,9 @@ def test_interleave_divides_block_size_violated(block_size, interleave):
 def test_dcp_merge_choice():
     CPConfig(dcp_merge="ag_rs")
     CPConfig(dcp_merge="a2a")
+    CPConfig(dcp_merge="replicate")
     assert CPConfig().dcp_merge == "auto"
-    with raises("dcp_merge is auto|ag_rs|a2a", "dcp_merge='ring'"):
+    with raises("dcp_merge is auto|ag_rs|a2a|replicate", "dcp_merge='ring'"):
         CPConfig(dcp_merge="ring")
 
 

@@ -54,9 +54,20 @@ def _inputs(case: Case, T: int, seed: int) -> dict[str, torch.Tensor]:
 
 
 def _rank_heads(case: Case, tp_rank: int, x: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """This TP rank's slice of the inputs: its query heads and its (replicated) KV head."""
+    """This TP rank's slice of the inputs: its query heads and its (replicated) KV head.
+    Query replication (merge "replicate"): the query heads of its whole DCP group (a
+    consecutive run of TP ranks), as the replicated query projection gives them."""
     hq = HQ // TP
     out = dict(x)
+    if case.merge == "replicate":
+        first = (tp_rank // case.dcp) * case.dcp  # the DCP group's first TP rank
+        for name in ("q", "q_nope", "q_pe"):
+            if name in x:
+                out[name] = x[name][:, first * hq:(first + case.dcp) * hq]
+        if case.kind.startswith("gqa"):
+            kv = tp_rank // (TP // case.kv_heads)
+            out["k"], out["v"] = x["k"][:, kv:kv + 1], x["v"][:, kv:kv + 1]
+        return out
     if case.kind.startswith("gqa"):
         out["q"] = x["q"][:, tp_rank * hq:(tp_rank + 1) * hq]
         kv = tp_rank // (TP // case.kv_heads)
@@ -136,15 +147,18 @@ def _matrix(dcps, interleaves, kinds, merges, dtypes, batches):
 
 
 def test_dcp_exact_on_four_ranks():
-    """The CI matrix: dcp {2, 4} x interleave {1, 2, block} x GQA/MLA x both merges,
-    mixed batches in fp32; decode and speculative decode in bf16."""
+    """The CI matrix: dcp {2, 4} x interleave {1, 2, block} x GQA/MLA x AG+RS / A2A,
+    mixed batches in fp32; decode and speculative decode in bf16; query replication at
+    dcp {2, 4} x GQA/MLA, mixed fp32."""
     cases = _matrix([2, 4], [1, 2, BLOCK], ["gqa", "mla"], ["ag_rs", "a2a"], [torch.float32], ["mixed"])
     cases += _matrix([2, 4], [1], ["gqa", "mla"], ["ag_rs", "a2a"], [torch.bfloat16], ["decode", "spec_decode"])
+    # Query replication (issue 26): the composition given the group's queries, no Q all-gather.
+    cases += _matrix([2, 4], [BLOCK], ["gqa", "mla"], ["replicate"], [torch.float32], ["mixed"])
     _check(cases)
 
 
 @pytest.mark.slow
 def test_dcp_exact_wide_sweep():
-    cases = _matrix([2, 4], [1, 2, BLOCK], ["gqa", "mla"], ["ag_rs", "a2a"],
+    cases = _matrix([2, 4], [1, 2, BLOCK], ["gqa", "mla"], ["ag_rs", "a2a", "replicate"],
                     [torch.float32, torch.bfloat16], list(STEP_B))
     _check(cases)

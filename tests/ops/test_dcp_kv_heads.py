@@ -26,6 +26,7 @@ HQ = 8
 BLOCK = 4
 NUM_BLOCKS = 16
 CASES = list(itertools.product([1, 2, 4], ["attention"], ["ag_rs", "a2a"], ["mixed", "decode"]))
+CASES += [(kv, "attention", "replicate", "mixed") for kv in (2, 4)]  # query replication (issue 26)
 
 
 def _inputs(kv: int, T: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -48,7 +49,10 @@ def _run(rank: int, world: int, cases: list[tuple]) -> list[list[torch.Tensor]]:
         compose = D.dcp_gqa_attention
         steps = []
         for step, meta in enumerate(two_step_metas(batch, dcp=PCP, block_size=BLOCK, num_blocks=NUM_BLOCKS)):
-            steps.append(compose(*_inputs(kv, meta.num_tokens, step), *caches, *meta_args(meta), 0.25, ctx))
+            q, k, v = _inputs(kv, meta.num_tokens, step)
+            if merge == "replicate":  # every rank of the group holds the same heads: the group's queries
+                q = torch.cat([q] * PCP, dim=1)
+            steps.append(compose(q, k, v, *caches, *meta_args(meta), 0.25, ctx))
         out.append(steps)
         cp_compile.destroy_parallel()
     return out

@@ -102,6 +102,9 @@ def _count(hist: dict[str, int], needle: str) -> int:
     pytest.param("mla", 4, 4, "inductor", "a2a", marks=pytest.mark.slow),
     pytest.param("mla", 4, 4, "aot_eager", "a2a", marks=pytest.mark.slow),
     ("qwen3", 2, 2, "aot_eager", "auto"),  # the cost model chooses (measured at init_parallel)
+    # Query replication (issue 26): no Q all-gather; MLA's chain (q projection, rope, W_UK) in the default run.
+    pytest.param("qwen3", 4, 4, "aot_eager", "replicate", marks=pytest.mark.slow),
+    ("mla", 2, 2, "aot_eager", "replicate"),
 ])
 def test_compiled_dcp_model_matches_single_device(kind, tp, dcp, lowering, merge):
     hf = _hf(kind)
@@ -125,8 +128,9 @@ def test_compiled_dcp_model_matches_single_device(kind, tp, dcp, lowering, merge
         assert _count(after, "cp.dcp_localize_metadata") == 1
         q_gathers = 1  # GQA gathers q; MLA one fused [q_nope | q_pe]
         if merge == "auto":  # what the cost model chose, from costs every rank shares
-            assert out["decision"] == per_rank[0]["decision"] and set(out["decision"]["predicted_s"]) == {
-                "ag_rs", "a2a"}
+            merges = {"ag_rs", "a2a"} | ({"replicate"} if "query_weights" in out["decision"] else set())
+            assert out["decision"] == per_rank[0]["decision"] and set(out["decision"]["predicted_s"]) == merges
+            assert "query_weights" in out["decision"] or out["decision"]["not_replicable"]
             chosen = out["decision"]["merge"]
             # measured at init_parallel on the DCP group, the max over ranks: the same on every rank, cached
             assert out["costs"] == per_rank[0]["costs"] and out["costs"]["group_size"] == dcp
@@ -134,7 +138,10 @@ def test_compiled_dcp_model_matches_single_device(kind, tp, dcp, lowering, merge
         else:
             assert out["decision"] == {"merge": merge, "reason": "explicit dcp_merge"} and out["costs"] is None
             chosen = merge
-        if chosen == "ag_rs":
+        if chosen == "replicate":  # the merge's all-to-all is the layer's only collective
+            assert _count(after, "all_gather_into_tensor") == 0
+            assert _count(after, "all_to_all_single") == layers
+        elif chosen == "ag_rs":
             assert _count(after, "all_gather_into_tensor") == layers * (q_gathers + 1)
             assert _count(after, "reduce_scatter_tensor") == layers
         else:

@@ -14,6 +14,7 @@ import dataclasses
 import pytest
 import torch
 
+import cp_compile
 from cp_compile import merge_cost
 from cp_compile.comm_stats import decode_comm_bytes_per_layer
 from cp_compile.passes.context import CompileContext
@@ -71,3 +72,32 @@ def test_an_explicit_merge_is_honoured() -> None:
     rec = pm.history[0]
     assert rec.decision == {"merge": "a2a", "reason": "explicit dcp_merge"}
     assert rec.after["_c10d_functional.all_to_all_single.default"] == LAYERS
+
+
+def test_replicate_drops_the_query_gather_and_pays_the_projections() -> None:
+    """Query replication (issue 26): the all-to-all alone, plus N - 1 query projections
+    (weight bytes and flops at the calibrated matmul costs); a candidate of "auto" only
+    where the graph's query chain is replicable (query_weights given)."""
+    c = dataclasses.replace(costs(), matmul_s_per_weight_byte=1e-10, matmul_s_per_flop=1e-12)
+    qw = merge_cost.QueryWeights(bytes=4 * 1024 * 4096, matrix_elements=1024 * 4096)
+    a2a = merge_cost.predict(c, "a2a", **SIZES)
+    q_gather = 1e-5 + 1e-9 * (2 - 1) * 8 * 8 * 128 * 4  # latency + bytes of the Q all-gather at N = 2
+    matmul = (2 - 1) * (qw.bytes * 1e-10 + 2 * 8 * qw.matrix_elements * 1e-12)
+    assert merge_cost.predict(c, "replicate", **SIZES, query_weights=qw) == pytest.approx(a2a - q_gather + matmul)
+    cheap = merge_cost.choose(c, **SIZES, query_weights=merge_cost.QueryWeights(4096, 1024))
+    assert cheap.merge == "replicate" and set(cheap.predicted_s) == set(merge_cost.MERGES)
+    heavy = merge_cost.choose(dataclasses.replace(c, matmul_s_per_weight_byte=1e-6), **SIZES, query_weights=qw)
+    assert heavy.merge == "a2a" and heavy.predicted_s["replicate"] > heavy.predicted_s["a2a"]
+    without = merge_cost.choose(c, **SIZES)
+    assert "replicate" not in without.predicted_s and "not replicable" in without.reason
+    with pytest.raises(ValueError, match="query_weights"):
+        merge_cost.predict(c, "replicate", **SIZES)
+
+
+def test_replicate_refuses_queries_the_keys_are_computed_from() -> None:
+    """The test model slices its keys out of its queries (as a fused QKV projection would
+    give them): no chain computes the queries alone, so copying one per rank cannot be
+    exact; an explicit "replicate" is a ConfigError naming why and the fix."""
+    with pytest.raises(cp_compile.ConfigError, match="replicable query projection.*nothing computes the queries "
+                       "alone.*dcp_merge='a2a'"):
+        run_pipeline(Attn("gqa"), _inputs("gqa", 8), _auto_ctx("gqa", None, merge="replicate"))
