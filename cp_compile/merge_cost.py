@@ -136,6 +136,32 @@ def _collective(kind: str, n: int, sent: int, group: dist.ProcessGroup, device: 
     return lambda: dist.all_to_all_single(out, x, group=group)
 
 
+class GroupCollectives:
+    """The collectives a pass may issue while compiling, on the cache's cp group (query
+    replication gathers the query projection's parameters, decision 48). Handed to the
+    passes in the compile context (`CompileContext.cp_collectives`, from the parallel
+    state), so no pass reads a process group of its own."""
+
+    def __init__(self, group: dist.ProcessGroup) -> None:
+        self.group: dist.ProcessGroup | None = group
+        self.size = dist.get_world_size(group)
+
+    def __getstate__(self) -> dict:  # a live group does not cross processes (a context sent back by a rank)
+        return {"group": None, "size": self.size}
+
+    def all_gather(self, t: torch.Tensor) -> list[torch.Tensor]:
+        """Every rank's `t` (same shape on every rank), in group rank order."""
+        t = t.detach().contiguous()
+        parts = [torch.empty_like(t) for _ in range(self.size)]
+        dist.all_gather(parts, t, group=self.group)
+        return parts
+
+    def all_reduce(self, t: torch.Tensor, op: str) -> torch.Tensor:
+        """`t` reduced over the group ("max" or "min"), in place and returned."""
+        dist.all_reduce(t, op={"max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}[op], group=self.group)
+        return t
+
+
 _CACHE: dict[tuple, CollectiveCosts] = {}
 
 

@@ -16,7 +16,7 @@ from typing import Protocol
 from torch import nn
 
 from cp_compile.config import DECODE_KINDS, AttentionSpec, BatchKind, ConfigError, CPConfig
-from cp_compile.merge_cost import CollectiveCosts
+from cp_compile.merge_cost import CollectiveCosts, GroupCollectives
 from cp_compile.ops.parallel.dcp import DCPContext
 from cp_compile.ops.parallel.dsa_cp import DSACPContext
 from cp_compile.ops.parallel.pcp import PCPContext
@@ -94,6 +94,9 @@ class CompileContext:
     # dcp_merge="auto": the measured collective costs the DCP / PCP passes choose the
     # merge with (cp_compile/merge_cost.py); None without init_parallel.
     collective_costs: CollectiveCosts | None = None
+    # Collectives over the cp group a pass may issue while compiling (dcp_merge="replicate"
+    # gathers the query projection's parameters); None without init_parallel.
+    cp_collectives: GroupCollectives | None = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         if self.batch_kind not in (None, "decode", "prefill", "verify"):
@@ -105,8 +108,10 @@ class CompileContext:
     def from_state(cls, state: RankGroups, attention: AttentionSpec | None = None,
                    roles: tuple[RoleBinding, ...] = (), batch_kind: BatchKind | None = None) -> "CompileContext":
         """The context of a compile on this rank of an initialised parallel state."""
+        group = getattr(state, "cp_group", None)
         return cls(config=state.cfg, layout=state.layout, attention=attention, roles=roles, batch_kind=batch_kind,
-                   collective_costs=state.collective_costs)
+                   collective_costs=state.collective_costs,
+                   cp_collectives=GroupCollectives(group) if group is not None and state.layout.cp.size > 1 else None)
 
     @classmethod
     def for_test(cls, config: CPConfig, *, rank: int = 0, attention: AttentionSpec | None = None,

@@ -17,7 +17,6 @@ from __future__ import annotations
 from typing import Any, Callable
 
 import torch
-import torch.distributed as dist
 import torch.fx as fx
 
 from cp_compile.passes.context import CompileContext
@@ -125,10 +124,11 @@ class DCPAttentionPass(CPPass):
                 queries = tuple(args[q] for q in pattern.queries)
                 others = [v for k, v in args.items() if k not in pattern.queries and isinstance(v, fx.Node)]
                 chains[node] = query_chain(gm.graph, queries, others)
-            if not dist.is_initialized():
-                return {}, "no initialised process group to gather the query parameters over (a test context)"
+            group = self.ctx.cp_collectives
+            if group is None:
+                return {}, "no process group to gather the query parameters over (a context without init_parallel)"
             for node, chain in chains.items():
-                check_replicated_inputs(chain, caches, self.cp.size, self.cp.group_name)
+                check_replicated_inputs(chain, caches, group)
         except NotReplicable as why:
             return {}, str(why)
         return chains, None
@@ -148,8 +148,8 @@ class DCPAttentionPass(CPPass):
                                                first.weights if first else None, why)
         if self.cp.replicated:
             for node, chain in chains.items():
-                for old, new in zip(chain.outputs, replicate_queries(gm, node, chain, self.cp.size, self.cp.rank,
-                                                                     self.cp.group_name)):
+                for old, new in zip(chain.outputs, replicate_queries(gm, node, chain, self.cp.group.rank,
+                                                                     self.ctx.cp_collectives)):
                     node.replace_input_with(old, new)
         graph = gm.graph
         tracer = fx.proxy.GraphAppendingTracer(graph)

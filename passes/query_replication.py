@@ -33,12 +33,11 @@ from dataclasses import dataclass
 from typing import Iterable
 
 import torch
-import torch.distributed as dist
 import torch.fx as fx
 from torch import nn
 from torch._dynamo.source import ConstantSource
 
-from cp_compile.merge_cost import QueryWeights
+from cp_compile.merge_cost import GroupCollectives, QueryWeights
 from cp_compile.passes.fx_utils import VALUE_KEY, fake_value, graph_fake_mode
 
 _c10d = torch.ops._c10d_functional
@@ -170,42 +169,23 @@ def _checksums(tensors: list[torch.Tensor]) -> torch.Tensor:
     return torch.stack(rows) if rows else torch.zeros(0, 3, dtype=torch.float64)
 
 
-def _group(name: str) -> dist.ProcessGroup:
-    return torch.distributed.distributed_c10d._resolve_process_group(name)
-
-
-def check_replicated_inputs(chain: QueryChain, caches: set[fx.Node], size: int, group_name: str) -> None:
+def check_replicated_inputs(chain: QueryChain, caches: set[fx.Node], group: GroupCollectives) -> None:
     """Every value the chain reads from outside must be identical across the group
     (collective: every rank of the group calls it). Raises NotReplicable."""
     params, why = _rank_dependent_parameters(_reads_from_outside(chain), caches)
     flag = torch.tensor([0.0 if why is None else 1.0], dtype=torch.float64)
     sums = _checksums([_real(p) for p in params]).cpu()
-    group = _group(group_name)
     # Every rank: the same verdict (a rank that cannot build the copies must not leave the others waiting).
-    dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
+    group.all_reduce(flag, "max")
     if flag.item() > 0:
         raise NotReplicable(why or "another rank of the group found the query chain not replicable")
     if sums.numel():
-        lo, hi = sums.clone(), sums.clone()
-        dist.all_reduce(lo, op=dist.ReduceOp.MIN, group=group)
-        dist.all_reduce(hi, op=dist.ReduceOp.MAX, group=group)
+        lo, hi = group.all_reduce(sums.clone(), "min"), group.all_reduce(sums.clone(), "max")
         differ = [p.name for p, row in zip(params, (hi - lo).abs().amax(dim=1).tolist()) if row > 0]
         if differ:
             raise NotReplicable(f"the query chain reads {differ[0]} (via values the keys share), which differs "
                                 "across the group: its other ranks' values would be needed (e.g. a fused QKV "
                                 "projection)")
-
-
-def gather_parameters(chain: QueryChain, size: int, group_name: str) -> list[list[torch.Tensor]]:
-    """[leaf][group rank] the chain's parameters on every rank (collective)."""
-    group = _group(group_name)
-    out = []
-    for leaf in chain.leaves:
-        p = _real(leaf).detach().contiguous()
-        parts = [torch.empty_like(p) for _ in range(size)]
-        dist.all_gather(parts, p, group=group)
-        out.append(parts)
-    return out
 
 
 def _declare_to_aot(gm: fx.GraphModule, name: str) -> None:
@@ -217,11 +197,12 @@ def _declare_to_aot(gm: fx.GraphModule, name: str) -> None:
         table[name] = ConstantSource(name)
 
 
-def replicate_queries(gm: fx.GraphModule, attention: fx.Node, chain: QueryChain, size: int, rank: int,
-                      group_name: str) -> tuple[fx.Node, ...]:
+def replicate_queries(gm: fx.GraphModule, attention: fx.Node, chain: QueryChain, rank: int,
+                      group: GroupCollectives) -> tuple[fx.Node, ...]:
     """Insert the N copies of `chain` before `attention` and return, per query output,
     the node of the group's queries [T, N*H, ...] (heads in group rank order)."""
-    params = gather_parameters(chain, size, group_name)
+    size = group.size
+    params = [group.all_gather(_real(leaf)) for leaf in chain.leaves]  # [leaf][group rank] (collective)
     graph = gm.graph
     mode = graph_fake_mode(graph)
     per_rank: list[tuple[fx.Node, ...]] = []
