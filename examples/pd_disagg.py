@@ -111,8 +111,11 @@ def _instance(side: Side, hf_config, state_dict, kind: str):
     return cfg, state, model, cache, forward, cp_compile.BlockAllocator(NUM_BLOCKS, cfg.virtual_block_size)
 
 
-def prefill_world(rank: int, world: int, store_port: int, cases: list[Case], models: list[tuple]) -> list[dict]:
-    """The P instance: each case's prompts prefilled and exported, then released."""
+def prefill_world(rank: int, world: int, store_port: int, cases: list[Case], models: list[tuple],
+                  save_dir: str | None = None) -> list[dict]:
+    """The P instance: each case's prompts prefilled and exported, then released. With
+    `save_dir`, the results so far are saved after each case (`p<rank>.pt`): a case that
+    kills a P rank (fault "kill", last) loses the world's return value, not the others'."""
     outs = []
     for i, (case, (hf_config, sd)) in enumerate(zip(cases, models)):
         cfg, state, model, cache, forward, alloc = _instance(case.p, hf_config, sd, case.kind)
@@ -124,6 +127,8 @@ def prefill_world(rank: int, world: int, store_port: int, cases: list[Case], mod
         last = prefill_and_export(forward, layer_caches(cache), alloc, prompts, exporter)
         verdicts = release_exported(producer, alloc, sorted(prompts))
         outs.append(dict(last=last, verdicts=verdicts, free=alloc.num_free))
+        if save_dir is not None:
+            torch.save(outs, os.path.join(save_dir, f"p{rank}.pt"))
         cp_compile.destroy_parallel()
         torch._dynamo.reset()
     return outs
@@ -178,6 +183,7 @@ def decode_world(rank: int, world: int, store_port: int, cases: list[Case], mode
                                                         case.steps)
             out.update(tokens=tokens, steps=steps, imported=imported)
         out["cache_nonzero"] = [int(t.count_nonzero()) for layer in layer_caches(cache) for t in layer]
+        out["layer_nonzero"] = [sum(int(t.count_nonzero()) for t in layer) for layer in layer_caches(cache)]
         out["free"], out["num_blocks"] = alloc.num_free, NUM_BLOCKS
         outs.append(out)
         cp_compile.destroy_parallel()
@@ -265,14 +271,17 @@ def compare(case: Case, ref: dict, p_out: list[dict], d_out: list[dict], geometr
                 verdicts=p_out[0]["verdicts"])
 
 
-def run_cases(cases: list[Case], timeout: float = 600.0) -> tuple[list, list, list[tuple]]:
-    """Both worlds over `cases` (same P and D world sizes); returns (P results, D results, models)."""
+def run_cases(cases: list[Case], timeout: float = 600.0, save_dir: str | None = None
+              ) -> tuple[list, list, list[tuple]]:
+    """Both worlds over `cases` (same P and D world sizes); returns (P results, D results,
+    models). `save_dir`: see `prefill_world` (a "kill" case must be the last)."""
+    assert all(c.fault != "kill" for c in cases[:-1]), "a case that kills a P rank must be the last"
     hfs = [hf_model(c.kind, c.num_kv_heads) for c in cases]
     models = [(h.config, {k: v.detach().clone() for k, v in h.state_dict().items()}) for h in hfs]
     p_world, d_world = cases[0].p.tp * cases[0].p.pcp, cases[0].d.tp * cases[0].d.pcp
     assert all(c.p.tp * c.p.pcp == p_world and c.d.tp * c.d.pcp == d_world for c in cases)
     d_models = [_decode_model(c, m) for c, m in zip(cases, models)]
-    p, d = run_two_worlds(prefill_world, p_world, (cases, models), decode_world, d_world, (cases, d_models),
+    p, d = run_two_worlds(prefill_world, p_world, (cases, models, save_dir), decode_world, d_world, (cases, d_models),
                           timeout=timeout, peer_grace=3.0)
     return p, d, models
 

@@ -2,31 +2,40 @@
 init_parallel and process groups), NIXL (UCX, DRAM) between them, a TCPStore both
 reach. D's greedy tokens must equal a single-device run over the whole prompt, the
 bytes moved must equal the formula, and the faults must fail the way the connector
-promises. One pair of worlds (2 + 2 ranks) serves the default matrix; the rank-death
-test has its own pair (its P world loses a rank)."""
+promises. One pair of worlds (2 + 2 ranks) serves every default case, the rank death
+last (its P world loses a rank; the earlier cases' P results are saved per case)."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
+import torch
 
 from cp_compile.kv_transfer import KVLayout
 from cp_compile.kv_transfer.plan import expected_rank_bytes
 from cp_compile.testing.multirank import RankFailed
 from examples.pd_disagg import Case, Side, compare, geometry_of, reference, run_cases
 
+# Default: each distinct path once, one dynamo trace per case (the traces are the cost):
+# - token path: P at pcp 2 deals tokens one by one, D at dcp 1 holds them all in
+#   blocks of 4 (PCP prefill export; staged reads scattered into D's slots), GQA;
+# - block path: P at dcp 1, D at dcp 2 with interleave == block_size, equal block
+#   sizes: every planned run is a whole block (D-side CP ownership and decode), MLA.
+# P at dcp 2 -> D at dcp 1 (token interleave, block sizes 4 -> 8) runs through the LLM
+# roles (tests/entrypoints/test_llm_pd_disagg.py, default); SFA's latent and indexer
+# move in the ownership fault below (D never runs its model there); the wide matrix,
+# the issue's P(tp1,pcp2) -> D(tp2,dcp2) included, is `slow`.
 EXACT = [
-    Case("gqa", Side(2, 1, 2, 1, 4), Side(2, 1, 1, 1, 8)),  # P(tp2,dcp2) -> D(tp2,dcp1), block sizes 4 -> 8
-    Case("gqa", Side(1, 2, 1, 1, 4), Side(2, 1, 2, 1, 4)),  # P(tp1,pcp2) -> D(tp2,dcp2)
-    Case("gqa", Side(2, 1, 1, 4, 4), Side(2, 1, 2, 4, 4)),  # P(tp2,dcp1) -> D(tp2,dcp2), block interleave
+    Case("gqa", Side(1, 2, 1, 1, 4), Side(2, 1, 1, 1, 4)),  # P(tp1,pcp2) -> D(tp2,dcp1), token path
+    Case("mla", Side(2, 1, 1, 4, 4), Side(2, 1, 2, 4, 4)),  # P(tp2,dcp1) -> D(tp2,dcp2), block path
 ]
-# MLA / SFA end to end run under `slow` (SLOW[0]): their planning (latent rows, the
-# replicated indexer, staged and direct reads) is checked against brute force in
-# test_kv_transfer_plan.py on every run, and the transport is the same as GQA's.
-# Fault cases: P at dcp 1 runs eager (no compile); D never runs its model.
+# Fault cases: D never runs its model except in "stall" (dcp 1: eager). "kill" is last.
 FAULTS = [
     Case("gqa", Side(2, 1, 1, 1, 4), Side(2, 1, 2, 1, 4), prompt_lens=(13,), fault="mismatch"),
-    Case("mla", Side(2, 1, 1, 1, 4), Side(2, 1, 1, 1, 8), prompt_lens=(13,), fault="ownership"),
+    Case("sfa", Side(2, 1, 1, 1, 4), Side(2, 1, 1, 1, 8), prompt_lens=(13,), fault="ownership"),
     Case("gqa", Side(2, 1, 1, 1, 4), Side(2, 1, 1, 1, 8), prompt_lens=(13, 6), fault="stall", timeout_s=3.0),
+    Case("gqa", Side(2, 1, 1, 1, 4), Side(2, 1, 1, 1, 8), prompt_lens=(13,), fault="kill", timeout_s=30.0),
 ]
 
 
@@ -34,7 +43,11 @@ FAULTS = [
 # two sides (2 KV heads), the remaining interleave / block-size directions, MLA and SFA
 # from the other layouts, and a one-rank decode instance.
 SLOW = [
-    [Case("mla", Side(2, 1, 2, 1, 4), Side(2, 1, 2, 4, 4)),  # interleave 1 -> block_size
+    [Case("gqa", Side(2, 1, 2, 1, 4), Side(2, 1, 1, 1, 8)),  # P(tp2,dcp2) -> D(tp2,dcp1), block sizes 4 -> 8
+     Case("gqa", Side(1, 2, 1, 1, 4), Side(2, 1, 2, 1, 4)),  # P(tp1,pcp2) -> D(tp2,dcp2)
+     Case("gqa", Side(2, 1, 1, 4, 4), Side(2, 1, 2, 4, 4)),  # P(tp2,dcp1) -> D(tp2,dcp2), block interleave
+     Case("mla", Side(2, 1, 2, 4, 4), Side(2, 1, 1, 1, 4)),  # block_size -> D dcp 1
+     Case("mla", Side(2, 1, 2, 1, 4), Side(2, 1, 2, 4, 4)),  # interleave 1 -> block_size
      Case("sfa", Side(2, 1, 2, 4, 4), Side(2, 1, 1, 1, 8)),  # block_size -> 1, block sizes 4 -> 8, indexer
      Case("gqa", Side(1, 2, 1, 1, 4), Side(2, 1, 1, 2, 8), num_kv_heads=2),  # P both heads -> D one head/rank
      Case("gqa", Side(2, 1, 2, 4, 4), Side(2, 1, 1, 1, 4)),  # block_size -> interleave 1
@@ -66,13 +79,21 @@ def test_decode_equals_single_device_sweep(group):
 
 
 @pytest.fixture(scope="module")
-def matrix():
+def matrix(tmp_path_factory):
     cases = EXACT + FAULTS
-    p, d, models = run_cases(cases, timeout=1200.0)  # a deadlock guard; 6 cases took ~600 s at load 30 on 2 cores
-    for out, who in ((p, "prefill"), (d, "decode")):
-        if isinstance(out, BaseException):
-            raise out
-    return cases, p, d, models
+    saved = tmp_path_factory.mktemp("pd_p")
+    # timeout: a deadlock guard (6 cases took ~600 s at load 30 on 2 cores).
+    p, d, models = run_cases(cases, timeout=1200.0, save_dir=str(saved))
+    if isinstance(d, BaseException):
+        raise d
+    # The last case kills P rank 1, so the P world fails (RankFailed naming rank 1);
+    died = p
+    if not isinstance(died, RankFailed):
+        raise AssertionError(f"the prefill world should have lost rank 1, got {died!r}")
+    # every case before it saved each P rank's results (rank 0 may have saved the last too).
+    p = [torch.load(os.path.join(saved, f"p{r}.pt"), weights_only=False)[:len(cases) - 1] for r in range(2)]
+    assert all(len(outs) == len(cases) - 1 for outs in p), [len(outs) for outs in p]
+    return cases, p, d, models, died
 
 
 def _per_case(outs, i):
@@ -81,7 +102,7 @@ def _per_case(outs, i):
 
 @pytest.mark.parametrize("i", range(len(EXACT)), ids=[c.name() for c in EXACT])
 def test_decode_equals_single_device(matrix, i):
-    cases, p, d, models = matrix
+    cases, p, d, models, _ = matrix
     case = cases[i]
     ref = reference(case, *models[i])
     res = compare(case, ref, _per_case(p, i), _per_case(d, i), geometry_of(*models[i]))
@@ -99,7 +120,7 @@ def test_decode_equals_single_device(matrix, i):
 
 
 def test_model_mismatch_refused_before_any_byte(matrix):
-    cases, p, d, models = matrix
+    cases, p, d, models, _ = matrix
     i = cases.index(FAULTS[0])
     print(f"\nmismatch, D rank 0: {_per_case(d, i)[0]['error']}")
     for o in _per_case(d, i):
@@ -113,27 +134,28 @@ def test_transfer_into_dropped_blocks_impossible(matrix):
     """The request is dropped after layer 0 and its blocks handed to another request:
     the next layer's reads are refused (KVOwnershipError) on every D rank; layer 1 of
     the cache is untouched."""
-    cases, p, d, models = matrix
+    cases, p, d, models, _ = matrix
     i = cases.index(FAULTS[1])
     print(f"\nownership, D rank 0: {_per_case(d, i)[0]['error']}")
     for o in _per_case(d, i):
         assert o["ownership"] and "owns" in o["error"], o["error"]
-        layer0, layer1 = o["cache_nonzero"]
-        assert layer0 > 0 and layer1 == 0
+        layer0, layer1 = o["layer_nonzero"]
+        latent0, index0 = o["cache_nonzero"][:2]  # SFA: layer 0's latent and its replicated indexer arrived
+        assert layer0 > 0 and latent0 > 0 and index0 > 0 and layer1 == 0
     assert _per_case(p, i)[0]["verdicts"][0].startswith("failed: ")
 
 
-def test_prefill_rank_death_mid_transfer():
+def test_prefill_rank_death_mid_transfer(matrix):
     """P rank 1 is SIGKILLed once layer 0 arrived. P holds every token on both ranks
     (dcp 1), so D rank 0 reads from P rank 0 and D rank 1 from P rank 1: D rank 1's
     read of layer 1 fails with the producer rank named, D rank 0 (whose reads all
     succeed) fails the request too (the consumer ranks agree), both well within
     transfer_timeout_s, and both free the request's blocks."""
-    case = Case("gqa", Side(2, 1, 1, 1, 4), Side(2, 1, 1, 1, 8), prompt_lens=(13,), fault="kill", timeout_s=30.0)
-    p, d, _ = run_cases([case])
-    assert isinstance(p, RankFailed) and p.root == 1, p
-    assert not isinstance(d, BaseException), d
-    (d0,), (d1,) = d
+    cases, p, d, models, died = matrix
+    i = cases.index(FAULTS[3])
+    case = cases[i]
+    assert died.root == 1, died
+    d0, d1 = _per_case(d, i)
     for o in (d0, d1):
         print(f"\nrank death, D rank {o['rank']} after {o['seconds']:.2f} s: {o['error']}")
     assert "the read of layer 1 from producer rank 1" in d1["error"] or \
@@ -143,7 +165,7 @@ def test_prefill_rank_death_mid_transfer():
         assert o["error"].startswith("KVTransferError") and "decode blocks were freed" in o["error"]
         assert o["seconds"] < case.timeout_s
         assert o["free"] == o["num_blocks"]
-    assert d1["cache_nonzero"][:2] != [0, 0] and d1["cache_nonzero"][2:] == [0, 0]  # layer 0 arrived, 1 did not
+    assert d1["layer_nonzero"][0] > 0 and d1["layer_nonzero"][1] == 0  # layer 0 arrived, layer 1 did not
 
 
 def test_stalled_prefill_rank_fails_the_request_and_the_next_is_served(matrix):
@@ -152,7 +174,7 @@ def test_stalled_prefill_rank_fails_the_request_and_the_next_is_served(matrix):
     within transfer_timeout_s of P rank 0's report; nothing was written into D's cache
     and no D block is held; P gets the verdict and frees its blocks; request 1 then
     decodes exactly as on one device."""
-    cases, p, d, models = matrix
+    cases, p, d, models, _ = matrix
     i = cases.index(FAULTS[2])
     case = cases[i]
     ref = reference(case, *models[i])
