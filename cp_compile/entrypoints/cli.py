@@ -7,6 +7,7 @@ unless `--served-model-name` says otherwise.
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 
 from cp_compile.entrypoints.llm import LLM
@@ -34,7 +35,23 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--host", default="127.0.0.1")
     s.add_argument("--port", type=int, default=8000)
     s.add_argument("--served-model-name", default=None)
+    s.add_argument("--kv-transfer-config", type=_json_dict, default=None,
+                   help="PD disaggregation role as JSON (vLLM's keys), e.g. '{\"kv_role\": \"kv_producer\", "
+                   "\"engine_id\": \"prefill-0\", \"kv_port\": 5600, \"kv_connector_extra_config\": "
+                   "{\"store_master\": true}}'")
     return ap
+
+
+def _json_dict(text: str) -> dict:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"{text!r} is not JSON ({e}). Fix: quote the object, e.g. "
+                                         "'{\"kv_role\": \"kv_consumer\", ...}'") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"{text!r} is a JSON {type(value).__name__}, not an object. Fix: "
+                                         "'{\"kv_role\": ..., \"kv_port\": ...}'")
+    return value
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -45,10 +62,11 @@ def main(argv: list[str] | None = None) -> int:
               cp_kv_cache_interleave_size=args.cp_kv_cache_interleave_size, block_size=args.block_size,
               dtype=args.dtype, max_model_len=args.max_model_len, enable_dsa_cp=args.enable_dsa_cp,
               max_num_seqs=args.max_num_seqs, num_kv_blocks=args.num_kv_blocks, seed=args.seed,
-              lowering=args.lowering)
+              lowering=args.lowering, kv_transfer_config=args.kv_transfer_config)
     print(f"cp-compile serve: {args.served_model_name or args.model} on http://{args.host}:{args.port} "
           f"(tp={args.tensor_parallel_size}, dcp={args.decode_context_parallel_size}, "
-          f"pcp={args.prefill_context_parallel_size})", file=sys.stderr, flush=True)
+          f"pcp={args.prefill_context_parallel_size}"
+          + (f", {args.kv_transfer_config['kv_role']}" if args.kv_transfer_config else "") + ")", file=sys.stderr, flush=True)
     serve(llm, args.served_model_name or args.model, host=args.host, port=args.port)
     return 0
 

@@ -39,6 +39,11 @@ from cp_compile.sampling import RequestError, SamplingParams
 _IDLE_S = 0.01
 PARAM_KEYS = ("do_remote_prefill", "remote_engine_id", "remote_request_id", "remote_host", "remote_port",
               "num_tokens")
+# What vLLM's disaggregation proxy sends the prefill instance (its NIXL connector's
+# request keys): "prefill here, a remote instance decodes". Values other than
+# do_remote_decode are None there; they name nothing a producer needs.
+PRODUCER_REQUEST_KEYS = ("do_remote_decode", "do_remote_prefill", "remote_engine_id", "remote_block_ids",
+                         "remote_host", "remote_port")
 
 
 def rank_config(kv: KVTransferConfig) -> dict:
@@ -67,9 +72,13 @@ class ProducerSide:
         self.verdicts: dict[int, str] = {}  # rid -> the consumer's verdict ("ok", "failed: ...", "timeout")
 
     def check(self, n: int, params: SamplingParams, kv_params: Any) -> None:
-        if kv_params is not None:
-            raise RequestError("kv_transfer_params", "given", "a kv_producer prefills its own requests; pass "
-                               "kv_transfer_params to the kv_consumer instance's generate")
+        if kv_params is not None:  # only vLLM's proxy request {"do_remote_decode": true, ...}
+            if not isinstance(kv_params, dict) or kv_params.get("do_remote_decode") is not True or \
+                    kv_params.get("do_remote_prefill") or set(kv_params) - set(PRODUCER_REQUEST_KEYS):
+                raise RequestError("kv_transfer_params", kv_params, "a kv_producer prefills its own requests and "
+                                   "takes only vLLM's {'do_remote_decode': true} here (keys "
+                                   f"{list(PRODUCER_REQUEST_KEYS)}). Fix: send a producer's kv_transfer_params "
+                                   "to the kv_consumer instance")
         if params.max_tokens != 1:
             raise RequestError("max_tokens", params.max_tokens, "a kv_producer instance prefills only: its token "
                                "is the request's first; the consumer decodes the rest. Fix: "
@@ -102,7 +111,8 @@ class ProducerSide:
             released = 0
             for rid, h in list(self.held.items()):
                 verdict = self.exchange.poll_consumed(rid)
-                if verdict is None and time.monotonic() - h.since > self.kv.handoff_timeout_s:
+                if verdict is None and time.monotonic() - h.since > self.kv.handoff_timeout_s and \
+                        self.exchange.expire(rid):  # no consumer is reading it (else: wait for its verdict)
                     verdict = f"timeout: no consumer verdict within handoff_timeout_s={self.kv.handoff_timeout_s}"
                 if verdict is not None:
                     self.verdicts[rid] = verdict

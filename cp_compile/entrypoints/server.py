@@ -6,6 +6,12 @@
 Endpoints: `/v1/completions`, `/v1/chat/completions` (both with `stream`), `/v1/models`,
 `/health`, and `/v1/cp_compile/stats` (scheduler and KV-block figures, ours).
 
+PD disaggregation (`--kv-transfer-config`, vLLM's proxy flow): a completion request
+may carry vLLM's `kv_transfer_params`; a kv_producer server prefills (max_tokens 1)
+and returns the consumer's `kv_transfer_params` in the response, a kv_consumer server
+imports the KV they name and decodes. A failed import answers that request with HTTP
+500 naming the cause (its blocks freed); the server keeps serving.
+
 Continuous batching: one engine thread owns the driver and steps it while any
 request runs; HTTP handlers check a request (`Driver.check`: reads only fixed
 limits, so it is safe off that thread), then hand it over through a queue, and
@@ -31,6 +37,7 @@ from typing import Any, AsyncIterator
 from cp_compile.entrypoints import openai_logprobs
 from cp_compile.entrypoints.llm import LLM, TextState
 from cp_compile.hf.scheduler import Sequence
+from cp_compile.kv_transfer import KVTransferError
 from cp_compile.sampling import RequestError, SamplingParams
 
 
@@ -54,30 +61,37 @@ class EngineLoop:
         self.max_batch_seen = 0
         self.requests_served = 0
         self.error: BaseException | None = None
+        self._live: dict[int, Stream] = {}  # rid -> stream of each request not yet finished
+        self._done: list[Stream] = []  # finished in this step: told after it (a producer exports at its end)
         self._stop = False
         self._thread = threading.Thread(target=self._run, name="cp-compile-engine", daemon=True)
         self._thread.start()
 
-    def submit(self, ids: list[int], params: SamplingParams, stream: Stream) -> None:
-        self.commands.put(("add", ids, params, stream))
+    def submit(self, ids: list[int], params: SamplingParams, stream: Stream, kv_params: dict | None = None) -> None:
+        self.commands.put(("add", ids, params, stream, kv_params))
 
     def abort(self, stream: Stream) -> None:
         self.commands.put(("abort", stream))
 
     def _apply(self, cmd: tuple) -> None:
         if cmd[0] == "add":
-            _, ids, params, stream = cmd
+            _, ids, params, stream, kv_params = cmd
 
             def on_update(seq: Sequence, text: TextState, stream: Stream = stream) -> None:
-                done = seq.finish_reason is not None or text.stop_reason is not None
-                stream.loop.call_soon_threadsafe(stream.events.put_nowait, ("token", stream.index, done))
+                if seq.finish_reason is not None or text.stop_reason is not None:
+                    self._done.append(stream)  # its last event goes after the step (its kv_transfer_params)
+                else:
+                    stream.loop.call_soon_threadsafe(stream.events.put_nowait, ("token", stream.index, False))
 
             try:
-                stream.seq, stream.text = self.llm.submit(ids, params, on_update)
+                stream.seq, stream.text = self.llm.submit(ids, params, on_update, kv_transfer_params=kv_params)
+                self._live[stream.seq.rid] = stream
             except Exception as e:  # noqa: BLE001 - reported to the handler (checked before, so rare)
                 stream.loop.call_soon_threadsafe(stream.events.put_nowait, ("error", stream.index, e))
         elif cmd[0] == "abort":
             seq = cmd[1].seq
+            if seq is not None:
+                self._live.pop(seq.rid, None)
             if seq is not None and seq.finish_reason is None:
                 self.llm.driver.abort(seq)
 
@@ -94,11 +108,33 @@ class EngineLoop:
             if driver.has_work():
                 try:
                     updated = driver.step()
+                except KVTransferError as e:  # a failed import fails its requests, not the server
+                    self._fail_imports(e)
+                    continue
                 except BaseException as e:  # noqa: BLE001 - the server reports it on /health
                     self.error = e
                     return
+                finally:
+                    self._flush_done()
                 self.max_batch_seen = max(self.max_batch_seen, len(updated))
                 self.requests_served += sum(s.finish_reason is not None for s in updated)
+
+    def _flush_done(self) -> None:
+        for stream in self._done:
+            self._live.pop(stream.seq.rid, None)
+            stream.loop.call_soon_threadsafe(stream.events.put_nowait, ("token", stream.index, True))
+        self._done.clear()
+
+    def _fail_imports(self, exc: KVTransferError) -> None:
+        """The consumer's driver aborted the requests whose KV import failed (the ranks
+        freed their blocks): answer each with its cause."""
+        failed = getattr(self.llm.driver.kv_side, "failed", {})
+        for rid in [r for r in self._live if r in failed]:
+            stream = self._live.pop(rid)
+            err = KVTransferError(f"KV import failed (nothing of it is attended; its blocks are free): "
+                                  f"{failed.pop(rid)}")
+            stream.loop.call_soon_threadsafe(stream.events.put_nowait, ("error", stream.index, err))
+        self.llm.driver.drop([])  # free the aborted requests' blocks now
 
     def stats(self) -> dict[str, Any]:
         d = self.llm.driver
@@ -178,14 +214,15 @@ def build_app(llm: LLM, served_model_name: str) -> Any:
         raise RequestError("prompt", type(prompt).__name__, "must be a string or a list of token ids (one prompt "
                            "per request)")
 
-    def check(body: dict[str, Any], chat: bool) -> tuple[list[int], SamplingParams]:
+    def check(body: dict[str, Any], chat: bool) -> tuple[list[int], SamplingParams, dict | None]:
         if body.get("model") not in (served_model_name, None):
             raise RequestError("model", body.get("model"), f"unknown model; this server serves {served_model_name!r}"
                                " (GET /v1/models)")
         params = _sampling(body, chat)
         ids = prompt_ids(body, chat)
-        llm.driver.check(ids, params)
-        return ids, params
+        kv_params = body.get("kv_transfer_params")
+        llm.driver.check(ids, params, kv_params)
+        return ids, params, kv_params
 
     async def run(request: Request, chat: bool) -> Any:
         if engine.error is not None:
@@ -197,7 +234,7 @@ def build_app(llm: LLM, served_model_name: str) -> Any:
         if not isinstance(body, dict):
             return _error("the body must be a JSON object", "body")
         try:
-            ids, params = check(body, chat)
+            ids, params, kv_params = check(body, chat)
         except RequestError as e:
             return _error(str(e), e.field)
         except (TypeError, ValueError) as e:
@@ -206,7 +243,7 @@ def build_app(llm: LLM, served_model_name: str) -> Any:
         events: asyncio.Queue = asyncio.Queue()
         streams = [Stream(asyncio.get_running_loop(), events, index=i) for i in range(params.n)]
         for i, stream in enumerate(streams):
-            engine.submit(ids, params.for_sample(i), stream)
+            engine.submit(ids, params.for_sample(i), stream, kv_params)
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
         model = served_model_name
         extra = {"token_ids"} if body.get("return_token_ids") else set()
@@ -277,7 +314,8 @@ def build_app(llm: LLM, served_model_name: str) -> Any:
                 continue
             if kind == "error":
                 abort_all()
-                return _error(str(payload), getattr(payload, "field", None))
+                status = 400 if isinstance(payload, (RequestError, ValueError)) else 500
+                return _error(str(payload), getattr(payload, "field", None), status)
             left -= bool(payload)
         choices = []
         for st in streams:
@@ -288,8 +326,10 @@ def build_app(llm: LLM, served_model_name: str) -> Any:
             if extra:
                 choice["token_ids"] = list(st.seq.output)
             choices.append(choice)
+        # vLLM's field: a kv_producer's answer carries what the kv_consumer needs (None elsewhere).
+        kv_out = streams[0].seq.payload.kv_transfer_params if streams[0].seq is not None else None
         return {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": created,
-                "model": model, "choices": choices, "usage": usage()}
+                "model": model, "choices": choices, "usage": usage(), "kv_transfer_params": kv_out}
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Any:

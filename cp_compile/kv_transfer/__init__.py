@@ -16,8 +16,8 @@ from cp_compile.kv_transfer.config import KVTransferConfig
 from cp_compile.kv_transfer.connector import ImportedRequest, KVConsumer, KVProducer
 from cp_compile.kv_transfer.layout import KVGeometry, KVLayout, check_compatible
 from cp_compile.kv_transfer.plan import RankPlan, SlotRun, expected_bytes, plan_rank
-from cp_compile.kv_transfer.transport import KVOwnershipError, KVTransferError, KVTransport
+from cp_compile.kv_transfer.transport import KVAlreadyImportedError, KVOwnershipError, KVTransferError, KVTransport
 
-__all__ = ["ImportedRequest", "KVConsumer", "KVGeometry", "KVLayout", "KVOwnershipError", "KVProducer",
+__all__ = ["ImportedRequest", "KVAlreadyImportedError", "KVConsumer", "KVGeometry", "KVLayout", "KVOwnershipError", "KVProducer",
            "KVTransferConfig", "KVTransferError", "KVTransport", "RankPlan", "SlotRun", "check_compatible",
            "expected_bytes", "plan_rank"]

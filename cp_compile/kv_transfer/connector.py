@@ -34,7 +34,7 @@ from cp_compile.kv_transfer.nixl import NixlTransport
 from cp_compile.kv_transfer.plan import RankPlan, plan_rank
 from cp_compile.kv_transfer.reads import group_runs, layer_reads, same_rows
 from cp_compile.kv_transfer.regions import CacheRegion, check_in_regions, regions_of
-from cp_compile.kv_transfer.transport import KVOwnershipError, KVTransferError, KVTransport
+from cp_compile.kv_transfer.transport import KVAlreadyImportedError, KVOwnershipError, KVTransferError, KVTransport
 from cp_compile.metadata import BlockAllocator
 
 _POLL_S = 0.0005
@@ -251,6 +251,14 @@ class KVConsumer(_Role):
                                               self.kv.transfer_timeout_s)
             deadline = time.monotonic() + self.kv.transfer_timeout_s  # the reads' bound starts once P is ready
             t0 = time.perf_counter()
+            world = dist.get_world_size(self.group) if dist.is_initialized() else 1
+            claims = self.exchange.claim(req_id)
+            if claims > world:  # before anything is allocated or read
+                raise KVAlreadyImportedError(
+                    f"request {req_id} of producer {self.kv.remote_engine_id!r} was already imported by a consumer "
+                    f"or expired on the producer ({claims} claims for {world} consumer ranks): its producer blocks "
+                    "may hold another request's KV now. Fix: prefill the prompt on the producer again and send its "
+                    "new kv_transfer_params (each is good for one import)")
             self.allocator.ensure(mine, ready.num_tokens)  # CapacityError: nothing allocated, nothing moved
             plan = plan_rank(src_layout, self.layout, self.geometry, ready.num_tokens, ready.block_table,
                              self.allocator.blocks(mine), self.rank)
@@ -275,7 +283,7 @@ class KVConsumer(_Role):
                 fate = "its decode blocks were freed"
             msg = f"request {req_id}: KV transfer from {self.kv.remote_engine_id!r} failed on consumer rank " \
                   f"{self.rank}: {why}. The request is not scheduled; {fate}"
-            if self.rank == 0:
+            if self.rank == 0 and not isinstance(error, KVAlreadyImportedError):  # the first import's verdict stays
                 self.exchange.publish_consumed(req_id, f"failed: {msg}")
             raise (type(error) if isinstance(error, KVTransferError) else KVTransferError)(msg) from error
         if self.rank == 0:

@@ -6,7 +6,11 @@ Keys (pickled values), under `cpkv/<producer engine_id>/`:
 - `req/<id>/ready/<r>`: `ReadyRequest` from producer rank r once its prefill of the
   request has written its cache (a consumer waits for every rank's);
 - `req/<id>/consumed`: the consumer's verdict ("ok" or the error), set by consumer
-  rank 0 after every consumer rank finished; the producer frees its blocks then.
+  rank 0 after every consumer rank finished; the producer frees its blocks then;
+- `req/<id>/claims`: a counter (`TCPStore.add`, atomic): each consumer rank adds 1
+  before it reads, a producer giving up on the request adds `EXPIRED`. A request is
+  read by one consumer instance, once: a rank that counts past its own world size
+  (a replayed `kv_transfer_params`, or a request the producer expired) reads nothing.
 """
 
 from __future__ import annotations
@@ -18,6 +22,8 @@ from datetime import timedelta
 from typing import Any
 
 from torch.distributed import TCPStore
+
+EXPIRED = 1 << 30  # the producer's claim on a request it gave up on (exchange.expire)
 
 from cp_compile.kv_transfer.layout import KVGeometry, KVLayout
 from cp_compile.kv_transfer.regions import CacheRegion
@@ -106,6 +112,17 @@ class Exchange:
         if any(g != got[0] for g in got[1:]):
             raise KVTransferError(f"producer ranks disagree on request {req_id}: {got}")
         return got[0]
+
+    def claim(self, req_id: int) -> int:
+        """A consumer rank's claim on `req_id` before it reads: the count so far, this one
+        included (1..world for the first import; more for a replay or an expired request)."""
+        return self.store.add(self._key("req", req_id, "claims"), 1)
+
+    def expire(self, req_id: int) -> bool:
+        """The producer gives up on `req_id` (no verdict in time): True if no consumer rank
+        had claimed it (its blocks may be freed: any later claim counts past EXPIRED);
+        False if one is reading it (wait for its verdict instead)."""
+        return self.store.add(self._key("req", req_id, "claims"), EXPIRED) == EXPIRED
 
     def publish_consumed(self, req_id: int, verdict: str) -> None:
         self._set(self._key("req", req_id, "consumed"), verdict)

@@ -25,6 +25,11 @@ class KVOwnershipError(KVTransferError):
     """A transfer would write blocks the request does not own (freed or reassigned)."""
 
 
+class KVAlreadyImportedError(KVTransferError):
+    """A producer's request was already imported (or expired on the producer): its
+    blocks there may hold another request's KV now, so it is not read again."""
+
+
 class KVTransport(Protocol):
     name: str  # this agent's unique name
 

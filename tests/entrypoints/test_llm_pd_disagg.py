@@ -5,20 +5,27 @@ block 4); the consumer (D) is another instance (here world 1 in this process,
 block 8: its own process group state, its own block allocator). P prefills and
 exports; D imports each request over NIXL (UCX over DRAM) from both P ranks into its
 own blocks and decodes. D's greedy tokens equal HF's `generate` on the checkpoint
-(one device) and D's own local prefill; bytes moved equal the formula. A stalled P
+(one device); bytes moved equal the formula. A stalled P
 rank (SIGSTOPped: alive, never posts its KV) fails the D request within
 transfer_timeout_s with the rank named, D's blocks all free, and the next request
-decodes exactly. One spawn serves every check (module fixture); the reverse layout,
-D spawned at (tp 2, dcp 2), is `slow`.
+decodes exactly. The same two instances behind the HTTP server (`build_app`, uvicorn)
+serve vLLM's proxy flow with the real `openai` client: P asked with max_tokens=1
+returns `kv_transfer_params`, D given them decodes tokens equal to one device. One
+spawn serves every check (module fixture); the reverse layout, D spawned at (tp 2,
+dcp 2), and the two `cp-compile serve --kv-transfer-config` processes are `slow`.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
+import subprocess
+import sys
 import threading
 import time
+import urllib.request
 
 import pytest
 import torch
@@ -31,7 +38,7 @@ from examples.models.tiny import hf_qwen3
 from examples.models.tiny_seed import save_checkpoint
 
 PROMPTS = ["the a of to and", "in is it", "long make thing see him two has look"]
-TRANSFER_TIMEOUT_S = 8.0
+TRANSFER_TIMEOUT_S = 5.0  # the stall case waits this long
 GREEDY1 = SamplingParams(temperature=0, max_tokens=1)
 GREEDY8 = SamplingParams(temperature=0, max_tokens=8)
 
@@ -51,8 +58,13 @@ def _kv(role: str, port: int, tag: str, **extra) -> dict:
             "kv_connector_extra_config": {**extra, "remote_engine_id": f"prefill-{tag}"}}
 
 
+_HF: dict[str, torch.nn.Module] = {}
+
+
 def _hf_greedy(path: str, prompts_ids: list[list[int]], n: int) -> list[list[int]]:
-    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    if path not in _HF:
+        _HF[path] = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    model = _HF[path]
     with torch.no_grad():
         return [model.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False)[0, len(ids):].tolist()
                 for ids in prompts_ids]
@@ -61,8 +73,9 @@ def _hf_greedy(path: str, prompts_ids: list[list[int]], n: int) -> list[list[int
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory) -> str:
     # Dense Qwen3 with one KV head (tp 2 replicates it, dcp 2 shares it): the cheapest
-    # GQA checkpoint whose layouts differ on the two sides.
-    return save_checkpoint(hf_qwen3(num_kv_heads=1), str(tmp_path_factory.mktemp("pd") / "ckpt"))
+    # GQA checkpoint whose layouts differ on the two sides. One layer: each instance's
+    # compile is most of this file's time (layer-by-layer reads run in test_pd_disagg.py).
+    return save_checkpoint(hf_qwen3(num_kv_heads=1, num_layers=1), str(tmp_path_factory.mktemp("pd") / "ckpt"))
 
 
 @pytest.fixture(scope="module")
@@ -93,10 +106,9 @@ def test_decode_instance_tokens_equal_one_device(ckpt, pd):
     out = d.generate(PROMPTS, GREEDY8, use_tqdm=False, kv_transfer_params=params)
     ids = [o.prompt_token_ids for o in out]
     ref = _hf_greedy(ckpt, ids, 8)
-    local = [o.outputs[0].token_ids for o in d.generate(PROMPTS, GREEDY8, use_tqdm=False)]  # D prefills itself
     got = [o.outputs[0].token_ids for o in out]
     print("\nP(tp2,dcp2,I1,bs4) -> D(tp1,dcp1,I1,bs8) tokens:", got, "one device (HF):", ref)
-    assert got == ref == local
+    assert got == ref
     assert [o.outputs[0].token_ids[0] for o in pre] == [g[0] for g in got]  # P's token starts D's output
     # Bytes moved == the formula (every token once), from both P ranks.
     hf_config = transformers.AutoConfig.from_pretrained(ckpt)
@@ -112,6 +124,11 @@ def test_decode_instance_tokens_equal_one_device(ckpt, pd):
     _flush(p)
     assert all(v == "ok" for v in p.driver.kv_side.verdicts.values()) and not p.driver.kv_side.held
     assert _all_free(p) and _all_free(d)
+    # P freed those blocks: the same kv_transfer_params again are refused before any read.
+    with pytest.raises(KVTransferError, match="was already imported by a consumer") as e:
+        d.generate(PROMPTS[:1], GREEDY8, use_tqdm=False, kv_transfer_params=params[:1])
+    assert "Fix: prefill the prompt on the producer again" in str(e.value)
+    assert _all_free(d) and all(v == "ok" for v in p.driver.kv_side.verdicts.values())
 
 
 def test_stalled_prefill_rank_fails_the_decode_request(ckpt, pd):
@@ -181,6 +198,126 @@ def test_bad_requests_refused_before_anything_runs(pd):
     assert (p.driver.steps, d.driver.steps) == steps and _all_free(d)
 
 
+# What vLLM's disaggregation proxy sends the prefill instance.
+PROXY_TO_P = {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
+              "remote_block_ids": None, "remote_host": None, "remote_port": None}
+
+
+@contextlib.contextmanager
+def _served(llm: LLM, name: str):
+    """`llm` behind the HTTP server (uvicorn in a thread); yields its base URL."""
+    import uvicorn
+
+    from cp_compile.entrypoints.server import build_app
+
+    app = build_app(llm, name)
+    port = _free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    th = threading.Thread(target=server.run, daemon=True)
+    th.start()
+    try:
+        while not server.started:
+            assert th.is_alive(), "the server thread ended"
+            time.sleep(0.02)
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        th.join(30)
+        app.state.engine.close()  # the driver is the test's again
+
+
+def _proxy(p_base: str, d_base: str, model: str, prompt: str, max_tokens: int) -> tuple[dict, list[int]]:
+    """vLLM's proxy: P with max_tokens=1, its kv_transfer_params to D (real openai client)."""
+    import openai
+
+    pc, dc = (openai.OpenAI(base_url=b + "/v1", api_key="none", max_retries=0, timeout=120) for b in (p_base, d_base))
+    r = pc.completions.create(model=model, prompt=prompt, max_tokens=1, temperature=0,
+                              extra_body={"kv_transfer_params": PROXY_TO_P})
+    kvp = r.model_extra["kv_transfer_params"]
+    r = dc.completions.create(model=model, prompt=prompt, max_tokens=max_tokens, temperature=0,
+                              extra_body={"kv_transfer_params": kvp, "return_token_ids": True})
+    return kvp, r.choices[0].model_extra["token_ids"]
+
+
+def test_http_servers_proxy_flow_equals_one_device(ckpt, pd):
+    """P and D behind the HTTP server, vLLM's proxy flow: D's tokens equal one device;
+    a bad kv_transfer_params gets HTTP 400 naming the field, before anything runs."""
+    openai = pytest.importorskip("openai")
+    p, d = pd
+    with _served(p, "pd") as p_base, _served(d, "pd") as d_base:
+        kvp, got = _proxy(p_base, d_base, "pd", PROMPTS[2], 8)
+        assert kvp["do_remote_prefill"] and kvp["remote_engine_id"] == "prefill-a"
+        dc = openai.OpenAI(base_url=d_base + "/v1", api_key="none", max_retries=0, timeout=120)
+        with pytest.raises(openai.BadRequestError) as e:
+            dc.completions.create(model="pd", prompt=PROMPTS[2], max_tokens=8, temperature=0,
+                                  extra_body={"kv_transfer_params": {**kvp, "remote_engine_id": "prefill-b"}})
+        assert "kv_transfer_params.remote_engine_id='prefill-b'" in str(e.value)
+        pc = openai.OpenAI(base_url=p_base + "/v1", api_key="none", max_retries=0, timeout=120)
+        with pytest.raises(openai.BadRequestError) as e:  # a consumer's params sent to the producer
+            pc.completions.create(model="pd", prompt=PROMPTS[2], max_tokens=1, extra_body={"kv_transfer_params": kvp})
+        assert "do_remote_decode" in str(e.value)
+        # A replayed kv_transfer_params (a client retry): the import fails, HTTP 500 naming the
+        # cause, D's blocks free; the server keeps serving.
+        with pytest.raises(openai.InternalServerError) as e:
+            dc.completions.create(model="pd", prompt=PROMPTS[2], max_tokens=8, temperature=0,
+                                  extra_body={"kv_transfer_params": kvp})
+        assert "was already imported by a consumer" in str(e.value)
+        kvp2, again = _proxy(p_base, d_base, "pd", PROMPTS[0], 8)
+    ref = _hf_greedy(ckpt, [d.encode(PROMPTS[2]), d.encode(PROMPTS[0])], 8)
+    print("\nHTTP proxy flow P(tp2,dcp2) -> D(tp1) tokens:", [got, again], "one device (HF):", ref)
+    assert [got, again] == ref
+    _flush(p)
+    verdicts = p.driver.kv_side.verdicts
+    assert verdicts[kvp["remote_request_id"]] == verdicts[kvp2["remote_request_id"]] == "ok"
+    assert _all_free(p) and _all_free(d)
+
+
+def _cli_server(ckpt: str, kv: dict, *flags: str) -> tuple[subprocess.Popen, str]:
+    import json
+
+    port = _free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "cp_compile.entrypoints.cli", "serve", ckpt, "--port", str(port),
+                             "--served-model-name", "pd", "--lowering", "eager", "--max-model-len", "64",
+                             "--kv-transfer-config", json.dumps(kv), *flags])
+    return proc, f"http://127.0.0.1:{port}"
+
+
+def _wait_healthy(proc: subprocess.Popen, base: str, deadline_s: float = 600) -> None:
+    deadline = time.time() + deadline_s
+    while True:
+        try:
+            urllib.request.urlopen(base + "/health", timeout=2)
+            return
+        except OSError:
+            if proc.poll() is not None or time.time() > deadline:
+                raise RuntimeError(f"server {base} did not start (exit {proc.poll()})")
+            time.sleep(0.5)
+
+
+@pytest.mark.slow  # two server processes; the in-process servers above cover the HTTP path by default
+def test_serve_kv_transfer_config_two_processes(ckpt):
+    port = _free_port()
+    p, p_base = _cli_server(ckpt, _kv("kv_producer", port, "c"), "--tensor-parallel-size", "2",
+                            "--decode-context-parallel-size", "2", "--block-size", "4")
+    d = None
+    try:
+        _wait_healthy(p, p_base)  # P hosts the store D connects to
+        d, d_base = _cli_server(ckpt, _kv("kv_consumer", port, "c"), "--block-size", "8")
+        _wait_healthy(d, d_base)
+        got = [_proxy(p_base, d_base, "pd", prompt, 8)[1] for prompt in PROMPTS]
+    finally:
+        for proc in (d, p):
+            if proc is not None:
+                proc.terminate()
+        for proc in (d, p):
+            if proc is not None:
+                proc.wait(timeout=120)
+    tok = transformers.AutoTokenizer.from_pretrained(ckpt)
+    ref = _hf_greedy(ckpt, [list(tok(x)["input_ids"]) for x in PROMPTS], 8)
+    print("\ncp-compile serve P(tp2,dcp2,bs4) -> serve D(tp1,bs8) tokens:", got, "one device (HF):", ref)
+    assert got == ref
+
+
 def test_bad_kv_transfer_config_refused_before_any_process(ckpt):
     for cfg, needle in [({"kv_role": "kv_both", "kv_port": 5600}, "kv_role='kv_both'"),
                         ({"kv_role": "kv_consumer", "kv_port": 5600}, "no remote_engine_id"),
@@ -190,6 +327,14 @@ def test_bad_kv_transfer_config_refused_before_any_process(ckpt):
         with pytest.raises(ConfigError, match="Fix: ") as e:
             LLM(model=ckpt, tensor_parallel_size=2, kv_transfer_config=cfg)
         assert needle in str(e.value)
+    # `cp-compile serve --kv-transfer-config`: the same refusal, and JSON that is not an object.
+    from cp_compile.entrypoints.cli import main
+
+    with pytest.raises(ConfigError, match="kv_role='kv_both'"):
+        main(["serve", ckpt, "--tensor-parallel-size", "2", "--kv-transfer-config",
+              '{"kv_role": "kv_both", "kv_port": 5600}'])
+    with pytest.raises(SystemExit):
+        main(["serve", ckpt, "--kv-transfer-config", "{kv_role: kv_producer}"])
 
 
 @pytest.mark.slow  # the default cases cover the LLM path; this one spawns the consumer (D ranks agree)
@@ -204,5 +349,26 @@ def test_spawned_consumer_tp2_dcp2(ckpt):
         got = [o.outputs[0].token_ids for o in out]
         print("\nP(tp1,dcp1,I1,bs8) -> D(tp2,dcp2,I4,bs4) tokens:", got)
         assert got == _hf_greedy(ckpt, [o.prompt_token_ids for o in out], 8)
+        _flush(p)
+        assert all(v == "ok" for v in p.driver.kv_side.verdicts.values()) and _all_free(d) and _all_free(p)
+
+
+@pytest.mark.slow  # one spawn + two compiles per kind; the GQA default cases cover the LLM role path
+@pytest.mark.parametrize("kind", ["deepseek_v2_lite", "deepseek_v32"])  # MLA latent; SFA latent + indexer
+def test_llm_roles_mla_sfa(kind, tmp_path):
+    from examples.models.tiny_seed import tiny_seed_model
+
+    path = save_checkpoint(tiny_seed_model(kind), str(tmp_path / kind))
+    port = _free_port()
+    with LLM(model=path, tensor_parallel_size=2, decode_context_parallel_size=2, block_size=4, lowering="eager",
+             max_model_len=64, kv_transfer_config=_kv("kv_producer", port, kind)) as p, \
+            LLM(model=path, block_size=8, lowering="eager", max_model_len=64,
+                kv_transfer_config=_kv("kv_consumer", port, kind)) as d:
+        pre = p.generate(PROMPTS, GREEDY1, use_tqdm=False)
+        out = d.generate(PROMPTS, GREEDY8, use_tqdm=False, kv_transfer_params=[o.kv_transfer_params for o in pre])
+        got = [o.outputs[0].token_ids for o in out]
+        ref = _hf_greedy(path, [o.prompt_token_ids for o in out], 8)
+        print(f"\n{kind}: P(tp2,dcp2,bs4) -> D(tp1,bs8) tokens:", got, "one device (HF):", ref)
+        assert got == ref
         _flush(p)
         assert all(v == "ok" for v in p.driver.kv_side.verdicts.values()) and _all_free(d) and _all_free(p)
