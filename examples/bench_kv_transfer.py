@@ -10,6 +10,18 @@ aggregate GB/s, bytes against the formula, and writes JSON rows to `--out`.
 
     python -m examples.bench_kv_transfer --tokens 16384 --layers 8 --shape qwen3-235b-a22b-tp8 --compare
     python -m examples.bench_kv_transfer --tokens 16384 --layers 8 --shape deepseek-r1-tp8 --p-dcp 2 --d-dcp 2
+
+`--prefill` (the transfer's share of TTFT): P runs the example model at the shape's
+per-rank attention and MLP (`examples/bench/shapes.py`, `--layers` of them) on a random
+prompt of `--tokens` per request, batch 1, and exports the KV that prefill wrote; D
+reads it as above. One request at a time (P prefills the next after D's verdict, so
+the two never share this machine's cores): per request the prefill's seconds (max
+over P ranks) beside the transfer's (slowest D rank), and the share
+transfer / (prefill + transfer). Both scale with the layer count, so the share does
+not depend on `--layers`.
+
+    python -m examples.bench_kv_transfer --prefill --tokens 16384 --layers 1 --dtype float32 \
+        --p-dcp 1 --d-dcp 2 --d-interleave 128
 """
 
 from __future__ import annotations
@@ -20,6 +32,7 @@ import os
 import statistics
 import sys
 import time
+from typing import Any
 
 import torch
 
@@ -59,7 +72,65 @@ def _kv(role: str, port: int) -> dict:
             "kv_connector_extra_config": extra}
 
 
+def _prefill_model(state: Any, cfg: cp_compile.CPConfig, a: argparse.Namespace) -> Any:
+    """The example model at `a.shape`'s per-rank shapes, `a.layers` layers (seeded weights)."""
+    from dataclasses import replace
+
+    from examples.bench.shapes import PRESETS
+
+    preset = replace(PRESETS[a.shape], layers=a.layers)
+    tp = cfg.tensor_parallel_size
+    torch.manual_seed(1234 + state.tp_rank)
+    mcfg = preset.model_config(tp)
+    if preset.kind == "qwen3":
+        from examples.models.qwen3 import Qwen3Model
+
+        return Qwen3Model(mcfg, tp, state.tp_rank, state.tp_group).eval()
+    from examples.models.deepseek_mla import DeepseekMLAModel
+
+    return DeepseekMLAModel(mcfg, tp, state.tp_rank, state.tp_group).eval()
+
+
+class _FirstTokenZero:
+    """Exports with first token 0: the preset's seeded weights differ per rank outside the
+    TP shards, so the ranks' sampled tokens differ (the bench times, it does not decode)."""
+
+    def __init__(self, producer: KVProducer) -> None:
+        self.producer = producer
+
+    def export(self, req_id: int, num_tokens: int, block_table: list[int], first_token: int) -> None:
+        self.producer.export(req_id, num_tokens, block_table, 0)
+
+
+def prefill_timed_world(rank: int, world: int, port: int, cfg: cp_compile.CPConfig, a: argparse.Namespace) -> dict:
+    """`--prefill`: each request prefilled by the model (timed), exported, consumed, then the next."""
+    from examples.serving import layer_caches, prefill_and_export
+
+    state, spec, attention, cache, alloc = _side(rank, cfg, a)
+    model = _prefill_model(state, cfg, a)
+    if (model.kv_cache_spec().num_layers, model.attention_spec()) != (spec.num_layers, attention):
+        raise SystemExit(f"the model's cache ({model.kv_cache_spec()}, {model.attention_spec()}) is not the "
+                         f"bench's ({spec}, {attention}) at tp {cfg.tensor_parallel_size}")
+    forward = model
+    if cfg.context_parallel_size > 1:
+        forward = cp_compile.compile_model(model, lowering="eager")
+    producer = KVProducer(_kv("kv_producer", port), cfg, cache, spec, attention, rank)
+    g = torch.Generator().manual_seed(0)  # the same prompts on every P rank
+    seconds, verdicts = [], []
+    for r in range(a.requests):
+        prompt = torch.randint(0, 1024, (a.tokens,), generator=g).tolist()
+        torch.distributed.barrier()
+        t0 = time.perf_counter()
+        prefill_and_export(forward, layer_caches(cache), alloc, {r: prompt}, _FirstTokenZero(producer),
+                           max_blocks_per_req=-(-a.tokens // cfg.virtual_block_size))
+        seconds.append(time.perf_counter() - t0)
+        verdicts.append(producer.wait_consumed(r))
+    return dict(verdicts=verdicts, prefill_s=seconds)
+
+
 def prefill_world(rank: int, world: int, port: int, cfg: cp_compile.CPConfig, a: argparse.Namespace) -> dict:
+    if a.prefill:
+        return prefill_timed_world(rank, world, port, cfg, a)
     state, spec, attention, cache, alloc = _side(rank, cfg, a)
     g = torch.Generator().manual_seed(rank)
     for layer in cache.layers:
@@ -117,14 +188,18 @@ def run_one(a: argparse.Namespace, p_interleave: int) -> dict:
     for r in range(a.requests):
         per = [o["rows"][r] for o in d]
         total, slowest = sum(x["bytes"] for x in per), max(x["seconds"] for x in per)
+        prefill_s = max(o["prefill_s"][r] for o in p) if a.prefill else None
         rows.append(dict(request=r, bytes=total, formula=formula, seconds=slowest, gb_per_s=total / slowest / 1e9,
+                         prefill_s=prefill_s, share=None if prefill_s is None else slowest / (prefill_s + slowest),
                          per_rank=[dict(rank=o["rank"], **o["rows"][r],
                                         gb_per_s=o["rows"][r]["bytes"] / o["rows"][r]["seconds"] / 1e9) for o in d]))
         ranks = ", ".join(f"D{x['rank']} {x['bytes'] / 1e6:.1f} MB {x['seconds'] * 1e3:.1f} ms "
                           f"({x['gb_per_s']:.2f} GB/s, {x['descriptors']} descriptors, uncoalesced "
                           f"{x['uncoalesced']}) from P{x['src_ranks']}" for x in rows[-1]["per_rank"])
         print(f"  request {r}: {total / 1e6:.1f} MB (== formula: {total == formula}) in {slowest * 1e3:.1f} ms "
-              f"= {rows[-1]['gb_per_s']:.3f} GB/s aggregate; {ranks}")
+              f"= {rows[-1]['gb_per_s']:.3f} GB/s aggregate; {ranks}"
+              + (f"; prefill on P {prefill_s:.2f} s, transfer share of TTFT {rows[-1]['share']:.4f}"
+                 if a.prefill else ""))
     return dict(name=name, p_interleave=p_interleave, rows=rows, formula=formula)
 
 
@@ -144,6 +219,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="block interleave (P interleave = block size) and token interleave (P interleave 1), "
                          "one after the other, side by side")
     ap.add_argument("--no-coalesce", action="store_true", help="one descriptor per plan run (before coalescing)")
+    ap.add_argument("--prefill", action="store_true", help="P prefills each request with the model (timed): the "
+                    "transfer's share of TTFT (see the module doc)")
     ap.add_argument("--out", default="results/bench_kv_transfer")
     a = ap.parse_args(argv)
     interleaves = [a.p_block_size, 1] if a.compare else [a.p_interleave]
@@ -157,6 +234,16 @@ def main(argv: list[str] | None = None) -> int:
         print(f"| {run['p_interleave']} | {run['name']} | {', '.join(f'{u} -> {c}' for u, c in desc)} | "
               f"{statistics.median(g):.3f} [{g[0]:.3f}, {g[-1]:.3f}] | "
               f"{all(r['bytes'] == run['formula'] for r in run['rows'])} |")
+    if a.prefill:
+        print(f"\n| layout | tokens | layers | prefill on P s | transfer to D s | transfer share of TTFT "
+              f"(median [min, max] over {a.requests} requests) |")
+        print("|---|---|---|---|---|---|")
+        for run in runs:
+            cols = [sorted(r[k] for r in run["rows"]) for k in ("prefill_s", "seconds", "share")]
+            fmt = ["{:.2f}", "{:.3f}", "{:.4f}"]
+            print(f"| {run['name']} | {a.tokens} | {a.layers} | " + " | ".join(
+                f"{f.format(statistics.median(c))} [{f.format(c[0])}, {f.format(c[-1])}]" for f, c in zip(fmt, cols))
+                + " |")
     os.makedirs(a.out, exist_ok=True)
     with open(os.path.join(a.out, "bench_kv_transfer.json"), "w") as f:
         json.dump(dict(args=vars(a), runs=runs, time=time.time()), f, indent=1)

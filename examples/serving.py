@@ -120,12 +120,12 @@ def make_kv_role(kv_transfer_config: Any, cfg: CPConfig, cache: KVCache, model: 
 
 def prefill_and_export(forward: Callable[..., torch.Tensor], kv_layers: list[tuple[torch.Tensor, ...]],
                        allocator: BlockAllocator, prompts: dict[int, list[int]], producer: Any,
-                       padding: int = 0) -> dict[int, torch.Tensor]:
+                       padding: int = 0, max_blocks_per_req: int = 64) -> dict[int, torch.Tensor]:
     """Producer role: prefill every prompt in one batch, export each request (its block
     table and greedy first token). Returns each request's last-token logits."""
     rids = sorted(prompts)
     meta = build_attention_metadata([(0, len(prompts[r])) for r in rids], allocator, req_ids=rids,
-                                    num_padding_tokens=padding, max_blocks_per_req=64)
+                                    num_padding_tokens=padding, max_blocks_per_req=max_blocks_per_req)
     ids = torch.tensor([t for r in rids for t in prompts[r]] + [0] * padding)
     with torch.no_grad():
         logits = forward(ids, meta.positions, kv_layers, meta)  # [T, vocab]
