@@ -80,15 +80,15 @@ def _prefill_model(state: Any, cfg: cp_compile.CPConfig, a: argparse.Namespace) 
 
     preset = replace(PRESETS[a.shape], layers=a.layers)
     tp = cfg.tensor_parallel_size
-    torch.manual_seed(1234 + state.tp_rank)
+    torch.manual_seed(1234 + state.layout.tp.rank)
     mcfg = preset.model_config(tp)
     if preset.kind == "qwen3":
         from examples.models.qwen3 import Qwen3Model
 
-        return Qwen3Model(mcfg, tp, state.tp_rank, state.tp_group).eval()
+        return Qwen3Model(mcfg, tp, state.layout.tp.rank, state.tp_group).eval()
     from examples.models.deepseek_mla import DeepseekMLAModel
 
-    return DeepseekMLAModel(mcfg, tp, state.tp_rank, state.tp_group).eval()
+    return DeepseekMLAModel(mcfg, tp, state.layout.tp.rank, state.tp_group).eval()
 
 
 class _FirstTokenZero:
