@@ -145,9 +145,11 @@ class GroupCollectives:
     def __init__(self, group: dist.ProcessGroup) -> None:
         self.group: dist.ProcessGroup | None = group
         self.size = dist.get_world_size(group)
+        # Where this group's collectives take their tensors: NCCL / HCCL groups refuse host tensors.
+        self.device = collective_device(group)
 
     def __getstate__(self) -> dict:  # a live group does not cross processes (a context sent back by a rank)
-        return {"group": None, "size": self.size}
+        return {"group": None, "size": self.size, "device": self.device}
 
     def all_gather(self, t: torch.Tensor) -> list[torch.Tensor]:
         """Every rank's `t` (same shape on every rank), in group rank order."""
@@ -160,6 +162,17 @@ class GroupCollectives:
         """`t` reduced over the group ("max" or "min"), in place and returned."""
         dist.all_reduce(t, op={"max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}[op], group=self.group)
         return t
+
+
+def collective_device(group: dist.ProcessGroup) -> torch.device:
+    """The device a collective on `group` reads: the host for gloo, the current accelerator otherwise."""
+    backend = str(dist.get_backend(group)).lower()
+    if backend == "gloo":
+        return torch.device("cpu")
+    if backend == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    accel = torch.accelerator.current_accelerator() if hasattr(torch, "accelerator") else None
+    return accel if accel is not None else torch.device("cpu")
 
 
 _CACHE: dict[tuple, CollectiveCosts] = {}

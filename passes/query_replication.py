@@ -166,15 +166,15 @@ def _checksums(tensors: list[torch.Tensor]) -> torch.Tensor:
         w = torch.arange(1, x.numel() + 1, dtype=torch.float64, device=x.device) / max(x.numel(), 1)
         rows.append(torch.stack([torch.tensor(float(x.numel()), dtype=torch.float64, device=x.device),
                                  x.sum(), (x * w).sum()]))
-    return torch.stack(rows) if rows else torch.zeros(0, 3, dtype=torch.float64)
+    return torch.stack(rows) if rows else torch.zeros(0, 3, dtype=torch.float64, device="cpu")
 
 
 def check_replicated_inputs(chain: QueryChain, caches: set[fx.Node], group: GroupCollectives) -> None:
     """Every value the chain reads from outside must be identical across the group
     (collective: every rank of the group calls it). Raises NotReplicable."""
     params, why = _rank_dependent_parameters(_reads_from_outside(chain), caches)
-    flag = torch.tensor([0.0 if why is None else 1.0], dtype=torch.float64)
-    sums = _checksums([_real(p) for p in params]).cpu()
+    flag = torch.tensor([0.0 if why is None else 1.0], dtype=torch.float64, device=group.device)
+    sums = _checksums([_real(p) for p in params]).to(group.device)  # where the group's collectives run
     # Every rank: the same verdict (a rank that cannot build the copies must not leave the others waiting).
     group.all_reduce(flag, "max")
     if flag.item() > 0:

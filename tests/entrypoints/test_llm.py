@@ -145,7 +145,10 @@ def test_llm_under_torchrun_gives_the_in_process_tokens(ckpt, in_process_tokens)
                            str(script), ckpt, json.dumps(PROMPTS)], capture_output=True, text=True, timeout=900,
                           env=env)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
-    lines = [json.loads(ln[len("TOKENS "):]) for ln in proc.stdout.splitlines() if ln.startswith("TOKENS ")]
+    # Both ranks print to one pipe: a line may hold the two records back to back, so decode every record
+    # that follows a "TOKENS " marker wherever it sits.
+    decoder = json.JSONDecoder()
+    lines = [decoder.raw_decode(part)[0] for part in proc.stdout.split("TOKENS ")[1:]]
     assert sorted(d["rank"] for d in lines) == [0, 1], proc.stdout
     for d in lines:
         assert d["tokens"] == in_process_tokens, (d, in_process_tokens)
