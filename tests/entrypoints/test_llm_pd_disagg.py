@@ -20,12 +20,10 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
 import time
-import urllib.request
 
 import pytest
 import torch
@@ -36,17 +34,12 @@ from cp_compile.errors import ConfigError
 from cp_compile.kv_transfer import KVGeometry, KVLayout, KVTransferError, expected_bytes
 from examples.models.tiny import hf_qwen3
 from examples.models.tiny_seed import save_checkpoint
+from tests.entrypoints.http_util import free_port, wait_healthy
 
 PROMPTS = ["the a of to and", "in is it", "long make thing see him two has look"]
 TRANSFER_TIMEOUT_S = 5.0  # the stall case waits this long
 GREEDY1 = SamplingParams(temperature=0, max_tokens=1)
 GREEDY8 = SamplingParams(temperature=0, max_tokens=8)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _kv(role: str, port: int, tag: str, **extra) -> dict:
@@ -80,7 +73,7 @@ def ckpt(tmp_path_factory) -> str:
 
 @pytest.fixture(scope="module")
 def pd(ckpt):
-    port = _free_port()
+    port = free_port()
     with LLM(model=ckpt, tensor_parallel_size=2, decode_context_parallel_size=2, block_size=4, lowering="eager",
              max_model_len=64, kv_transfer_config=_kv("kv_producer", port, "a")) as p, \
             LLM(model=ckpt, block_size=8, lowering="eager", max_model_len=64,
@@ -211,7 +204,7 @@ def _served(llm: LLM, name: str):
     from cp_compile.entrypoints.server import build_app
 
     app = build_app(llm, name)
-    port = _free_port()
+    port = free_port()
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
     th = threading.Thread(target=server.run, daemon=True)
     th.start()
@@ -275,35 +268,23 @@ def test_http_servers_proxy_flow_equals_one_device(ckpt, pd):
 def _cli_server(ckpt: str, kv: dict, *flags: str) -> tuple[subprocess.Popen, str]:
     import json
 
-    port = _free_port()
+    port = free_port()
     proc = subprocess.Popen([sys.executable, "-m", "cp_compile.entrypoints.cli", "serve", ckpt, "--port", str(port),
                              "--served-model-name", "pd", "--lowering", "eager", "--max-model-len", "64",
                              "--kv-transfer-config", json.dumps(kv), *flags])
     return proc, f"http://127.0.0.1:{port}"
 
 
-def _wait_healthy(proc: subprocess.Popen, base: str, deadline_s: float = 600) -> None:
-    deadline = time.time() + deadline_s
-    while True:
-        try:
-            urllib.request.urlopen(base + "/health", timeout=2)
-            return
-        except OSError:
-            if proc.poll() is not None or time.time() > deadline:
-                raise RuntimeError(f"server {base} did not start (exit {proc.poll()})")
-            time.sleep(0.5)
-
-
 @pytest.mark.slow  # two server processes; the in-process servers above cover the HTTP path by default
 def test_serve_kv_transfer_config_two_processes(ckpt):
-    port = _free_port()
+    port = free_port()
     p, p_base = _cli_server(ckpt, _kv("kv_producer", port, "c"), "--tensor-parallel-size", "2",
                             "--decode-context-parallel-size", "2", "--block-size", "4")
     d = None
     try:
-        _wait_healthy(p, p_base)  # P hosts the store D connects to
+        wait_healthy(p, p_base)  # P hosts the store D connects to
         d, d_base = _cli_server(ckpt, _kv("kv_consumer", port, "c"), "--block-size", "8")
-        _wait_healthy(d, d_base)
+        wait_healthy(d, d_base)
         got = [_proxy(p_base, d_base, "pd", prompt, 8)[1] for prompt in PROMPTS]
     finally:
         for proc in (d, p):
@@ -339,7 +320,7 @@ def test_bad_kv_transfer_config_refused_before_any_process(ckpt):
 
 @pytest.mark.slow  # the default cases cover the LLM path; this one spawns the consumer (D ranks agree)
 def test_spawned_consumer_tp2_dcp2(ckpt):
-    port = _free_port()
+    port = free_port()
     with LLM(model=ckpt, block_size=8, lowering="eager", max_model_len=64,
              kv_transfer_config=_kv("kv_producer", port, "b")) as p, \
             LLM(model=ckpt, tensor_parallel_size=2, decode_context_parallel_size=2, cp_kv_cache_interleave_size=4,
@@ -359,7 +340,7 @@ def test_llm_roles_mla_sfa(kind, tmp_path):
     from examples.models.tiny_seed import tiny_seed_model
 
     path = save_checkpoint(tiny_seed_model(kind), str(tmp_path / kind))
-    port = _free_port()
+    port = free_port()
     with LLM(model=path, tensor_parallel_size=2, decode_context_parallel_size=2, block_size=4, lowering="eager",
              max_model_len=64, kv_transfer_config=_kv("kv_producer", port, kind)) as p, \
             LLM(model=path, block_size=8, lowering="eager", max_model_len=64,

@@ -13,7 +13,6 @@ from __future__ import annotations
 import concurrent.futures as cf
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -26,16 +25,11 @@ openai = pytest.importorskip("openai")
 
 from cp_compile import LLM, SamplingParams  # noqa: E402
 from examples.models.tiny_seed import save_checkpoint, tiny_seed_model  # noqa: E402
+from tests.entrypoints.http_util import free_port, wait_healthy  # noqa: E402
 
 PROMPTS = ["the a of to and", "in is it", "long make thing see him two has look", "you that was for on"]
 MAX_LEN = 64
 KV_BLOCKS = 15  # of 4 tokens: 60 tokens per request < MAX_LEN
-
-
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -45,21 +39,16 @@ def ckpt(tmp_path_factory) -> str:
 
 @pytest.fixture(scope="module")
 def server(ckpt):
-    port = _port()
+    port = free_port()
     proc = subprocess.Popen([sys.executable, "-m", "cp_compile.entrypoints.cli", "serve", ckpt, "--host", "127.0.0.1",
                              "--port", str(port), "--block-size", "4", "--max-model-len", str(MAX_LEN),
                              "--max-num-seqs", "4", "--lowering", "eager", "--num-kv-blocks", str(KV_BLOCKS)])
     base = f"http://127.0.0.1:{port}"
-    deadline = time.time() + 600
-    while True:
-        try:
-            urllib.request.urlopen(base + "/health", timeout=2)
-            break
-        except OSError:
-            if proc.poll() is not None or time.time() > deadline:
-                proc.kill()
-                raise RuntimeError(f"server did not start (exit {proc.poll()})")
-            time.sleep(0.5)
+    try:
+        wait_healthy(proc, base)
+    except RuntimeError:
+        proc.kill()
+        raise
     yield base
     proc.terminate()
     proc.wait(timeout=60)
