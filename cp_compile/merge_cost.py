@@ -142,11 +142,11 @@ class GroupCollectives:
     passes in the compile context (`CompileContext.cp_collectives`, from the parallel
     state), so no pass reads a process group of its own."""
 
-    def __init__(self, group: dist.ProcessGroup) -> None:
+    def __init__(self, group: dist.ProcessGroup, device: torch.device) -> None:
         self.group: dist.ProcessGroup | None = group
         self.size = dist.get_world_size(group)
-        # Where this group's collectives take their tensors: NCCL / HCCL groups refuse host tensors.
-        self.device = collective_device(group)
+        # The device the group was built for (the parallel state's): NCCL / HCCL groups refuse host tensors.
+        self.device = device
 
     def __getstate__(self) -> dict:  # a live group does not cross processes (a context sent back by a rank)
         return {"group": None, "size": self.size, "device": self.device}
@@ -162,17 +162,6 @@ class GroupCollectives:
         """`t` reduced over the group ("max" or "min"), in place and returned."""
         dist.all_reduce(t, op={"max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}[op], group=self.group)
         return t
-
-
-def collective_device(group: dist.ProcessGroup) -> torch.device:
-    """The device a collective on `group` reads: the host for gloo, the current accelerator otherwise."""
-    backend = str(dist.get_backend(group)).lower()
-    if backend == "gloo":
-        return torch.device("cpu")
-    if backend == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    accel = torch.accelerator.current_accelerator() if hasattr(torch, "accelerator") else None
-    return accel if accel is not None else torch.device("cpu")
 
 
 _CACHE: dict[tuple, CollectiveCosts] = {}

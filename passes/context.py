@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Protocol
 
+import torch
 from torch import nn
 
 from cp_compile.config import DECODE_KINDS, AttentionSpec, BatchKind, ConfigError, CPConfig
@@ -32,6 +33,7 @@ class RankGroups(Protocol):
     cfg: CPConfig
     layout: Layout
     collective_costs: CollectiveCosts | None
+    device: torch.device  # the device its process groups were built for
 
 
 @dataclass(frozen=True)
@@ -111,7 +113,7 @@ class CompileContext:
         group = getattr(state, "cp_group", None)
         return cls(config=state.cfg, layout=state.layout, attention=attention, roles=roles, batch_kind=batch_kind,
                    collective_costs=state.collective_costs,
-                   cp_collectives=GroupCollectives(group) if group is not None and state.layout.cp.size > 1 else None)
+                   cp_collectives=GroupCollectives(group, state.device) if group is not None and state.layout.cp.size > 1 else None)
 
     @classmethod
     def for_test(cls, config: CPConfig, *, rank: int = 0, attention: AttentionSpec | None = None,
