@@ -68,6 +68,9 @@ def _spread(xs: list[float]) -> dict[str, float]:
 def decode_methods(context: int, batch: int, hq: int, hkv: int, d: int, bs: int, dtype: torch.dtype,
                    with_reference: bool, seed: int = 0) -> tuple[dict[str, Callable[[], object]], int]:
     """The methods of one decode config, and the KV bytes each must read."""
+    if context <= 0 or context % bs:
+        raise ValueError(f"--context {context}: each request is whole pages here; pass a positive multiple of "
+                         f"--block-size {bs}")
     g = torch.Generator().manual_seed(seed)
     nb = context // bs
     n_pages = batch * nb + 1
