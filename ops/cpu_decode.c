@@ -9,7 +9,8 @@
    lim is the largest key count of its rows. Keys are walked in blocks of TB positions
    through the block table (pointers per position: a shuffled table costs nothing extra);
    per block: scores (4 rows x 2 keys per register step), an online softmax per row,
-   then acc += P @ V (4 rows x 16 columns per step). Nothing at or past lim is read, and a
+   then acc += P @ V (4 rows x 16 columns per step), the next block's lines loaded ahead.
+   Nothing at or past lim is read (look-ahead included), and a
    row's scores past its own key count are -inf before the exp (probability exactly 0), so
    NaN / inf in a slot no row may read never reaches a result (docs/decisions.md 41).
    A row with no key gets out 0 and lse -inf. */
@@ -68,6 +69,7 @@ static void item_avx2(const float *q, const int64_t *rl, int64_t Rp, int64_t D, 
     float s[MAXR][TB] __attribute__((aligned(32)));
     float m[MAXR], l[MAXR];
     const float *kp[TB], *vp[TB];
+    __m128 touch = _mm_setzero_ps();  /* the next block's lines, loaded ahead (below) */
     int64_t lim = 0;  /* the item's readable prefix: no position at or past it is read */
     for (int64_t r = 0; r < Rp; r++) { if (rl[r] > lim) lim = rl[r]; m[r] = -INFINITY; l[r] = 0.0f; }
     memset(acc, 0, sizeof(float) * Rp * Dv);
@@ -77,12 +79,15 @@ static void item_avx2(const float *q, const int64_t *rl, int64_t Rp, int64_t D, 
             int64_t pos = t0 + t, page = pages[pos / BS], off = pos % BS;
             kp[t] = kc + page * ksp + off * kst;
             vp[t] = vc + page * vsp + off * vst;
-            /* the same position of the next block into L2: its loads then hit while this block computes */
+            /* The same position of the next block: one plain load per 64-byte line, now, so that
+               the next block's misses are in flight together (and the hardware prefetcher sees
+               a dense stream). Measured on Zen 3 (issue 26, session 5): 1.3x faster from DRAM than
+               _mm_prefetch of the same lines, which ran the block's stream at ~5 GB/s. */
             if (pos + TB < lim) {
                 int64_t p2 = pos + TB, pg2 = pages[p2 / BS], o2 = p2 % BS;
                 const float *k2 = kc + pg2 * ksp + o2 * kst, *v2 = vc + pg2 * vsp + o2 * vst;
-                for (int64_t i = 0; i < D; i += 16) _mm_prefetch((const char *)(k2 + i), _MM_HINT_T1);
-                for (int64_t i = 0; i < Dv; i += 16) _mm_prefetch((const char *)(v2 + i), _MM_HINT_T1);
+                for (int64_t i = 0; i < D; i += 16) touch = _mm_or_ps(touch, _mm_load_ss(k2 + i));
+                for (int64_t i = 0; i < Dv; i += 16) touch = _mm_or_ps(touch, _mm_load_ss(v2 + i));
             }
         }
         int64_t np = (n + 1) & ~1;
@@ -179,6 +184,7 @@ static void item_avx2(const float *q, const int64_t *rl, int64_t Rp, int64_t D, 
             }
         }
     }
+    __asm__ __volatile__("" : : "x"(touch));  /* keeps the look-ahead loads (their value is unused) */
     for (int64_t r = 0; r < Rp; r++) {
         float *a = acc + r * Dv;
         if (l[r] > 0.0f) {
