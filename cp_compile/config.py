@@ -17,11 +17,17 @@ from cp_compile.errors import ConfigError
 AttentionKind = Literal["gqa", "mla", "sfa"]
 # The batches one compiled graph serves (docs/architecture.md §11, `metadata.batch_kind`):
 # every request at most one new token ("decode"), at most k + 1 under speculation
-# ("verify"), or any other batch ("prefill"); None: one graph for all.
-BatchKind = Literal["decode", "prefill", "verify"]
+# ("verify"), or any other batch ("prefill"); None: one graph for all. Under PCP a
+# prefill step in which no request has cached context (`metadata.is_fresh`: a prompt
+# prefill, a first chunk) runs a graph of its own, "fresh_prefill", whose attention
+# has no context part (docs/pcp.md §4); every other config serves it as "prefill".
+BatchKind = Literal["decode", "prefill", "verify", "fresh_prefill"]
+BATCH_KINDS: tuple[BatchKind, ...] = ("decode", "prefill", "verify", "fresh_prefill")
 # Kinds whose graph runs the whole batch on every rank over the sharded cache (no
 # token sharding): decode, and speculative verification (k + 1 queries per request).
 DECODE_KINDS: tuple[BatchKind, ...] = ("decode", "verify")
+# Kinds whose graph serves prefill batches (token-sharded under PCP, query-sharded under DSA-CP).
+PREFILL_KINDS: tuple[BatchKind, ...] = ("prefill", "fresh_prefill")
 
 
 def _is_int(v: object) -> bool:

@@ -32,10 +32,10 @@ import torch
 from torch import nn
 
 from cp_compile.backend import CpAscendBackend
-from cp_compile.config import AttentionSpec, ConfigError, CPConfig
+from cp_compile.config import PREFILL_KINDS, AttentionSpec, ConfigError, CPConfig
 from cp_compile.passes.context import RoleBinding, resolve_roles
 from cp_compile.lowering import Lowering, TorchairMode
-from cp_compile.metadata import AttentionMetadata, BatchKind, batch_kind, validate_forward_args
+from cp_compile.metadata import AttentionMetadata, BatchKind, batch_kind, is_fresh, validate_forward_args
 from cp_compile.ops.pcp import pcp_token_index
 from cp_compile.ops.pcp_layout import pcp_token_table
 from cp_compile.parallel_state import ParallelState, parallel_state_or_none
@@ -159,7 +159,10 @@ class CompiledForward:
     forward. The metadata stays global. The `pcp_attention` pass rewrites the attention
     for this rank's tokens and all-gathers the per-token outputs back to global order,
     so the caller sees the single-device result ([T, ...]). Decode steps run the whole
-    batch on every rank.
+    batch on every rank. A prefill step in which no request has cached context
+    (`metadata.is_fresh`) runs a third graph, `backends["fresh_prefill"]` (compiled at
+    the first such step), whose attention skips the empty context part; a step where
+    any request has context, mixed batches included, runs `backends["prefill"]`.
     """
 
     def __init__(self, module: nn.Module, forward: Callable[..., Any], dynamic_args: Sequence[str],
@@ -185,6 +188,9 @@ class CompiledForward:
         # Check each step's metadata against the caches before the graph runs (outside
         # it; `validate_forward_args`). Set False only for a measured hot path.
         self.validate_inputs = True
+        # PCP: fresh prefill steps run their own graph (no context part). False runs
+        # them through the general prefill graph (an A/B comparison of the two).
+        self.fresh_prefill_graph = True
 
     def _setup(self) -> None:
         # The entry binds the parallel state (the one given to compile_model / cp_module,
@@ -198,6 +204,8 @@ class CompiledForward:
         kinds: tuple[BatchKind | None, ...] = ("decode", "prefill") if ctx.config.graph_per_batch_kind else (None,)
         if self.num_speculative_tokens > 0:
             kinds += ("verify",)
+        if ctx.pcp.size > 1:
+            kinds += ("fresh_prefill",)  # torch.compile is lazy: compiled at the first fresh step
         self._pcp_size, self._pcp_rank = ctx.pcp.size, ctx.pcp.rank
         self._cp_size = ctx.cp.size
         if isinstance(self.backend, CpAscendBackend):
@@ -207,7 +215,7 @@ class CompiledForward:
         for kind in kinds:
             b = self.backend if kind is None else self.backend.for_batch_kind(kind)
             self.backends[kind] = b
-            fn = self._token_sharded if kind == "prefill" and self._pcp_size > 1 else self.forward
+            fn = self._token_sharded if kind in PREFILL_KINDS and self._pcp_size > 1 else self.forward
             self._compiled[kind] = torch.compile(fn, backend=b, fullgraph=True)
         # Every lowering: see _pad_single_token (Inductor's stride order; model code such
         # as einsum guards T != 1 while Dynamo traces, whatever the lowering).
@@ -254,6 +262,8 @@ class CompiledForward:
                             "step's AttentionMetadata, but forward got none. Fix: pass the AttentionMetadata as an "
                             "argument of forward")
         kind = batch_kind(meta, self.num_speculative_tokens)
+        if kind == "prefill" and "fresh_prefill" in self._compiled and self.fresh_prefill_graph and is_fresh(meta):
+            return "fresh_prefill"
         return kind if kind in self._compiled else None
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -274,7 +284,7 @@ class CompiledForward:
                 _mark_dynamic(bound.arguments[name])
         with no_size_specialisation(), only_marked_dims_dynamic():
             try:
-                if kind == "prefill" and self._pcp_size > 1:
+                if kind in PREFILL_KINDS and self._pcp_size > 1:
                     return self._pcp_call(compiled, bound)
                 result = compiled(*args, **kwargs)
                 return _first_token_rows(result) if pad else result

@@ -28,7 +28,7 @@ from cp_compile.ops.sharded_cache import refuse_sharded
 from cp_compile.parallel_state import ParallelState, parallel_state_or_none
 
 __all__ = ["AttentionMetadata", "BatchKind", "DECODE_KINDS", "BlockAllocator", "CapacityError", "MetadataError", "batch_kind",
-           "build_attention_metadata", "validate_forward_args", "validate_metadata", "validate_step"]
+           "is_fresh", "build_attention_metadata", "validate_forward_args", "validate_metadata", "validate_step"]
 
 # Dtypes the ops accept for metadata. Documented: query_start_loc / seq_lens /
 # block_table int32, slot_mapping / positions int64; either width works everywhere
@@ -85,6 +85,17 @@ def batch_kind(meta: AttentionMetadata, num_speculative_tokens: int = 0) -> Batc
     if longest <= 1:
         return "decode"
     return "verify" if longest <= num_speculative_tokens + 1 and num_speculative_tokens > 0 else "prefill"
+
+
+def is_fresh(meta: AttentionMetadata) -> bool:
+    """Whether no request of the step has cached context: every request's context
+    length (seq_len minus its new tokens) is 0, as in a prompt prefill or the first
+    chunk of a chunked prefill. PCP runs such prefill steps in their own graph
+    ("fresh_prefill", docs/pcp.md §4), whose attention has no context part; the
+    compiled entry reads it on the host, like `batch_kind` (one sync)."""
+    qsl = meta.query_start_loc
+    context = meta.seq_lens.long() - (qsl[1:] - qsl[:-1]).long()  # [B]
+    return not bool(context.any())
 
 
 def _first(mask: torch.Tensor) -> int:

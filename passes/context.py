@@ -16,7 +16,7 @@ from typing import Protocol
 import torch
 from torch import nn
 
-from cp_compile.config import DECODE_KINDS, AttentionSpec, BatchKind, ConfigError, CPConfig
+from cp_compile.config import BATCH_KINDS, DECODE_KINDS, PREFILL_KINDS, AttentionSpec, BatchKind, ConfigError, CPConfig
 from cp_compile.merge_cost import CollectiveCosts, GroupCollectives
 from cp_compile.ops.parallel.dcp import DCPContext
 from cp_compile.ops.parallel.dsa_cp import DSACPContext
@@ -91,7 +91,8 @@ class CompileContext:
     roles: tuple[RoleBinding, ...] = ()
     # The batches this graph serves: None = every kind (one graph); "decode" /
     # "prefill" when `config.graph_per_batch_kind` splits them, "verify" for speculative
-    # verification steps (decorator.CompiledForward).
+    # verification steps, "fresh_prefill" for PCP prefill steps without cached context
+    # (decorator.CompiledForward).
     batch_kind: BatchKind | None = None
     # dcp_merge="auto": the measured collective costs the DCP / PCP passes choose the
     # merge with (cp_compile/merge_cost.py); None without init_parallel.
@@ -101,9 +102,9 @@ class CompileContext:
     cp_collectives: GroupCollectives | None = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
-        if self.batch_kind not in (None, "decode", "prefill", "verify"):
-            raise ConfigError("batch_kind is None, 'decode', 'prefill' or 'verify'",
-                              f"batch_kind={self.batch_kind!r}", "pass one of None, 'decode', 'prefill', 'verify'")
+        if self.batch_kind is not None and self.batch_kind not in BATCH_KINDS:
+            raise ConfigError(f"batch_kind is None or one of {BATCH_KINDS}", f"batch_kind={self.batch_kind!r}",
+                              f"pass None or one of {', '.join(repr(k) for k in BATCH_KINDS)}")
         self.layout.check(self.config)
 
     @classmethod
@@ -145,6 +146,11 @@ class CompileContext:
         cache (no token sharding; at pcp > 1 attention over the pcp * dcp cache ranks)."""
         return self.batch_kind in DECODE_KINDS
 
+    @property
+    def prefill_only(self) -> bool:
+        """A graph that serves only prefill batches ("prefill", or PCP's "fresh_prefill")."""
+        return self.batch_kind in PREFILL_KINDS
+
     def role(self, name: str) -> RoleBinding | None:
         return next((r for r in self.roles if r.role == name), None)
 
@@ -166,7 +172,7 @@ class CompileContext:
         cache is sharded over pcp * dcp ranks, cp rank = pcp_rank * dcp + dcp_rank)."""
         cfg = self.config
         return PCPContext(pcp=self.pcp, dcp=self.dcp, cp=self.cp, interleave=cfg.cp_kv_cache_interleave_size,
-                          block_size=cfg.block_size, merge=cfg.dcp_merge)
+                          block_size=cfg.block_size, merge=cfg.dcp_merge, fresh=self.batch_kind == "fresh_prefill")
 
     def tp_view(self) -> DSACPContext:
         """The narrow view the DSA-CP compositions are specialised on: the TP group,

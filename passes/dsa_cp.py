@@ -67,7 +67,7 @@ class DSACPPass(CPPass):
     @classmethod
     def is_enabled(cls, ctx: CompileContext) -> bool:
         spec = ctx.attention
-        return (ctx.config.enable_dsa_cp and ctx.batch_kind == "prefill" and ctx.tp.size > 1
+        return (ctx.config.enable_dsa_cp and ctx.prefill_only and ctx.tp.size > 1
                 and ctx.dcp.size == 1 and ctx.pcp.size == 1 and spec is not None and spec.kind == "sfa")
 
     def __call__(self, gm: fx.GraphModule) -> int:

@@ -138,7 +138,7 @@ class OProjDSACPPass(CPPass):
     @classmethod
     def is_enabled(cls, ctx: CompileContext) -> bool:
         cfg = ctx.config
-        return cfg.enable_dsa_cp and ctx.batch_kind == "prefill" and ctx.tp.size > 1 and ctx.dcp.size == 1
+        return cfg.enable_dsa_cp and ctx.prefill_only and ctx.tp.size > 1 and ctx.dcp.size == 1
 
     def select(self, gm: fx.GraphModule) -> list[RowParallelMatch]:
         """The o_proj matches: the declared role's, or the inferred ones (module docstring)."""

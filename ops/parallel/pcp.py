@@ -22,6 +22,9 @@ data-dependent Python control flow, so a pass can trace them):
    attends its context shard, merged by LSE over DCP (back to own heads) and then
    over PCP (back to own tokens, a reduce-scatter);
 5. LSE-combine the two parts.
+On a fresh step (`PCPContext.fresh`: no request has cached context, the host's
+`metadata.is_fresh`) the context part is empty (every context length is 0: lse -inf,
+out 0), so steps 4 and 5 are skipped: the output is the new-token part (docs/pcp.md §4).
 
 Nothing here reads module-level parallel state; `PCPContext` comes from
 `CompileContext.pcp_view()` or is built by an eager caller.
@@ -58,6 +61,9 @@ class PCPContext:
     interleave: int
     block_size: int  # per-rank page size; virtual blocks hold block_size * pcp * dcp tokens
     merge: Literal["ag_rs", "a2a", "replicate"] = "ag_rs"
+    # A graph for fresh steps only (no request has cached context; batch kind
+    # "fresh_prefill"): no context part. Wrong on a step with context: the host picks.
+    fresh: bool = False
 
     def __post_init__(self) -> None:
         want = (pcp_layout.cp_size(pcp=self.pcp.size, dcp=self.dcp.size),
@@ -133,10 +139,15 @@ def _context_part(part_out: Tensor, part_lse: Tensor, step: _Step, ctx: PCPConte
     return mine, total[step.token_index.clamp(min=0)]
 
 
-def _finish(ctx_out: Tensor, ctx_lse: Tensor, new_out: Tensor, new_lse: Tensor, step: _Step,
-            dtype: torch.dtype) -> Tensor:
+def _finish(out: Tensor, step: _Step, dtype: torch.dtype) -> Tensor:
+    """[T_loc, H, Dv] -> the same in `dtype`, zeros on padding rows (token index -1)."""
+    return torch.where(step.valid[:, None, None], out, 0.0).to(dtype)
+
+
+def _combine(ctx_out: Tensor, ctx_lse: Tensor, new_out: Tensor, new_lse: Tensor, step: _Step,
+             dtype: torch.dtype) -> Tensor:
     merged = _cp.lse_combine.default(torch.stack([ctx_out, new_out]), torch.stack([ctx_lse, new_lse]))[0]
-    return torch.where(step.valid[:, None, None], merged, 0.0).to(dtype)
+    return _finish(merged, step, dtype)
 
 
 def pcp_step(ctx: PCPContext, token_index: Tensor, slot_mapping: Tensor, query_start_loc: Tensor,
@@ -168,7 +179,7 @@ def pcp_gqa_attention(q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_cache:
     q [T_loc, Hq, D], k [T_loc, Hkv, D], v [T_loc, Hkv, Dv] (this rank's tokens and
     heads), caches [NB, BS, Hkv, *] (this rank's shard), metadata global ->
     out [T_loc, Hq, Dv]. Exact for prefill, chunked prefill with a cached prefix and
-    mixed batches.
+    mixed batches; at `ctx.fresh` only for steps without cached context.
     """
     if step is None:
         step = pcp_step(ctx, token_index, slot_mapping, query_start_loc, seq_lens)
@@ -180,6 +191,8 @@ def pcp_gqa_attention(q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_cache:
     # New tokens: the single-device op reads them back from the cache, in its dtype.
     new = _cp.paged_attention_lse.default(q, k_new.unsqueeze(1), v_new.unsqueeze(1), step.new_table,
                                           step.local_qsl, step.new_lens, scale)
+    if ctx.fresh:  # no cached context: the new tokens are all the keys (module docstring)
+        return _finish(new[0], step, q.dtype)
     # Context: every global query, every DCP-group head, against this rank's shard.
     kv_heads = k.shape[1]
     q_h = all_gather_heads(q, ctx.dcp_group_view()) if ctx.dcp.size > 1 else q  # [T_loc, dcp*Hq, D]
@@ -190,7 +203,7 @@ def pcp_gqa_attention(q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_cache:
     ctx_out, ctx_lse = _context_part(rank_major_heads(part[0], ctx.dcp.size, kv_heads),
                                      rank_major_heads(part[1], ctx.dcp.size, kv_heads), step, ctx, q.shape[1],
                                      q.dtype)
-    return _finish(ctx_out, ctx_lse, new[0], new[1], step, q.dtype)
+    return _combine(ctx_out, ctx_lse, new[0], new[1], step, q.dtype)
 
 
 def pcp_mla_attention(q_nope: Tensor, q_pe: Tensor, kv_c: Tensor, k_pe: Tensor, kv_cache: Tensor,
@@ -208,10 +221,12 @@ def pcp_mla_attention(q_nope: Tensor, q_pe: Tensor, kv_c: Tensor, k_pe: Tensor, 
     _cp.cache_write.default(latent, kv_cache, step.local.slot_mapping)
     new = _cp.mla_partial_attention.default(q_nope, q_pe, latent.unsqueeze(1), step.new_table, step.local_qsl,
                                             step.new_lens, scale)
+    if ctx.fresh:  # no cached context (module docstring)
+        return _finish(new[0], step, q_nope.dtype)
     q = torch.cat([q_nope, q_pe], dim=-1)  # [T_loc, H, L+R]: one gather per group
     q_h = all_gather_heads(q, ctx.dcp_group_view()) if ctx.dcp.size > 1 else q  # [T_loc, dcp*H, L+R]
     q_glob = _gather_tokens(q_h, ctx)[step.inv]  # [T, dcp*H, L+R]
     part = _cp.mla_partial_attention.default(q_glob[..., :L], q_glob[..., L:], kv_cache, block_table,
                                              query_start_loc, step.local.context_lens, scale)
     ctx_out, ctx_lse = _context_part(part[0], part[1], step, ctx, q_nope.shape[1], q_nope.dtype)
-    return _finish(ctx_out, ctx_lse, new[0], new[1], step, q_nope.dtype)
+    return _combine(ctx_out, ctx_lse, new[0], new[1], step, q_nope.dtype)

@@ -148,6 +148,28 @@ def test_pcp_pass_rewrites_prefill_graph(kind, dcp):
     assert fake_value(ti).shape[0].node.expr != want.node.expr
 
 
+@pytest.mark.parametrize("kind,dcp", [("gqa", 1), ("mla", 2)])
+def test_pcp_fresh_prefill_graph_has_no_context_part(kind, dcp):
+    """The graph of fresh steps (no request has cached context, issue 26): per layer only the new K/V
+    (latent) all-gather and the new-token attention; no Q gather over PCP or DCP, no context attention,
+    no LSE gather / rescale / reduce-scatter / combine. The general graph's counts are in the test above."""
+    fn, args = _graph_inputs(kind)
+    pm, gm = _run_pipeline(fn, args, _ctx(kind, dcp, batch_kind="fresh_prefill"))
+    assert pm.names == ["pcp_attention", "unsharded_attention_check"]
+    rec = pm.history[0]
+    assert rec.rewrites == LAYERS + 1
+    after = rec.after
+    # Per forward: the token-index AG and the output AG; per layer: the new K/V (latent) AG only.
+    assert after["_c10d_functional.all_gather_into_tensor.default"] == 2 + LAYERS
+    for gone in ("_c10d_functional.reduce_scatter_tensor.default", "_c10d_functional.all_to_all_single.default",
+                 "cp.lse_rescale.default", "cp.lse_combine.default"):
+        assert gone not in after, (gone, after)
+    part = "cp.paged_attention_lse.default" if kind == "gqa" else "cp.mla_partial_attention.default"
+    assert after[part] == LAYERS  # the new-token part only (the general graph: 2 per layer)
+    assert after["cp.cache_write.default"] == LAYERS * (2 if kind == "gqa" else 1)
+    assert after["cp.dcp_localize_metadata.default"] == 1
+
+
 def test_pcp_decode_graph_runs_dcp_over_the_cache_ranks():
     # Decode graphs keep every token: dcp_attention over N = pcp * dcp ranks (the CP group).
     ctx = _ctx("gqa", dcp=2, batch_kind="decode")
