@@ -23,6 +23,7 @@ does the same for a module built elsewhere.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 from dataclasses import fields, is_dataclass
@@ -182,6 +183,7 @@ class CompiledForward:
         self.backend = backend
         self.backends: dict[BatchKind | None, CpAscendBackend] = {}
         self._compiled: dict[BatchKind | None, Callable[..., Any]] = {}
+        self._ran: set[BatchKind | None] = set()  # the kinds whose graph has run (compiled)
         self._validated = False
         self._pcp_size, self._pcp_rank = 1, 0
         self._cp_size = 1  # the cache's context-parallel group (pcp * dcp), from the compile context
@@ -282,16 +284,24 @@ class CompiledForward:
         for name in self.dynamic_args:
             if name in bound.arguments:
                 _mark_dynamic(bound.arguments[name])
-        with no_size_specialisation(), only_marked_dims_dynamic():
+        # A kind's first step compiles its graph, whatever the caller's stance: a first
+        # compile is no recompile, and which kinds a warm-up meets depends on the batches
+        # (PCP: a fresh prompt first, a chunk on a prefix later). "fail_on_recompile"
+        # still guards every graph after its first step.
+        first = contextlib.nullcontext() if kind in self._ran else torch.compiler.set_stance("default")
+        with no_size_specialisation(), only_marked_dims_dynamic(), first:
             try:
                 if kind in PREFILL_KINDS and self._pcp_size > 1:
-                    return self._pcp_call(compiled, bound)
-                result = compiled(*args, **kwargs)
-                return _first_token_rows(result) if pad else result
+                    result = self._pcp_call(compiled, bound)
+                else:
+                    result = compiled(*args, **kwargs)
+                    result = _first_token_rows(result) if pad else result
             except torch._dynamo.exc.BackendCompilerFailed as e:
                 if isinstance(e.inner_exception, ConfigError):  # torch versions that wrap it
                     raise e.inner_exception from None
                 raise
+        self._ran.add(kind)
+        return result
 
 
 def _attention_of(module: nn.Module, attention: AttentionSpec | None) -> AttentionSpec | None:

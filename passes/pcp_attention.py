@@ -1,8 +1,9 @@
 """PCP attention pass: token-shard a prefill graph over the PCP group (docs/pcp.md §4).
 
-Runs on prefill graphs at prefill_context_parallel_size > 1 (`ctx.batch_kind ==
-"prefill"`; decode graphs keep every token on every rank and run `dcp_attention` over
-the pcp * dcp ranks of the cache instead).
+Runs on prefill graphs at prefill_context_parallel_size > 1 (`ctx.prefill_only`:
+"prefill", or "fresh_prefill" for steps without cached context, whose compositions
+skip the context part, `PCPContext.fresh`; decode graphs keep every token on every
+rank and run `dcp_attention` over the pcp * dcp ranks of the cache instead).
 
 What the graph looks like when it gets here. At pcp > 1 the compiled entry
 (`decorator.CompiledForward`) compiles prefill steps through a wrapper that takes this

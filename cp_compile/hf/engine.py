@@ -145,7 +145,8 @@ class Engine:
     @property
     def num_graphs(self) -> int:
         """Graphs compiled so far: 1 after warm-up means no recompiles; 2 (decode, prefill)
-        where the config compiles one graph per batch kind (PCP, DSA-CP)."""
+        where the config compiles one graph per batch kind (DSA-CP), 3 under PCP once both
+        a fresh prefill and one on cached context ran (docs/pcp.md §4)."""
         backends = list(self.compiled.backends.values()) or [self.compiled.backend]
         return sum(len(b.pass_managers) for b in backends)
 

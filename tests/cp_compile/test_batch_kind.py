@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import cp_compile
-from cp_compile.metadata import BlockAllocator, batch_kind, build_attention_metadata
+from cp_compile.metadata import BlockAllocator, batch_kind, build_attention_metadata, is_fresh
 from cp_compile.testing.batches import STEP_B, two_step_metas
 
 
@@ -19,6 +19,15 @@ def test_batch_kind_reads_query_lengths():
     for kind in ("mixed", "spec_decode"):
         assert batch_kind(_meta(STEP_B[kind])) == "prefill"
     assert batch_kind(_meta([(0, 7)])) == "prefill"
+
+
+def test_is_fresh_reads_context_lengths():
+    # PCP's fresh-step graph (issue 26): only when no request has cached context.
+    assert is_fresh(_meta([(0, 7), (0, 3), (0, 1)]))  # prompts (a 1-token one too), batch padding
+    assert is_fresh(_meta([(0, 5)], padding=0))
+    assert not is_fresh(_meta([(0, 7), (4, 5)]))  # one chunk on a cached prefix: a mixed batch
+    assert not is_fresh(_meta([(9, 1)]))  # decode
+    assert not is_fresh(_meta(STEP_B["mixed"]))
 
 
 def test_verify_kind_needs_speculation_and_at_most_k_plus_1_tokens():
@@ -56,6 +65,22 @@ def test_graph_per_batch_kind_compiles_two_graphs_and_never_recompiles():
             torch.compiler.set_stance("default")
     kinds = {k: [c.batch_kind for c in b.contexts] for k, b in compiled.backends.items()}
     assert kinds == {"decode": ["decode"], "prefill": ["prefill"]}
+
+
+def test_first_step_of_a_kind_compiles_under_fail_on_recompile_and_a_recompile_still_fails():
+    # Which kinds a warm-up meets depends on the batches (PCP: a fresh prompt, later a chunk on a prefix):
+    # a kind's first step compiles its graph whatever the stance; a second compile of a graph is refused.
+    cfg = cp_compile.CPConfig(enable_dsa_cp=True, block_size=4)
+    compiled = cp_compile.compile_model(Sparse(), config=cfg, lowering="eager")
+    metas = {batch: two_step_metas(batch, dcp=1, block_size=4, num_blocks=32)[1] for batch in ("decode", "mixed")}
+    with torch.compiler.set_stance("fail_on_recompile"):
+        for meta in metas.values():
+            compiled(torch.arange(meta.num_tokens), meta.positions, meta)
+        meta = metas["mixed"]
+        with pytest.raises(RuntimeError, match="recompile"):  # float ids: a dtype guard fails
+            compiled(torch.arange(meta.num_tokens, dtype=torch.float32), meta.positions, meta)
+    assert {k: len(b.contexts) for k, b in compiled.backends.items()} == {"decode": 1, "prefill": 1}
+    torch._dynamo.reset()  # Sparse.forward's cache entries count against the recompile limit of later tests
 
 
 def test_speculation_adds_one_verify_graph_and_never_recompiles():

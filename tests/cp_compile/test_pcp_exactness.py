@@ -12,11 +12,14 @@ Every rank gets its head-tail token share (`pcp_token_table`) and its TP heads; 
 outputs, put back in global order and head order, must equal the single-device op
 on a cache with virtual blocks of block_size * pcp * dcp (fp32, 1e-5). Padding rows
 of each rank's inputs hold 1e4, so a padding row that leaked into a result shows.
+Step A (no request has cached context) also runs the fresh-step composition
+(`PCPContext(fresh=True)`, no context part, issue 26): equal to the reference and to
+the general composition's output.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import pytest
 import torch
@@ -40,6 +43,7 @@ STEPS = [
     [(1, 5), (3, 2), (7, 1), (12, 9), (0, 5)],  # B: chunked prefill + a new request
     [(6, 1), (5, 1), (8, 1), (21, 1), (5, 1)],  # C: decode (DCP composition)
 ]
+FRESH_STEPS = (0,)  # the steps without cached context: also run with PCPContext(fresh=True)
 
 
 @dataclass(frozen=True)
@@ -144,12 +148,10 @@ def _run(rank: int, world: int, cases: list[Case]):
                 rows = pcp_layout.pcp_token_table(meta.query_start_loc, meta.num_tokens, pcp=case.pcp)
                 row = rows[state.layout.pcp.rank]
                 xs = _tokens(x, row)
-                if case.kind == "gqa":
-                    o = P.pcp_gqa_attention(xs["q"], xs["k"], xs["v"], *caches, *_meta_args(meta), row, 0.25, pctx)
-                else:
-                    o = P.pcp_mla_attention(xs["q_nope"], xs["q_pe"], xs["kv_c"], xs["k_pe"], *caches,
-                                            *_meta_args(meta), row, 0.2, pctx)
-                outs.append((row, o))
+                # The fresh composition rewrites the same K/V at the same slots (the cache is unchanged).
+                o, o_fresh = [_pcp_prefill(case, xs, caches, meta, row, c)
+                              for c in (pctx, replace(pctx, fresh=True) if step in FRESH_STEPS else None)]
+                outs.append((row, o, o_fresh))
             else:  # decode on the same cache through the DCP composition at N = pcp*dcp
                 dctx = D.DCPContext(group=Group(pctx.cp.size, cp_rank, cp_name), interleave=case.interleave,
                                     block_size=BLOCK, merge=case.merge)
@@ -158,11 +160,50 @@ def _run(rank: int, world: int, cases: list[Case]):
                 else:
                     o = D.dcp_mla_attention(x["q_nope"], x["q_pe"], x["kv_c"], x["k_pe"], *caches,
                                             *_meta_args(meta), 0.2, dctx)
-                outs.append((None, o))
+                outs.append((None, o, None))
         assert [c.data_ptr() for c in caches] == ptrs  # the decode read the tensors the prefill wrote
         results.append(dict(outs=outs, tp_rank=state.layout.tp.rank, pcp_rank=state.layout.pcp.rank))
         cp_compile.destroy_parallel()
     return results
+
+
+def _pcp_prefill(case: Case, xs: dict[str, torch.Tensor], caches, meta, row: torch.Tensor,
+                 pctx: P.PCPContext | None) -> torch.Tensor | None:
+    """The PCP composition on this rank's tokens ([T_loc, H, Dv]); None without a context."""
+    if pctx is None:
+        return None
+    if case.kind == "gqa":
+        return P.pcp_gqa_attention(xs["q"], xs["k"], xs["v"], *caches, *_meta_args(meta), row, 0.25, pctx)
+    return P.pcp_mla_attention(xs["q_nope"], xs["q_pe"], xs["kv_c"], xs["k_pe"], *caches, *_meta_args(meta), row,
+                               0.2, pctx)
+
+
+def _assemble(per_rank: list, i: int, case: Case, step: int, which: int, want: torch.Tensor,
+              tol: float) -> torch.Tensor:
+    """Output `which` (1: the general composition, 2: the fresh one) of `step`, every rank's
+    rows and heads put back in global token and head order ([T, HQ, Dv])."""
+    h = HQ // case.tp
+    got = torch.full_like(want, float("nan"))
+    for r, outs in enumerate(per_rank):
+        res = outs[i]
+        row, o = res["outs"][step][0], res["outs"][step][which]
+        heads = slice(res["tp_rank"] * h, (res["tp_rank"] + 1) * h)
+        if row is None:  # decode: every rank all tokens, its heads (PCP peers agree)
+            if res["pcp_rank"] == 0:
+                got[:, heads] = o
+            else:
+                torch.testing.assert_close(o, got[:, heads], atol=tol, rtol=tol)
+            continue
+        keep = row >= 0
+        assert bool((o[~keep] == 0).all()), (case, step, r)  # padding rows are zeros
+        got[row[keep], heads] = o[keep]
+    # Global padding tokens belong to no rank; the single-device op gives zeros there.
+    n_real = int(_metas(case)[step].query_start_loc[-1])
+    if step < 2:
+        assert bool(torch.isnan(got[n_real:]).all())
+        got[n_real:] = 0
+    assert torch.isfinite(got).all(), (case, step)
+    return got
 
 
 def _check(world: int, cases: list[Case]) -> dict[str, list[float]]:
@@ -172,34 +213,21 @@ def _check(world: int, cases: list[Case]) -> dict[str, list[float]]:
         if case.tp * case.pcp != world:
             continue
         ref = _reference(case)
-        h = HQ // case.tp
         tol = 1e-5 if case.dtype == torch.float32 else 2e-2
         errs[str(case)] = []
         for step in range(3):
             want = ref[step]
-            got = torch.full_like(want, float("nan"))
-            for r in range(world):
-                res = per_rank[r][i]
-                row, o = res["outs"][step]
-                heads = slice(res["tp_rank"] * h, (res["tp_rank"] + 1) * h)
-                if row is None:  # decode: every rank all tokens, its heads (PCP peers agree)
-                    if res["pcp_rank"] == 0:
-                        got[:, heads] = o
-                    else:
-                        torch.testing.assert_close(o, got[:, heads], atol=tol, rtol=tol)
-                    continue
-                keep = row >= 0
-                assert bool((o[~keep] == 0).all()), (case, step, r)  # padding rows are zeros
-                got[row[keep], heads] = o[keep]
-            # Global padding tokens belong to no rank; the single-device op gives zeros there.
-            n_real = int(_metas(case)[step].query_start_loc[-1])
-            if step < 2:
-                assert bool(torch.isnan(got[n_real:]).all())
-                got[n_real:] = 0
-            assert torch.isfinite(got).all(), (case, step)
+            got = _assemble(per_rank, i, case, step, 1, want, tol)
             errs[str(case)].append((got.float() - want.float()).abs().max().item())
             torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol, msg=f"{case} step {step}")
-    print("max abs error (prefill, chunked prefill, decode):",
+            if step in FRESH_STEPS:  # the fresh composition: the same output without the context part
+                fresh = _assemble(per_rank, i, case, step, 2, want, tol)
+                errs[str(case)].append((fresh.float() - want.float()).abs().max().item())
+                torch.testing.assert_close(fresh.float(), want.float(), atol=tol, rtol=tol,
+                                           msg=f"{case} step {step}, fresh composition vs one device")
+                torch.testing.assert_close(fresh.float(), got.float(), atol=tol, rtol=tol,
+                                           msg=f"{case} step {step}, fresh vs general composition")
+    print(f"max abs error (prefill, its fresh composition at steps {FRESH_STEPS}, chunked prefill, decode):",
           *(f"{k}: {', '.join(f'{e:.1e}' for e in v)}" for k, v in errs.items()), sep="\n  ")
     return errs
 

@@ -25,17 +25,17 @@ from examples import seed_parity
 from examples.models.tiny_seed import save_checkpoint, tiny_seed_model
 
 CASES = [
-    # kind, tp, dcp, pcp, interleave, lowering, dsa_cp, expected graphs
+    # kind, tp, dcp, pcp, interleave, lowering, dsa_cp, expected graphs (pcp 2: decode, fresh prefill, prefill)
     pytest.param("deepseek_v32", 2, 2, 1, 1, "aot_eager", False, 1, id="deepseek_v32-moe-sfa-tp2-dcp2"),
-    pytest.param("deepseek_v2_lite", 2, 2, 2, 1, "aot_eager", False, 2, id="deepseek_v2_lite-tp2-dcp2-pcp2",
+    pytest.param("deepseek_v2_lite", 2, 2, 2, 1, "aot_eager", False, 3, id="deepseek_v2_lite-tp2-dcp2-pcp2",
                  marks=pytest.mark.slow),
     pytest.param("deepseek_v2_lite", 2, 2, 1, 1, "inductor", False, 1, id="deepseek_v2_lite-tp2-dcp2-inductor",
                  marks=pytest.mark.slow),
     pytest.param("deepseek_v3", 2, 2, 1, 1, "aot_eager", False, 1, id="deepseek_v3-moe-tp2-dcp2", marks=pytest.mark.slow),
-    pytest.param("deepseek_v3", 2, 1, 2, 1, "aot_eager", False, 2, id="deepseek_v3-tp2-pcp2", marks=pytest.mark.slow),
-    pytest.param("qwen3_moe", 1, 1, 2, 1, "eager", False, 2, id="qwen3_moe-pcp2", marks=pytest.mark.slow),
+    pytest.param("deepseek_v3", 2, 1, 2, 1, "aot_eager", False, 3, id="deepseek_v3-tp2-pcp2", marks=pytest.mark.slow),
+    pytest.param("qwen3_moe", 1, 1, 2, 1, "eager", False, 3, id="qwen3_moe-pcp2", marks=pytest.mark.slow),
     pytest.param("qwen3_moe", 2, 2, 1, 1, "inductor", False, 1, id="qwen3_moe-tp2-dcp2-inductor", marks=pytest.mark.slow),
-    pytest.param("qwen3_moe", 2, 2, 2, 4, "aot_eager", False, 2, id="qwen3_moe-tp2-dcp2-pcp2-il4", marks=pytest.mark.slow),
+    pytest.param("qwen3_moe", 2, 2, 2, 4, "aot_eager", False, 3, id="qwen3_moe-tp2-dcp2-pcp2-il4", marks=pytest.mark.slow),
     pytest.param("glm5", 2, 2, 1, 1, "aot_eager", False, 1, id="glm5-tp2-dcp2", marks=pytest.mark.slow),
     pytest.param("deepseek_v32", 2, 1, 1, 1, "aot_eager", True, 2, id="deepseek_v32-tp2-dsa_cp", marks=pytest.mark.slow),
     pytest.param("glm5", 2, 1, 1, 1, "aot_eager", True, 2, id="glm5-tp2-dsa_cp", marks=pytest.mark.slow),

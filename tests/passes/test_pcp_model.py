@@ -49,13 +49,14 @@ def _prompts() -> dict[int, list[int]]:
     return {r: torch.randint(0, VOCAB, (n,), generator=g).tolist() for r, n in PROMPT_LENS.items()}
 
 
-def run_steps(forward, kv_layers, cfg: cp_compile.CPConfig) -> list[dict]:
-    """Greedy steps of `STEPS` through forward(input_ids, positions, kv_layers, meta)."""
+def run_steps(forward, kv_layers, cfg: cp_compile.CPConfig, steps: list | None = None) -> list[dict]:
+    """Greedy steps of `steps` (default `STEPS`) through forward(input_ids, positions, kv_layers, meta);
+    `graph`: the compiled graph each step ran (CompiledForward.batch_kind_of; None for an eager model)."""
     alloc = cp_compile.BlockAllocator(NUM_BLOCKS, cfg.virtual_block_size)
     tokens = _prompts()
     done: dict[int, int] = {r: 0 for r in tokens}  # tokens of each request already in the cache
     out = []
-    for step in STEPS:
+    for step in STEPS if steps is None else steps:
         rids, reqs, ids = [], [], []
         for rid, n in step:
             prompt_left = PROMPT_LENS[rid] - done[rid]
@@ -75,7 +76,9 @@ def run_steps(forward, kv_layers, cfg: cp_compile.CPConfig) -> list[dict]:
             done[rid] = ctx + new
             if done[rid] >= PROMPT_LENS[rid] and done[rid] == len(tokens[rid]):
                 tokens[rid].append(t)  # sample only once the whole prompt is in
-        out.append(dict(rids=rids, kind=cp_compile.metadata.batch_kind(meta), last=last.clone(), next=nxt))
+        graph = forward.batch_kind_of({"meta": meta}) if hasattr(forward, "batch_kind_of") else None
+        out.append(dict(rids=rids, kind=cp_compile.metadata.batch_kind(meta), graph=graph, last=last.clone(),
+                        next=nxt))
     return out
 
 
@@ -111,10 +114,17 @@ def _world(rank: int, world: int, cases: list[tuple]) -> list[dict]:
         res = run_steps(compiled, cache.layers, cfg)
         wall = time.perf_counter() - t0
         assert [t.data_ptr() for layer in cache.layers for t in layer] == ptrs  # no cache was replaced
+        # The fresh step (step 0) again, on a fresh cache, through the general prefill graph (compiled by
+        # step 1): its logits against the fresh graph's (issue 26).
+        compiled.fresh_prefill_graph = False
+        again = cp_compile.allocate_kv_cache(cfg, model.kv_cache_spec(), NUM_BLOCKS, attention=model.attention_spec())
+        general = run_steps(compiled, again.layers, cfg, STEPS[:1])[0]
+        compiled.fresh_prefill_graph = True
         hist = {kind: [[(h.name, h.rewrites, h.before, h.after) for h in pm.history] for pm in b.pass_managers]
                 for kind, b in compiled.backends.items()}
         kinds = {kind: [c.batch_kind for c in b.contexts] for kind, b in compiled.backends.items()}
-        outs.append(dict(results=res, cache=[tuple(t.clone() for t in layer) for layer in cache.layers],
+        outs.append(dict(results=res, general=general,
+                         cache=[tuple(t.clone() for t in layer) for layer in cache.layers],
                          cp_rank=state.layout.cp.rank, hist=hist, kinds=kinds, wall=wall, tp_rank=state.layout.tp.rank))
         cp_compile.destroy_parallel()
         torch._dynamo.reset()  # the next case compiles the same forward code afresh
@@ -179,6 +189,12 @@ def _check_case(c: dict, hf, sd, per_rank: list[dict]) -> float:
     per_step = [0.0] * len(STEPS)
     for rank, out in enumerate(per_rank):
         assert [s["kind"] for s in out["results"]] == ["prefill", "prefill", "decode", "prefill", "decode"]
+        # Step 0 has no cached context: the fresh graph; the chunked step and the mixed batch (request 4
+        # joins beside requests with context) the general one.
+        assert [s["graph"] for s in out["results"]] == ["fresh_prefill", "prefill", "decode", "prefill", "decode"]
+        assert out["general"]["graph"] == "prefill"
+        torch.testing.assert_close(out["results"][0]["last"], out["general"]["last"], atol=1e-4, rtol=1e-4,
+                                   msg=f"{kind} rank {rank} step 0: fresh graph vs general prefill graph")
         for step, (got, want) in enumerate(zip(out["results"], ref)):
             assert got["rids"] == want["rids"]
             torch.testing.assert_close(got["last"], want["last"], atol=1e-4, rtol=1e-4,
@@ -198,14 +214,28 @@ def _check_case(c: dict, hf, sd, per_rank: list[dict]) -> float:
                                            msg=f"{kind} rank {rank} layer {layer} cache shard")
         # One graph per batch kind, compiled once (dynamic token dims: no recompile as T_loc changes);
         # prefill: pcp_attention rewrote every layer and restored the logits.
-        assert out["kinds"] == {"decode": ["decode"], "prefill": ["prefill"]}, out["kinds"]
-        for graph in out["hist"]["prefill"]:
+        assert out["kinds"] == {"decode": ["decode"], "prefill": ["prefill"],
+                                "fresh_prefill": ["fresh_prefill"]}, out["kinds"]
+        for graph in out["hist"]["prefill"] + out["hist"]["fresh_prefill"]:
             names = [h[0] for h in graph]
             assert names[0] == "pcp_attention" and "dcp_attention" not in names, names
             _, rewrites, before, after = graph[0]
             assert rewrites == layers + 1  # every attention layer + the logits output
             assert _count(before, attn_op) == layers and _count(after, attn_op) == 0
             assert _count(after, "cp.dcp_localize_metadata") == 1  # one pcp_step per graph
+        # Collectives the pass adds: per forward the token-index and the logits' all-gathers; per layer the
+        # general graph the new K/V (latent), Q and LSE all-gathers and the context merge's reduce-scatter
+        # (more with DCP), the fresh graph the new K/V (latent) all-gather only (issue 26).
+        for which, per_layer_ag, per_layer_rs in (("prefill", 3, 1), ("fresh_prefill", 1, 0)):
+            for graph in out["hist"][which]:
+                _, _, before, after = graph[0]
+                added = {op: _count(after, op) - _count(before, op)
+                         for op in ("all_gather_into_tensor", "reduce_scatter_tensor", "all_to_all")}
+                if which == "fresh_prefill" or dcp == 1:
+                    assert added == {"all_gather_into_tensor": 2 + per_layer_ag * layers,
+                                     "reduce_scatter_tensor": per_layer_rs * layers, "all_to_all": 0}, (which, added)
+                if which == "fresh_prefill":
+                    assert _count(after, "cp.lse_combine") == 0 == _count(after, "cp.lse_rescale")
         for graph in out["hist"]["decode"]:
             names = [h[0] for h in graph]
             assert names[0] == "dcp_attention" and "pcp_attention" not in names, names

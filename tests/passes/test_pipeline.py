@@ -138,11 +138,12 @@ def test_pipeline_is_configured_by_the_context():
                        block_size=BLOCK)
         by_kind = {k: pass_manager.PassManager.for_context(CompileContext.for_test(cfg, attention=spec,
                                                                                    batch_kind=k)).names
-                   for k in (None, "decode", "prefill", "verify")}
+                   for k in (None, "decode", "prefill", "verify", "fresh_prefill")}
         assert by_kind == {None: ["pcp_attention", "unsharded_attention_check"],
                            "decode": ["dcp_attention", "unsharded_attention_check"],
                            "verify": ["dcp_attention", "unsharded_attention_check"],  # decode-like (speculation)
-                           "prefill": ["pcp_attention", "unsharded_attention_check"]}
+                           "prefill": ["pcp_attention", "unsharded_attention_check"],
+                           "fresh_prefill": ["pcp_attention", "unsharded_attention_check"]}  # no context part
 
 
 def test_sparse_attention_under_dcp_is_refused_in_process():
