@@ -20,8 +20,9 @@ ratio (PCP / baseline, median over back-to-back step pairs) is on the PCP row.
 
 The profiler's `dcp_comm` bucket counts every all-gather / reduce-scatter /
 all-to-all: at dcp = 1 (the only --pcp world) those are exactly the PCP group's
-collectives (K/V, Q, LSE merge, token indices, the logits' order restore), so the
-PCP table and breakdown print it as `pcp_comm`. `tp_comm` is the TP all-reduces.
+collectives (K/V, Q, LSE merge, token indices, the logits' order restore; without
+`--prefix` the step runs the fresh-step graph, which has no Q gather and no LSE
+merge, docs/pcp.md §4), so the PCP table and breakdown print it as `pcp_comm`. `tp_comm` is the TP all-reduces.
 
 `--prefix P` (chunked prefill on a cached prefix) works under PCP: the prefix is
 written straight into each rank's shard at N = pcp (`cache.fill_context` with the
@@ -78,7 +79,7 @@ def build_pcp_sides(rank: int, args: PrefillArgs, source: ModelSource, state: An
         if cfg.prefill_context_parallel_size > 1:
             compiled = cp_compile.compile_model(model, lowering=args.lowering)
 
-            def graphs(c: Any = compiled) -> int:  # one per batch kind that ran (prefill only here)
+            def graphs(c: Any = compiled) -> int:  # one per batch kind run: fresh prefill, + prefill at --prefix
                 return sum(len(b.pass_managers) for b in c.backends.values())
 
             sides.append(Side(cfg, "pcp", state.layout.cp.rank, cache, geom, compiled, graphs))
