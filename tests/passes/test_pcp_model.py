@@ -187,6 +187,7 @@ def _check_case(c: dict, hf, sd, per_rank: list[dict]) -> float:
     attn_op = "cp.gqa_paged_attention" if kind == "qwen3" else "cp.mla_attention"
     worst = 0.0
     per_step = [0.0] * len(STEPS)
+    fresh_vs_general = 0.0
     for rank, out in enumerate(per_rank):
         assert [s["kind"] for s in out["results"]] == ["prefill", "prefill", "decode", "prefill", "decode"]
         # Step 0 has no cached context: the fresh graph; the chunked step and the mixed batch (request 4
@@ -195,6 +196,8 @@ def _check_case(c: dict, hf, sd, per_rank: list[dict]) -> float:
         assert out["general"]["graph"] == "prefill"
         torch.testing.assert_close(out["results"][0]["last"], out["general"]["last"], atol=1e-4, rtol=1e-4,
                                    msg=f"{kind} rank {rank} step 0: fresh graph vs general prefill graph")
+        diff = (out["results"][0]["last"] - out["general"]["last"]).abs().max().item()
+        fresh_vs_general = max(fresh_vs_general, diff)
         for step, (got, want) in enumerate(zip(out["results"], ref)):
             assert got["rids"] == want["rids"]
             torch.testing.assert_close(got["last"], want["last"], atol=1e-4, rtol=1e-4,
@@ -242,7 +245,8 @@ def _check_case(c: dict, hf, sd, per_rank: list[dict]) -> float:
             assert graph[0][1] == layers
     steps = " / ".join(f"{d:.1e}" for d in per_step)
     print(f"\nPCP {_name(c)}: max |logit diff| {worst:.2e} (per step: prefill / chunked / decode / "
-          f"join+decode / decode = {steps}), tokens equal; rank 0 steps (compiles included) "
+          f"join+decode / decode = {steps}), fresh vs general prefill graph at step 0 {fresh_vs_general:.1e}, "
+          f"tokens equal; rank 0 steps (compiles included) "
           f"{per_rank[0]['wall']:.1f} s")
     return worst
 
