@@ -284,11 +284,13 @@ class CompiledForward:
         for name in self.dynamic_args:
             if name in bound.arguments:
                 _mark_dynamic(bound.arguments[name])
-        # A kind's first step compiles its graph, whatever the caller's stance: a first
+        # A kind's first step compiles its graph under "fail_on_recompile" too: a first
         # compile is no recompile, and which kinds a warm-up meets depends on the batches
         # (PCP: a fresh prompt first, a chunk on a prefix later). "fail_on_recompile"
-        # still guards every graph after its first step.
-        first = contextlib.nullcontext() if kind in self._ran else torch.compiler.set_stance("default")
+        # still guards every graph after its first step; other stances (force_eager,
+        # eager_on_recompile) are the caller's and stay as they are.
+        first = (torch.compiler.set_stance("default") if kind not in self._ran and _stance() == "fail_on_recompile"
+                 else contextlib.nullcontext())
         with no_size_specialisation(), only_marked_dims_dynamic(), first:
             try:
                 if kind in PREFILL_KINDS and self._pcp_size > 1:
@@ -302,6 +304,12 @@ class CompiledForward:
                 raise
         self._ran.add(kind)
         return result
+
+
+def _stance() -> str | None:
+    """The current `torch.compiler.set_stance` stance (torch keeps it in `eval_frame._stance`;
+    None where a torch version does not)."""
+    return getattr(getattr(torch._dynamo.eval_frame, "_stance", None), "stance", None)
 
 
 def _attention_of(module: nn.Module, attention: AttentionSpec | None) -> AttentionSpec | None:

@@ -80,6 +80,13 @@ def test_first_step_of_a_kind_compiles_under_fail_on_recompile_and_a_recompile_s
         with pytest.raises(RuntimeError, match="recompile"):  # float ids: a dtype guard fails
             compiled(torch.arange(meta.num_tokens, dtype=torch.float32), meta.positions, meta)
     assert {k: len(b.contexts) for k, b in compiled.backends.items()} == {"decode": 1, "prefill": 1}
+    # Only fail_on_recompile is lifted for a first step: force_eager stays the caller's (nothing compiles).
+    eager = cp_compile.compile_model(Sparse(), config=cfg, lowering="eager")
+    with torch.compiler.set_stance("force_eager"):
+        for meta in metas.values():
+            eager(torch.arange(meta.num_tokens), meta.positions, meta)
+    graphs = {k: len(b.contexts) for k, b in eager.backends.items()}
+    assert graphs and set(graphs.values()) == {0}, graphs
     torch._dynamo.reset()  # Sparse.forward's cache entries count against the recompile limit of later tests
 
 
