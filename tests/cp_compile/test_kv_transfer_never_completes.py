@@ -12,7 +12,6 @@ the blocks stay reserved (quarantined) instead of being handed to another reques
 
 from __future__ import annotations
 
-import socket
 import time
 from typing import Any
 
@@ -21,6 +20,7 @@ import pytest
 import cp_compile
 from cp_compile.kv_transfer import KVConsumer, KVProducer, KVTransferError
 from cp_compile.kv_transfer.nixl import NixlTransport
+from tests.entrypoints.http_util import free_port
 
 pytest.importorskip("nixl_cu12")
 
@@ -60,14 +60,8 @@ class NeverCompletes:
             raise KVTransferError("injected: the transfer cannot be aborted")
 
 
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _pair(tag: str, release_fails: bool):
-    port = _port()
+    port = free_port()
     p_cfg = cp_compile.CPConfig(block_size=4)
     d_cfg = cp_compile.CPConfig(block_size=8)
     p_cache = cp_compile.allocate_kv_cache(p_cfg, SPEC, 8, attention=ATTN)
