@@ -37,10 +37,10 @@ from typing import Any
 import torch
 
 import cp_compile
-from cp_compile.kv_transfer import KVConsumer, KVLayout, KVProducer, expected_bytes
-from cp_compile.kv_transfer.layout import KVGeometry
-from cp_compile.kv_transfer.plan import plan_rank
-from cp_compile.kv_transfer.reads import layer_reads
+from cp_compile.serving.kv_transfer import KVConsumer, KVLayout, KVProducer, expected_bytes
+from cp_compile.serving.kv_transfer.layout import KVGeometry
+from cp_compile.serving.kv_transfer.plan import plan_rank
+from cp_compile.serving.kv_transfer.reads import layer_reads
 from cp_compile.testing.two_worlds import run_two_worlds
 
 SHAPES = {  # per-rank attention of the deployments in examples/bench/shapes.py

@@ -25,7 +25,7 @@ import time
 import torch
 
 import cp_compile
-from cp_compile.metadata import BlockAllocator, build_attention_metadata
+from cp_compile.runtime.metadata_build import BlockAllocator, build_attention_metadata
 from examples.bench.shapes import PRESETS
 from examples.models.deepseek_mla import DeepseekMLAModel
 from cp_compile.ops import mla_preprocess_reference as mla_preprocess_ref

@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 import cp_compile
-from cp_compile.metadata import validate_forward_args
+from cp_compile.runtime.metadata_checks import validate_forward_args
 from cp_compile.testing.multirank import run_on_ranks
 from examples.models.tiny import example_from_config, hf_qwen3
 

@@ -3,7 +3,7 @@
     python -m examples.hf_generate --model qwen3 --tp 2 --dcp 2      # spawns 2 CPU gloo ranks
     torchrun --nproc-per-node 2 -m examples.hf_generate --model llama  # same, under torchrun
 
-Builds the model from a config (no hub), serves it with `cp_compile.hf.Engine`
+Builds the model from a config (no hub), serves it with `cp_compile.serving.hf.Engine`
 (the model's own HF modules, sharded in place by the head-sharding TP plan, the
 attention routed to the paged cp ops, DCP-sharded KV cache), and prints the
 generated tokens next to HF's own greedy `generate` on one device, plus the KV
@@ -20,7 +20,7 @@ import torch
 import transformers
 
 import cp_compile
-import cp_compile.hf
+import cp_compile.serving.hf
 from examples.models.tiny import VOCAB, _randomize, hf_deepseek_v3, hf_qwen3
 
 MODELS = ("qwen3", "qwen2", "llama", "mistral", "deepseek_v3")
@@ -80,7 +80,7 @@ def serve(rank: int, world: int, hf_config, state_dict, prompts: list[list[int]]
     model = transformers.AutoModelForCausalLM.from_config(copy.deepcopy(hf_config)).eval()
     model.load_state_dict(state_dict)
     model.generation_config.eos_token_id = None
-    engine = cp_compile.hf.Engine(model, cfg, num_blocks=num_blocks, lowering=lowering,
+    engine = cp_compile.serving.hf.Engine(model, cfg, num_blocks=num_blocks, lowering=lowering,
                                   forbid_recompiles=forbid_recompiles, record_logits=True, progress=progress)
     tokens = engine.generate(prompts, max_new_tokens=max_new_tokens, arrivals=arrivals)
     return dict(tokens=tokens, logits=[torch.stack(engine.last_logits[i]) for i in range(len(prompts))],
@@ -123,7 +123,7 @@ def main() -> None:
     for i, p in enumerate(prompts):
         worst = max(worst, (out["logits"][i] - ref_logits[i]).abs().max().item())
         same = out["tokens"][i] == ref_tokens[i]
-        print(f"  prompt {i} ({len(p)} tokens)\n    cp_compile.hf: {out['tokens'][i]}\n    HF generate  : "
+        print(f"  prompt {i} ({len(p)} tokens)\n    cp_compile.serving.hf: {out['tokens'][i]}\n    HF generate  : "
               f"{ref_tokens[i]}  {'equal' if same else 'DIFFERENT'}")
     cap = out["capacity"]
     print(f"  max |logit diff| {worst:.2e}; KV per rank {cap['kv_bytes_per_rank']:,d} B for "

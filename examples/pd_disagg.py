@@ -28,7 +28,7 @@ from typing import Any
 import torch
 
 import cp_compile
-from cp_compile.kv_transfer import ImportedRequest, KVGeometry, KVLayout, expected_bytes
+from cp_compile.serving.kv_transfer import ImportedRequest, KVGeometry, KVLayout, expected_bytes
 from cp_compile.testing.two_worlds import run_two_worlds
 from examples.serving import (import_and_decode, layer_caches, make_kv_role, prefill_and_export,
                               release_exported)
@@ -192,7 +192,7 @@ def decode_world(rank: int, world: int, store_port: int, cases: list[Case], mode
 
 
 def _decode_fault(case: Case, i: int, consumer, alloc, rids: list[int]) -> dict:
-    from cp_compile.kv_transfer import KVOwnershipError, KVTransferError
+    from cp_compile.serving.kv_transfer import KVOwnershipError, KVTransferError
 
     if case.fault == "stall":  # time the verdict from P rank 0's report (P's prefill is not the bound)
         consumer.exchange.store.wait([consumer.exchange._key("req", rids[0], "ready", 0)])

@@ -16,7 +16,7 @@ against the dcp = 1 baseline.
     python -m examples.quickstart --model mla --spec-tokens 2 --pcp 2   # MTP, pcp 2 + dcp 2 (4 ranks)
 
 With `--spec-tokens k` the ranks instead generate greedily with speculative decoding
-(`cp_compile.spec_decode`: k drafts per request from the proposer, one verify step of
+(`cp_compile.serving.spec_decode`: k drafts per request from the proposer, one verify step of
 k + 1 tokens per request on the sharded cache, rejected tokens' blocks given back)
 and the script checks the tokens against the single-device run without speculation,
 printing the acceptance rate, tokens per step and the graphs compiled per batch kind.
@@ -38,7 +38,7 @@ import time
 import torch
 
 import cp_compile
-from cp_compile.comm_stats import decode_comm_bytes_per_layer
+from cp_compile.base.comm_stats import decode_comm_bytes_per_layer
 from cp_compile.testing.multirank import run_on_ranks
 from examples.models.deepseek_mla import DeepseekMLAConfig, DeepseekMLAModel
 from examples.models.deepseek_sfa import DeepseekSFAConfig, DeepseekSFAModel

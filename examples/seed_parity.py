@@ -1,4 +1,4 @@
-"""The seeds' models through `cp_compile.hf.Engine` against HF's own greedy `generate`.
+"""The seeds' models through `cp_compile.serving.hf.Engine` against HF's own greedy `generate`.
 
     python -m examples.seed_parity --model deepseek_v2_lite --tp 2 --dcp 2 --pcp 2   # 4 spawned CPU ranks
 
@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 import cp_compile
-import cp_compile.hf
+import cp_compile.serving.hf
 
 BLOCK, NUM_BLOCKS = 4, 16
 MAX_NEW = [8, 5, 8]
@@ -41,7 +41,7 @@ def serve_rank(rank: int, world: int, path: str, prompt_ids: list[list[int]], ma
     if world > 1 or dcp > 1:
         cp_compile.init_parallel(cfg, device="cpu")
     model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    engine = cp_compile.hf.Engine(model, cfg, num_blocks=NUM_BLOCKS, lowering=lowering, forbid_recompiles=True,
+    engine = cp_compile.serving.hf.Engine(model, cfg, num_blocks=NUM_BLOCKS, lowering=lowering, forbid_recompiles=True,
                                   record_logits=True, eos_token_id=None)
     tokens = engine.generate(prompt_ids, max_new_tokens=max_new, arrivals=ARRIVALS[:len(prompt_ids)])
     return dict(tokens=tokens, logits=[torch.stack(engine.last_logits[i]) for i in range(len(prompt_ids))],

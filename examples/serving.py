@@ -14,10 +14,10 @@ from typing import Any, Callable
 
 import torch
 
-from cp_compile.config import CPConfig
-from cp_compile.kv_cache import KVCache
-from cp_compile.kv_transfer import KVConsumer, KVProducer, KVTransferConfig
-from cp_compile.metadata import BlockAllocator, build_attention_metadata
+from cp_compile.base.config import CPConfig
+from cp_compile.runtime.kv_cache import KVCache
+from cp_compile.serving.kv_transfer import KVConsumer, KVProducer, KVTransferConfig
+from cp_compile.runtime.metadata_build import BlockAllocator, build_attention_metadata
 
 
 def layer_caches(cache: KVCache) -> list[tuple[torch.Tensor, ...]]:
@@ -102,7 +102,7 @@ def run_schedule(forward: Callable[..., torch.Tensor], kv_layers: list[tuple[tor
 # --------------------------------------------------------------------------- PD disaggregation
 #
 # The serving loop's two roles when prefill and decode run on different instances
-# (`kv_transfer_config`, cp_compile.kv_transfer): a producer instance prefills and
+# (`kv_transfer_config`, cp_compile.serving.kv_transfer): a producer instance prefills and
 # exports each request's KV; a consumer instance imports it into its own blocks
 # (any other tp / dcp / interleave / block size) and decodes from the prefill's
 # sampled token. Every rank of an instance runs the same calls on global metadata.

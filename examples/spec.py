@@ -6,7 +6,7 @@ layer, `examples/models/deepseek_mtp.py`), `"draft"` (a separate tiny random Qwe
 or `"layer_skip"` (the target's first layer and head) for the GQA model
 (`examples/models/draft.py`). Both caches come from `allocate_kv_cache` with the same
 config and number of blocks, so they are sharded over the same pcp * dcp ranks and
-the proposer reads the target's block tables (`cp_compile.spec_decode`).
+the proposer reads the target's block tables (`cp_compile.serving.spec_decode`).
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from typing import Any, Callable
 import torch
 
 import cp_compile
-from cp_compile.spec_decode import DraftProposer, Rollback, Sampler, SpecDecoder
+from cp_compile.serving.spec_decode import DraftProposer, Rollback, Sampler, SpecDecoder
 from examples.models.deepseek_mtp import WithHidden, build_mtp, has_mtp, random_mtp_tensors
 from examples.models.draft import layer_skip_draft, tiny_draft_hf
 from examples.models.qwen3 import Qwen3Config

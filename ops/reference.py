@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from cp_compile.errors import MetadataError
+from cp_compile.base.errors import MetadataError
 from cp_compile.ops.layout import request_index
 from cp_compile.ops.sharded_cache import SINGLE_DEVICE_OP_RUNS, refuse_sharded
 
@@ -22,7 +22,7 @@ def check_paged_step(caches: tuple[torch.Tensor, ...], slot_mapping: torch.Tenso
     fail half-way (one cache written, the next not; or written, then an IndexError
     while reading) or write the wrong slot. Cheap: dtypes, shapes and three ranges,
     one host sync. The full semantic check (slots match positions, seq_lens cover the
-    new tokens, ...) is `cp_compile.metadata.validate_metadata`, run once per step
+    new tokens, ...) is `cp_compile.runtime.metadata_checks.validate_metadata`, run once per step
     by the runtime and model entry points. A DCP / PCP-sharded cache is refused
     first (`sharded_cache`; `op` names the op in the message)."""
     refuse_sharded(((f"the cache of {op or 'a single-device attention op'}", c) for c in caches),

@@ -20,7 +20,7 @@ from typing import Iterable
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from cp_compile.errors import ConfigError
+from cp_compile.base.errors import ConfigError
 
 # What runs when an op itself refuses (the message's "but ..." part).
 SINGLE_DEVICE_OP_RUNS = ("the single-device op runs over it as written (an uncompiled model, or a backend other "

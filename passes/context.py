@@ -16,12 +16,12 @@ from typing import Protocol
 import torch
 from torch import nn
 
-from cp_compile.config import BATCH_KINDS, DECODE_KINDS, PREFILL_KINDS, AttentionSpec, BatchKind, ConfigError, CPConfig
-from cp_compile.merge_cost import CollectiveCosts, GroupCollectives
+from cp_compile.base.config import BATCH_KINDS, DECODE_KINDS, PREFILL_KINDS, AttentionSpec, BatchKind, ConfigError, CPConfig
+from cp_compile.base.merge_cost import CollectiveCosts, GroupCollectives
 from cp_compile.ops.parallel.dcp import DCPContext
 from cp_compile.ops.parallel.dsa_cp import DSACPContext
 from cp_compile.ops.parallel.pcp import PCPContext
-from cp_compile.parallel_layout import Group, Layout
+from cp_compile.base.parallel_layout import Group, Layout
 
 ROLE_NAMES = ("o_proj", "indexer")
 
@@ -85,7 +85,7 @@ class CompileContext:
 
     config: CPConfig
     # This rank's groups (sizes, ranks, names): the one description of the parallel
-    # layout (cp_compile/parallel_layout.py), handed in by the backend from its entry.
+    # layout (cp_compile/base/parallel_layout.py), handed in by the backend from its entry.
     layout: Layout = field(default_factory=Layout)
     attention: AttentionSpec | None = None
     roles: tuple[RoleBinding, ...] = ()
@@ -95,7 +95,7 @@ class CompileContext:
     # (decorator.CompiledForward).
     batch_kind: BatchKind | None = None
     # dcp_merge="auto": the measured collective costs the DCP / PCP passes choose the
-    # merge with (cp_compile/merge_cost.py); None without init_parallel.
+    # merge with (cp_compile/base/merge_cost.py); None without init_parallel.
     collective_costs: CollectiveCosts | None = None
     # Collectives over the cp group a pass may issue while compiling (dcp_merge="replicate"
     # gathers the query projection's parameters); None without init_parallel.

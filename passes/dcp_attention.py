@@ -23,7 +23,7 @@ from cp_compile.passes.context import CompileContext
 from cp_compile.ops.parallel import dcp as dcp_compose
 from cp_compile.passes.base import CPPass
 from cp_compile.passes.fx_utils import ShapedProxy, bind_op_args
-from cp_compile.config import ConfigError
+from cp_compile.base.config import ConfigError
 from cp_compile.passes.merge_choice import resolve_merge
 from cp_compile.passes.query_replication import (NotReplicable, QueryChain, check_replicated_inputs, query_chain,
                                                  replicate_queries)

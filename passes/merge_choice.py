@@ -17,7 +17,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from cp_compile import merge_cost
+from cp_compile.base import merge_cost
 from cp_compile.passes.context import CompileContext
 from cp_compile.passes.fx_utils import fake_value
 

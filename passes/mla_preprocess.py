@@ -404,9 +404,9 @@ def _token_major_head(n: Any) -> fx.Node | None:
 
 def _hf_query_parts(q_nope: Any, q_pe: Any, nope: int) -> tuple[fx.Node, fx.Node] | None:
     """HF: q = cat((q_pass, q_embed), -1)[0].transpose(0, 1); q_nope = q[..., :nope],
-    q_pe = q[..., nope:] (cp_compile/hf/attention.py), or each part on its own,
+    q_pe = q[..., nope:] (cp_compile/serving/hf/attention.py), or each part on its own,
     q_nope = q_pass[0].transpose(0, 1), q_pe = q_embed[0].transpose(0, 1)
-    (cp_compile/hf/sfa.py) -> (q_pass, q_embed), both [1, H, T, d]."""
+    (cp_compile/serving/hf/sfa.py) -> (q_pass, q_embed), both [1, H, T, d]."""
     a, b = _token_major_head(q_nope), _token_major_head(q_pe)
     if a is not None and b is not None and _tensor(a) is not None and _tensor(a).shape[-1] == nope:
         return a, b

@@ -32,7 +32,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from cp_compile.config import ConfigError
+from cp_compile.base.config import ConfigError
 from cp_compile.passes.context import CompileContext
 from cp_compile.ops.parallel import o_proj as o_proj_compose
 from cp_compile.passes.base import CPPass

@@ -41,7 +41,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from cp_compile.config import ConfigError
+from cp_compile.base.config import ConfigError
 from cp_compile.passes.context import CompileContext
 from cp_compile.ops import pcp as pcp_ops
 from cp_compile.ops.parallel import pcp as pcp_compose

@@ -37,7 +37,7 @@ import torch.fx as fx
 from torch import nn
 from torch._dynamo.source import ConstantSource
 
-from cp_compile.merge_cost import GroupCollectives, QueryWeights
+from cp_compile.base.merge_cost import GroupCollectives, QueryWeights
 from cp_compile.passes.fx_utils import VALUE_KEY, fake_value, graph_fake_mode
 
 _c10d = torch.ops._c10d_functional

@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
-from cp_compile.config import ConfigError
+from cp_compile.base.config import ConfigError
 from cp_compile.passes.context import CompileContext
 from cp_compile.ops.parallel import dcp as dcp_compose
 from cp_compile.passes.dcp_attention import AttentionPattern, DCPAttentionPass

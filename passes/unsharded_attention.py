@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
-from cp_compile.config import ConfigError
+from cp_compile.base.config import ConfigError
 from cp_compile.passes.context import CompileContext
 from cp_compile.ops.attention import SINGLE_DEVICE_ATTENTION_OPS
 from cp_compile.passes.base import CPPass

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Make the project's virtual environments; the README's two commands and .ci/run call it.
 #   .venv          the CPU torch 2.13.0, cp-compile (editable) with the test extra (upstream triton),
-#                  and nixl-cu12 (the KV-transfer transport, cp_compile.kv_transfer): --no-deps, since
+#                  and nixl-cu12 (the KV-transfer transport, cp_compile.serving.kv_transfer): --no-deps, since
 #                  its requirements are torch and numpy, both already here; unpinned deps would pull
 #                  a CUDA torch (the `nixl` meta-package pulls CUDA torch and both cu12 / cu13 builds)
 #   .venv-ascend   with --with-ascend: the CPU torch, triton-ascend 3.2.0 + pybind11 and

@@ -205,7 +205,7 @@ def step_cuda_graph(dry: bool) -> list[dict]:
 
     import cp_compile.ops  # noqa: F401
     from cp_compile.ops.parallel.dcp import DCPContext, dcp_gqa_attention
-    from cp_compile.parallel_layout import Group
+    from cp_compile.base.parallel_layout import Group
 
     plan = "world of 1 NCCL rank; DCPContext(group of 1); dcp_gqa_attention decode of 8 requests at 4k"
     if dry:

@@ -484,7 +484,7 @@ def _model(kind: str, tp: int, tp_rank: int, tp_group, w8a8: bool = False):
 def _rank_main(rank: int, world: int, configs: list, dump: str | None) -> list[dict]:
     standin.install()
     import cp_compile
-    from cp_compile.metadata import BlockAllocator
+    from cp_compile.runtime.metadata_build import BlockAllocator
     from tools.ge_eval import hccl, probe
 
     load_converters(os.environ.get(CONVERTERS_ENV))

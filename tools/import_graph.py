@@ -30,14 +30,13 @@ from tools.lint_layers import installed_layout
 
 # Highest layer first. A module belongs to the first layer with a matching prefix.
 LAYERS_NEW = [
-    ("front ends", ["cp_compile.hf", "cp_compile.testing"]),
-    ("front door", ["cp_compile.backend", "cp_compile.decorator", "cp_compile.lowering", "cp_compile.metadata",
-                    "cp_compile.kv_cache", "cp_compile.parallel_state", "cp_compile.comm_stats",
-                    "cp_compile.o_proj_full_weight"]),
+    ("serving", ["cp_compile.serving", "cp_compile.testing"]),
+    ("compiler", ["cp_compile.compiler"]),
+    ("runtime", ["cp_compile.runtime"]),
     ("passes", ["cp_compile.passes"]),
     ("compositions", ["cp_compile.ops.parallel"]),
     ("ops", ["cp_compile.ops"]),
-    ("base", ["cp_compile.config", "cp_compile.errors"]),
+    ("base", ["cp_compile.base"]),
 ]
 # Before issue 20: compositions in cp_compile/parallel, the context in cp_compile/context.py
 # (the pass interface, now passes/context.py), CI checks inside the package.

@@ -2,9 +2,9 @@
 
     PYTHONPATH=. .venv/bin/python -m tools.mla_preprocess_hf_matches [--models v2,v3-interleave,...]
 
-Every tiny HF MLA model this transformers ships and `cp_compile.hf` serves (DeepSeek-V2,
+Every tiny HF MLA model this transformers ships and `cp_compile.serving.hf` serves (DeepSeek-V2,
 -V3, -V3.2, GLM-5; and two V2 variants the pass refuses, named with their reason),
-through `cp_compile.hf.Engine` (lowering eager: the passes run, the graph runs as FX)
+through `cp_compile.serving.hf.Engine` (lowering eager: the passes run, the graph runs as FX)
 with `enable_mla_preprocess` off, then on, recompiles forbidden after the warm-up.
 Prints one markdown row per model: layers, layers rewritten, cache writes folded,
 FX ops of the graph off -> on, greedy tokens equal, max |logit| difference, graphs
@@ -28,12 +28,12 @@ PROMPTS = [[1, 2, 3, 4, 5, 6, 7], [6, 7, 8]]
 
 def hf_engine_pair(hf_model: torch.nn.Module, cfg_kwargs: dict | None = None, lowering: str = "eager",
                    parallel: bool = False, max_new_tokens: int = 4) -> dict[bool, dict[str, Any]]:
-    """Serve PROMPTS through cp_compile.hf.Engine with enable_mla_preprocess off, then on
+    """Serve PROMPTS through cp_compile.serving.hf.Engine with enable_mla_preprocess off, then on
     (recompiles forbidden after the warm-up) -> per side: tokens, logits per prompt [n, vocab],
     pass history [(name, rewrites, ops before, ops after)], graphs compiled, the pass's warnings.
     `parallel`: this is one gloo rank; each side runs in its own init_parallel."""
     import cp_compile
-    from cp_compile.hf.engine import Engine
+    from cp_compile.serving.hf.engine import Engine
 
     out = {}
     for on in (False, True):

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import torch
 
-from cp_compile.metadata import AttentionMetadata, BlockAllocator, build_attention_metadata
+from cp_compile.runtime.metadata import AttentionMetadata
+from cp_compile.runtime.metadata_build import BlockAllocator, build_attention_metadata
 
 STEP_B: dict[str, list[tuple[int, int]]] = {
     "decode": [(9, 1), (1, 1), (7, 1), (16, 1)],

@@ -34,7 +34,7 @@ from typing import Any, Callable
 import torch
 import torch.multiprocessing as mp
 
-from cp_compile.parallel_state import destroy_parallel
+from cp_compile.runtime.parallel_state import destroy_parallel
 
 _NOTE_WAIT_S = 2.0  # how long a failing rank waits for a peer's failure note
 _POLL_S = 0.2

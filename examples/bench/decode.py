@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 
 import cp_compile
-from cp_compile.decorator import CompiledForward
+from cp_compile.compiler.decorator import CompiledForward
 from examples.bench.args import BenchArgs
 from examples.bench.cache import WorldGeometry, fill_context, reserve, world_geometry
 from examples.bench.launch import World, log

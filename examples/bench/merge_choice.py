@@ -34,7 +34,7 @@ import torch
 import torch.distributed as dist
 
 import cp_compile
-from cp_compile import merge_cost
+from cp_compile.base import merge_cost
 from cp_compile.ops.parallel.dcp import DCPContext, all_gather_heads, merge_heads
 from cp_compile.testing.multirank import run_on_ranks
 from examples.bench.attention_bandwidth import commit

@@ -6,7 +6,7 @@ from typing import Any
 
 import torch
 
-from cp_compile.comm_stats import decode_comm_bytes_per_layer
+from cp_compile.base.comm_stats import decode_comm_bytes_per_layer
 
 
 def build_hf_model(kind: str, tp: int) -> Any:

@@ -19,8 +19,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from cp_compile.config import ConfigError
-from cp_compile.metadata import validate_step
+from cp_compile.base.config import ConfigError
+from cp_compile.runtime.metadata_checks import validate_step
 
 
 # --------------------------------------------------------------------------- norms

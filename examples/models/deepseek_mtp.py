@@ -30,9 +30,10 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from cp_compile.config import AttentionSpec
-from cp_compile.kv_cache import KVCacheSpec
-from cp_compile.metadata import AttentionMetadata, validate_step
+from cp_compile.base.config import AttentionSpec
+from cp_compile.runtime.kv_cache import KVCacheSpec
+from cp_compile.runtime.metadata import AttentionMetadata
+from cp_compile.runtime.metadata_checks import validate_step
 
 from examples.models.common import (
     CausalLM,

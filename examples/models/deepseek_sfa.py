@@ -41,9 +41,9 @@ import torch.distributed as dist
 from torch import nn
 
 import cp_compile.ops.attention  # noqa: F401  (registers torch.ops.cp.*)
-from cp_compile.config import AttentionSpec
-from cp_compile.kv_cache import KVCacheSpec
-from cp_compile.metadata import AttentionMetadata
+from cp_compile.base.config import AttentionSpec
+from cp_compile.runtime.kv_cache import KVCacheSpec
+from cp_compile.runtime.metadata import AttentionMetadata
 
 from examples.models.common import (StateDictReader, apply_rope_interleaved, apply_rope_neox, check_config_fields,
                                     load_replicated)

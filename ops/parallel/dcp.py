@@ -35,7 +35,7 @@ import torch
 from torch import Tensor
 
 import cp_compile.ops  # noqa: F401  (registers the cp::* building blocks)
-from cp_compile.parallel_layout import Group
+from cp_compile.base.parallel_layout import Group
 
 _c10d = torch.ops._c10d_functional
 _cp = torch.ops.cp
@@ -46,7 +46,7 @@ class DCPContext:
     """Static facts a DCP graph is specialised on (baked into the traced graph).
 
     group: the layout's group the composition runs over (`Group(size, rank, name)`,
-    cp_compile/parallel_layout.py; the name addresses the functional collectives).
+    cp_compile/base/parallel_layout.py; the name addresses the functional collectives).
     For attention over the cache that is the cache's context-parallel group
     (`CompileContext.cp`: the DCP group at pcp = 1, the pcp * dcp ranks at pcp > 1);
     for the head gather inside a PCP prefill it is the DCP group

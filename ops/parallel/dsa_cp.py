@@ -38,7 +38,7 @@ from torch import Tensor
 
 import cp_compile.ops  # noqa: F401  (registers the cp::* building blocks)
 from cp_compile.ops import layout
-from cp_compile.parallel_layout import Group
+from cp_compile.base.parallel_layout import Group
 
 _c10d = torch.ops._c10d_functional
 _cp = torch.ops.cp
@@ -47,7 +47,7 @@ _cp = torch.ops.cp
 @dataclass(frozen=True)
 class DSACPContext:
     """Static facts a DSA-CP graph is specialised on: the layout's TP group (the token
-    shards; `Group(size, rank, name)`, cp_compile/parallel_layout.py)."""
+    shards; `Group(size, rank, name)`, cp_compile/base/parallel_layout.py)."""
 
     tp: Group
 

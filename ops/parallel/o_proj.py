@@ -26,7 +26,7 @@ every int32 accumulator equals the rank's (ops/quant_reference.py).
 Traceable like `parallel/dsa_cp.py` (functional collectives, each followed by
 `wait_tensor`, no data-dependent control flow); the graph pass
 (`passes/o_proj_dsa_cp.py`) calls these on FX proxies and eager code
-(`cp_compile.o_proj_full_weight`) calls the same token-shard functions on tensors.
+(`cp_compile.runtime.o_proj_full_weight`) calls the same token-shard functions on tensors.
 """
 
 from __future__ import annotations

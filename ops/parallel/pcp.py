@@ -39,11 +39,11 @@ import torch
 from torch import Tensor
 
 import cp_compile.ops  # noqa: F401  (registers the cp::* building blocks)
-from cp_compile.errors import ConfigError
+from cp_compile.base.errors import ConfigError
 from cp_compile.ops import layout, pcp_layout
 from cp_compile.ops.parallel.dcp import (DCPContext, all_gather_heads, dense, kv_major_heads, localize, merge_heads,
                                           rank_major_heads)
-from cp_compile.parallel_layout import Group
+from cp_compile.base.parallel_layout import Group
 
 _c10d = torch.ops._c10d_functional
 _cp = torch.ops.cp
@@ -52,7 +52,7 @@ _cp = torch.ops.cp
 @dataclass(frozen=True)
 class PCPContext:
     """Static facts a PCP graph is specialised on: the layout's PCP, DCP and cp groups
-    (`Group`s of cp_compile/parallel_layout.py, as `Layout` holds them), the config's
+    (`Group`s of cp_compile/base/parallel_layout.py, as `Layout` holds them), the config's
     cache knobs and the merge chosen for this graph."""
 
     pcp: Group

@@ -9,10 +9,10 @@ import pytest
 import torch
 
 import cp_compile
-from cp_compile.lowering import lower, resolve_lowering
-from cp_compile.parallel_layout import Layout
+from cp_compile.compiler.lowering import lower, resolve_lowering
+from cp_compile.base.parallel_layout import Layout
 
-backend_module = importlib.import_module("cp_compile.backend")  # the attribute cp_compile.backend is the factory
+backend_module = importlib.import_module("cp_compile.compiler.backend")  # the attribute cp_compile.backend is the factory
 
 
 def test_entry_point_registers_backend_without_importing_cp_compile():
@@ -74,9 +74,9 @@ def test_compile_path_reads_the_state_its_entry_gave_not_the_global(monkeypatch)
     spec = cp_compile.AttentionSpec("gqa", 8, 2)
     state = _given_state(cfg, rank=3)
     be = cp_compile.backend(config=cfg, attention=spec, parallel=state)
-    monkeypatch.setattr(cp_compile.parallel_state, "parallel_state_or_none", no_global)
+    monkeypatch.setattr(cp_compile.runtime.parallel_state, "parallel_state_or_none", no_global)
     monkeypatch.setattr(backend_module, "parallel_state_or_none", no_global)
-    monkeypatch.setattr(cp_compile.decorator, "parallel_state_or_none", no_global)
+    monkeypatch.setattr(cp_compile.compiler.decorator, "parallel_state_or_none", no_global)
     for b in (be, be.for_batch_kind("decode")):
         ctx = b.make_context()
         assert ctx.layout is state.layout and (ctx.tp.rank, ctx.dcp.rank, ctx.cp.rank) == (3, 1, 1)

@@ -282,8 +282,8 @@ def _dcp_world(rank: int, world: int, hf_config, state_dict, ok_config, ok_state
     out["compiled_graphs"] = len(compiled.backend.pass_managers)
     # A forward compiled with another backend runs the single-device ops as written:
     # its (dcp = 1) caches are checked at dcp = 1 even on this DCP state.
-    from cp_compile.decorator import validation_cp
-    from cp_compile.metadata import validate_forward_args
+    from cp_compile.compiler.decorator import validation_cp
+    from cp_compile.runtime.metadata_checks import validate_forward_args
 
     plain_alloc = cp_compile.BlockAllocator(4, 4)  # dcp = 1 blocks of 4 tokens
     plain_alloc.ensure(-1, 4)  # block 0 taken: the request's blocks are 1 and 2

@@ -4,7 +4,8 @@ import pytest
 import torch
 
 import cp_compile
-from cp_compile.metadata import BlockAllocator, batch_kind, build_attention_metadata, is_fresh
+from cp_compile.runtime.metadata import batch_kind, is_fresh
+from cp_compile.runtime.metadata_build import BlockAllocator, build_attention_metadata
 from cp_compile.testing.batches import STEP_B, two_step_metas
 
 

@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 
 import cp_compile
 from cp_compile import MetadataError
-from cp_compile.metadata import AttentionMetadata
+from cp_compile.runtime.metadata import AttentionMetadata
 from cp_compile.testing.multirank import run_on_ranks
 
 NUM_BLOCKS = 12

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from cp_compile.errors import ConfigError
-from cp_compile.kv_transfer import KVTransferConfig
+from cp_compile.base.errors import ConfigError
+from cp_compile.serving.kv_transfer import KVTransferConfig
 
 OK = {"kv_role": "kv_consumer", "kv_port": 5600, "kv_connector_extra_config": {"remote_engine_id": "p"}}
 

@@ -18,8 +18,8 @@ from typing import Any
 import pytest
 
 import cp_compile
-from cp_compile.kv_transfer import KVConsumer, KVProducer, KVTransferError
-from cp_compile.kv_transfer.nixl import NixlTransport
+from cp_compile.serving.kv_transfer import KVConsumer, KVProducer, KVTransferError
+from cp_compile.serving.kv_transfer.nixl import NixlTransport
 from tests.entrypoints.http_util import free_port
 
 pytest.importorskip("nixl_cu12")

@@ -18,12 +18,12 @@ import numpy as np
 import pytest
 import torch
 
-from cp_compile.kv_transfer.layout import KVGeometry, KVLayout, check_compatible
-from cp_compile.kv_transfer.plan import expected_bytes, expected_rank_bytes, plan_rank
-from cp_compile.kv_transfer.reads import STAGE_BELOW, group_runs, layer_reads, same_rows
-from cp_compile.kv_transfer.regions import CacheRegion, check_in_regions, regions_of
-from cp_compile.errors import ConfigError
-from cp_compile.kv_cache import tp_kv_head_ids
+from cp_compile.serving.kv_transfer.layout import KVGeometry, KVLayout, check_compatible
+from cp_compile.serving.kv_transfer.plan import expected_bytes, expected_rank_bytes, plan_rank
+from cp_compile.serving.kv_transfer.reads import STAGE_BELOW, group_runs, layer_reads, same_rows
+from cp_compile.serving.kv_transfer.regions import CacheRegion, check_in_regions, regions_of
+from cp_compile.base.errors import ConfigError
+from cp_compile.runtime.kv_cache import tp_kv_head_ids
 
 HEAD, VHEAD, LATENT, INDEX = 3, 2, 5, 4
 
@@ -224,7 +224,7 @@ def test_block_interleave_stays_direct():
 
 def test_mutated_scatter_is_caught():
     """The brute-force check fails when the staged rows land one slot off."""
-    import cp_compile.kv_transfer.reads as reads_mod
+    import cp_compile.serving.kv_transfer.reads as reads_mod
 
     real = reads_mod.Scatter
 
@@ -258,7 +258,7 @@ def test_replicas_spread_over_sources():
 
 def test_mutated_plan_is_caught():
     """The brute-force check fails on a broken plan: swap two runs' sources."""
-    import cp_compile.kv_transfer.plan as plan_mod
+    import cp_compile.serving.kv_transfer.plan as plan_mod
 
     real = plan_mod._owner
     plan_mod._owner = lambda pos, layout: (real(pos, layout) + 1) % layout.context_parallel_size

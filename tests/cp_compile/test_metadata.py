@@ -4,6 +4,7 @@ import pytest
 import torch
 
 import cp_compile
+from cp_compile.runtime.metadata_checks import validate_metadata
 from cp_compile.ops import layout
 
 
@@ -53,12 +54,12 @@ def test_validate_uses_the_virtual_block_of_the_dcp_group():
     # cache of 4-token pages at dcp = 2, wrong for the same cache at dcp = 1.
     alloc = cp_compile.BlockAllocator(num_blocks=4, block_tokens=8)
     meta = cp_compile.build_attention_metadata([(9, 2), (0, 3)], alloc, num_padding_tokens=1)
-    meta.validate(num_blocks=4, block_size=4, cp=2, num_tokens=6)
+    validate_metadata(meta, num_blocks=4, block_size=4, cp=2, num_tokens=6)
     with pytest.raises(cp_compile.MetadataError, match=r"^block_table \(request 0\): has 2 columns but "
                                                       r"seq_lens = 11 needs 3 blocks of 4 tokens"):
-        meta.validate(num_blocks=4, block_size=4, cp=1)
+        validate_metadata(meta, num_blocks=4, block_size=4, cp=1)
     with pytest.raises(cp_compile.MetadataError, match=r"outside the cache's blocks \[0, 1\)"):
-        meta.validate(num_blocks=1, block_size=4, cp=2)
+        validate_metadata(meta, num_blocks=1, block_size=4, cp=2)
 
 
 def test_validate_step_reads_the_cache_geometry():

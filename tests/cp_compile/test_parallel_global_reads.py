@@ -20,15 +20,15 @@ import pytest
 import torch
 
 import cp_compile
-from cp_compile.parallel_layout import Layout
+from cp_compile.base.parallel_layout import Layout
 
 REPO = Path(__file__).resolve().parents[2]
 READS = {"parallel_state_or_none", "get_parallel_state"}
 # (file, function) of every allowed read: the front doors of the module docstring.
 FRONT_DOORS = {
-    ("cp_compile/backend.py", "backend"), ("cp_compile/backend.py", "cp_ascend"),
-    ("cp_compile/decorator.py", "CompiledForward._setup"), ("cp_compile/kv_cache.py", "allocate_kv_cache"),
-    ("cp_compile/metadata.py", "validate_step"), ("cp_compile/hf/engine.py", "Engine.__init__"),
+    ("cp_compile/compiler/backend.py", "backend"), ("cp_compile/compiler/backend.py", "cp_ascend"),
+    ("cp_compile/compiler/decorator.py", "CompiledForward._setup"), ("cp_compile/runtime/kv_cache.py", "allocate_kv_cache"),
+    ("cp_compile/runtime/metadata.py", "validate_step"), ("cp_compile/serving/hf/engine.py", "Engine.__init__"),
 }
 
 
@@ -38,7 +38,7 @@ def global_reads(root: Path = REPO) -> set[tuple[str, str]]:
     found = set()
     for path in sorted(p for d in ("cp_compile", "ops", "passes") for p in (root / d).rglob("*.py")):
         rel = path.relative_to(root).as_posix()
-        if rel == "cp_compile/parallel_state.py":
+        if rel == "cp_compile/runtime/parallel_state.py":
             continue
 
         def visit(node: ast.AST, scope: tuple[str, ...]) -> None:
@@ -69,12 +69,12 @@ def test_the_scan_finds_an_injected_read(tmp_path: Path) -> None:
     """The scan is not vacuous: a global read added to check_dcp_layout (off the front door) is found."""
     for d in ("cp_compile", "ops", "passes"):
         (tmp_path / d).mkdir()
-    src = (REPO / "cp_compile/kv_cache.py").read_text()
+    src = (REPO / "cp_compile/runtime/kv_cache.py").read_text()
     anchor = "    n = cfg.context_parallel_size\n    if parallel is None or n == 1:\n"
     assert src.count(anchor) == 1
-    (tmp_path / "cp_compile/kv_cache.py").write_text(src.replace(anchor, "    parallel = parallel_state_or_none()\n"
+    (tmp_path / "cp_compile/runtime/kv_cache.py").write_text(src.replace(anchor, "    parallel = parallel_state_or_none()\n"
                                                                  + anchor))
-    assert ("cp_compile/kv_cache.py", "check_dcp_layout") in global_reads(tmp_path)
+    assert ("cp_compile/runtime/kv_cache.py", "check_dcp_layout") in global_reads(tmp_path)
 
 
 def test_runtime_path_uses_the_state_it_was_given(monkeypatch) -> None:
@@ -85,7 +85,7 @@ def test_runtime_path_uses_the_state_it_was_given(monkeypatch) -> None:
         raise AssertionError("the runtime path read the parallel-state global")
 
     kv_cache, metadata = (importlib.import_module(f"cp_compile.{m}") for m in ("kv_cache", "metadata"))
-    for module in (kv_cache, metadata, cp_compile.parallel_state):
+    for module in (kv_cache, metadata, cp_compile.runtime.parallel_state):
         monkeypatch.setattr(module, "parallel_state_or_none", no_global)
     cfg = cp_compile.CPConfig(tensor_parallel_size=4, decode_context_parallel_size=2, block_size=4)
     cp_group = object()  # stands for the live process group: the all-gather below is recorded, not run

@@ -93,7 +93,7 @@ def test_group_options_carry_the_timeout(monkeypatch):
     from datetime import timedelta
     from types import ModuleType, SimpleNamespace
 
-    from cp_compile.parallel_state import _options
+    from cp_compile.runtime.parallel_state import _options
 
     t = timedelta(seconds=7)
     for backend in ("gloo", "nccl"):

@@ -31,7 +31,7 @@ from cp_compile.passes.context import CompileContext
 from cp_compile.ops import pcp_layout
 from cp_compile.ops.parallel import dcp as D
 from cp_compile.ops.parallel import pcp as P
-from cp_compile.parallel_layout import Group
+from cp_compile.base.parallel_layout import Group
 from cp_compile.testing.multirank import run_on_ranks
 
 HQ = 4

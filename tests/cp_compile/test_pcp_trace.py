@@ -17,7 +17,7 @@ import cp_compile
 import cp_compile.ops  # noqa: F401
 from cp_compile.ops import pcp_layout
 from cp_compile.ops.parallel import pcp as P
-from cp_compile.parallel_layout import Layout
+from cp_compile.base.parallel_layout import Layout
 
 
 def _setup(dcp: int):

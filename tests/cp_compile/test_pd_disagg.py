@@ -12,8 +12,8 @@ import os
 import pytest
 import torch
 
-from cp_compile.kv_transfer import KVLayout
-from cp_compile.kv_transfer.plan import expected_rank_bytes
+from cp_compile.serving.kv_transfer import KVLayout
+from cp_compile.serving.kv_transfer.plan import expected_rank_bytes
 from cp_compile.testing.multirank import RankFailed
 from examples.pd_disagg import Case, Side, compare, geometry_of, reference, run_cases
 

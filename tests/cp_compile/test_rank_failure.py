@@ -102,7 +102,7 @@ def test_killed_rank_fails_its_peer_fast_and_is_named():
 
 
 def test_default_timeout_is_documented_and_configurable(monkeypatch):
-    from cp_compile import parallel_state as ps
+    from cp_compile.runtime import parallel_state as ps
 
     monkeypatch.delenv(ps.PG_TIMEOUT_ENV, raising=False)
     assert ps.resolve_timeout(None) == ps.DEFAULT_PG_TIMEOUT_S == 600.0

@@ -7,7 +7,7 @@ import pytest
 import torch
 import transformers
 
-from cp_compile.sampling import RequestError, Sampler, SamplingError, SamplingParams, filter_logits
+from cp_compile.base.sampling import RequestError, Sampler, SamplingError, SamplingParams, filter_logits
 
 
 def _hf_filtered(logits: torch.Tensor, t: float, k: int, p: float) -> torch.Tensor:

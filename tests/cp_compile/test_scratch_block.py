@@ -17,10 +17,11 @@ import torch
 import torch.fx as fx
 
 import cp_compile
-from cp_compile.errors import ConfigError, MetadataError
-from cp_compile.kv_cache import KVCacheSpec
-from cp_compile.lowering import _refuse_caches_without_scratch
-from cp_compile.metadata import BlockAllocator, validate_step
+from cp_compile.base.errors import ConfigError, MetadataError
+from cp_compile.runtime.kv_cache import KVCacheSpec
+from cp_compile.compiler.lowering import _refuse_caches_without_scratch
+from cp_compile.runtime.metadata_build import BlockAllocator
+from cp_compile.runtime.metadata_checks import validate_step
 from cp_compile.ops.scratch_block import has_scratch_block, usable_blocks
 
 CFG = cp_compile.CPConfig(block_size=4)

@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 
 import cp_compile
-from cp_compile.errors import ConfigError
+from cp_compile.base.errors import ConfigError
 from cp_compile.testing.multirank import run_on_ranks
 from examples.models.tiny import VOCAB, example_from_config, hf_deepseek_sfa, hf_qwen3
 from examples.serving import layer_caches

@@ -30,8 +30,8 @@ import torch
 import transformers
 
 from cp_compile import LLM, RequestError, SamplingParams
-from cp_compile.errors import ConfigError
-from cp_compile.kv_transfer import KVGeometry, KVLayout, KVTransferError, expected_bytes
+from cp_compile.base.errors import ConfigError
+from cp_compile.serving.kv_transfer import KVGeometry, KVLayout, KVTransferError, expected_bytes
 from examples.models.tiny import hf_qwen3
 from examples.models.tiny_seed import save_checkpoint
 from tests.entrypoints.http_util import free_port, wait_healthy
@@ -201,7 +201,7 @@ def _served(llm: LLM, name: str):
     """`llm` behind the HTTP server (uvicorn in a thread); yields its base URL."""
     import uvicorn
 
-    from cp_compile.entrypoints.server import build_app
+    from cp_compile.serving.entrypoints.server import build_app
 
     app = build_app(llm, name)
     port = free_port()
@@ -269,7 +269,7 @@ def _cli_server(ckpt: str, kv: dict, *flags: str) -> tuple[subprocess.Popen, str
     import json
 
     port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "cp_compile.entrypoints.cli", "serve", ckpt, "--port", str(port),
+    proc = subprocess.Popen([sys.executable, "-m", "cp_compile.serving.entrypoints.cli", "serve", ckpt, "--port", str(port),
                              "--served-model-name", "pd", "--lowering", "eager", "--max-model-len", "64",
                              "--kv-transfer-config", json.dumps(kv), *flags])
     return proc, f"http://127.0.0.1:{port}"
@@ -309,7 +309,7 @@ def test_bad_kv_transfer_config_refused_before_any_process(ckpt):
             LLM(model=ckpt, tensor_parallel_size=2, kv_transfer_config=cfg)
         assert needle in str(e.value)
     # `cp-compile serve --kv-transfer-config`: the same refusal, and JSON that is not an object.
-    from cp_compile.entrypoints.cli import main
+    from cp_compile.serving.entrypoints.cli import main
 
     with pytest.raises(ConfigError, match="kv_role='kv_both'"):
         main(["serve", ckpt, "--tensor-parallel-size", "2", "--kv-transfer-config",

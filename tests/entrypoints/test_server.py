@@ -1,6 +1,6 @@
 """`cp-compile serve` over loopback with the real `openai` client.
 
-The server runs as its own process (`python -m cp_compile.entrypoints.cli serve`,
+The server runs as its own process (`python -m cp_compile.serving.entrypoints.cli serve`,
 the console script's `main`), world 1, eager lowering. Checked: concurrent
 streaming requests (completions and chat) batched together, their tokens equal to
 the offline `LLM` on the same directory (greedy and seeded sampling); `/v1/models`
@@ -40,7 +40,7 @@ def ckpt(tmp_path_factory) -> str:
 @pytest.fixture(scope="module")
 def server(ckpt):
     port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "cp_compile.entrypoints.cli", "serve", ckpt, "--host", "127.0.0.1",
+    proc = subprocess.Popen([sys.executable, "-m", "cp_compile.serving.entrypoints.cli", "serve", ckpt, "--host", "127.0.0.1",
                              "--port", str(port), "--block-size", "4", "--max-model-len", str(MAX_LEN),
                              "--max-num-seqs", "4", "--lowering", "eager", "--num-kv-blocks", str(KV_BLOCKS)])
     base = f"http://127.0.0.1:{port}"
@@ -71,7 +71,7 @@ def _stats(base: str) -> dict:
 
 def test_console_script_is_declared():
     eps = [e for e in metadata.entry_points(group="console_scripts") if e.name == "cp-compile"]
-    assert eps and eps[0].value == "cp_compile.entrypoints.cli:main"
+    assert eps and eps[0].value == "cp_compile.serving.entrypoints.cli:main"
 
 
 def test_models_lists_the_directory(server, ckpt):

@@ -14,9 +14,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cp_compile.config import CPConfig
-from cp_compile.kv_cache import allocate_kv_cache
-from cp_compile.metadata import BlockAllocator, build_attention_metadata
+from cp_compile.base.config import CPConfig
+from cp_compile.runtime.kv_cache import allocate_kv_cache
+from cp_compile.runtime.metadata_build import BlockAllocator, build_attention_metadata
 from examples.models import deepseek_mla, qwen3
 from examples.models.deepseek_mla import DeepseekMLAConfig
 from examples.models.qwen3 import Qwen3Model

@@ -12,7 +12,7 @@ import dataclasses
 
 import pytest
 
-from cp_compile.config import ConfigError
+from cp_compile.base.config import ConfigError
 from examples.models.deepseek_mla import DeepseekMLAConfig
 from examples.models.deepseek_sfa import DeepseekSFAConfig
 from examples.models.qwen3 import Qwen3Config

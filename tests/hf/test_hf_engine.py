@@ -1,4 +1,4 @@
-"""cp_compile.hf on real gloo ranks: unmodified HF models served with TP + DCP must
+"""cp_compile.serving.hf on real gloo ranks: unmodified HF models served with TP + DCP must
 generate exactly what HF's own single-device greedy `generate` does.
 
 Each world builds the HF model from its config on every rank, shards it with the
@@ -20,7 +20,7 @@ import torch
 import transformers
 
 import cp_compile
-import cp_compile.hf
+import cp_compile.serving.hf
 from cp_compile.testing.multirank import run_on_ranks
 from examples.hf_generate import hf_reference, serve, tiny_hf
 from examples.models.tiny import VOCAB
@@ -108,8 +108,8 @@ def test_hf_model_matches_hf_generate(kind, kv_heads, tp, dcp, lowering):
 ])
 def test_unsupported_features_refused_by_name(config, feature):
     cfg = config()
-    with pytest.raises(cp_compile.hf.UnsupportedModelError, match=feature) as e:
-        cp_compile.hf.check_supported(cfg)
+    with pytest.raises(cp_compile.serving.hf.UnsupportedModelError, match=feature) as e:
+        cp_compile.serving.hf.check_supported(cfg)
     assert isinstance(e.value, cp_compile.ConfigError) and "Fix:" in str(e.value)
 
 
@@ -117,8 +117,8 @@ def test_engine_refuses_at_load():
     """The check runs in Engine, before any cache or compile."""
     hf = tiny_hf("mistral")
     hf.config.sliding_window = 8
-    with pytest.raises(cp_compile.hf.UnsupportedModelError, match="sliding window"):
-        cp_compile.hf.Engine(hf, cp_compile.CPConfig(block_size=BLOCK), num_blocks=4)
+    with pytest.raises(cp_compile.serving.hf.UnsupportedModelError, match="sliding window"):
+        cp_compile.serving.hf.Engine(hf, cp_compile.CPConfig(block_size=BLOCK), num_blocks=4)
 
 
 def test_plain_import_does_not_import_transformers():
@@ -132,7 +132,7 @@ def test_dcp_beyond_kv_replication_refused():
     hf = tiny_hf("qwen3", num_kv_heads=2)
     cfg = cp_compile.CPConfig(tensor_parallel_size=4, decode_context_parallel_size=4, block_size=BLOCK)
     with pytest.raises(cp_compile.ConfigError, match="num_kv_heads"):
-        cp_compile.hf.Engine(hf, cfg, num_blocks=4)
+        cp_compile.serving.hf.Engine(hf, cfg, num_blocks=4)
 
 
 @pytest.mark.parametrize("kind", ["qwen3", "qwen2"])
@@ -146,7 +146,7 @@ def test_single_request_joins_and_leaves_without_recompiles(kind, capfd):
     arrivals = [0, 5]  # alone for 5 steps, then a second joins, leaves after 4 tokens
     sd = {k: v.detach().clone() for k, v in hf.state_dict().items()}
     out = serve(0, 1, hf.config, sd, prompts, max_new, 1, BLOCK, NUM_BLOCKS, "eager", arrivals, progress=True)
-    assert "cp_compile.hf generate" in capfd.readouterr().err  # the progress bar (tqdm, stderr)
+    assert "cp_compile.serving.hf generate" in capfd.readouterr().err  # the progress bar (tqdm, stderr)
     ref_tokens, ref_logits = hf_reference(hf, prompts, 16)
     assert out["graphs"] == 1
     for i in range(2):
@@ -163,7 +163,7 @@ def _hf_sharded_world(rank: int, world: int) -> str:
     # needs `accelerate` and a checkpoint on disk, so the attribute is set directly.
     model._device_mesh = init_device_mesh("cpu", (world,))
     try:
-        cp_compile.hf.Engine(model, cp_compile.CPConfig(block_size=BLOCK), num_blocks=4)
+        cp_compile.serving.hf.Engine(model, cp_compile.CPConfig(block_size=BLOCK), num_blocks=4)
     except cp_compile.ConfigError as e:
         return str(e)
     return "accepted"
@@ -176,7 +176,7 @@ def test_model_sharded_by_hf_refused_naming_both_meshes():
 
 def test_request_beyond_capacity_refused_before_any_step():
     hf = tiny_hf("llama")
-    engine = cp_compile.hf.Engine(hf, cp_compile.CPConfig(block_size=BLOCK), num_blocks=3, lowering="eager")
+    engine = cp_compile.serving.hf.Engine(hf, cp_compile.CPConfig(block_size=BLOCK), num_blocks=3, lowering="eager")
     # 3 blocks of 4 tokens: 12 tokens per request at most.
     assert engine.max_model_len == 12
     with pytest.raises(ValueError, match="max_model_len=12. Fix"):
@@ -188,7 +188,7 @@ def test_front_end_inputs_refused_before_any_step():
     """Issue 19: max_new_tokens=0 returned one token (HF raises); a token id >= vocab size
     failed as `IndexError: index out of range in self`, naming neither prompt nor token."""
     hf = tiny_hf("llama")
-    engine = cp_compile.hf.Engine(hf, cp_compile.CPConfig(block_size=BLOCK), num_blocks=3, lowering="eager")
+    engine = cp_compile.serving.hf.Engine(hf, cp_compile.CPConfig(block_size=BLOCK), num_blocks=3, lowering="eager")
     with pytest.raises(ValueError, match=r"prompt 0: max_new_tokens=0 must be an integer >= 1"):
         engine.generate([[1, 2]], max_new_tokens=0)
     vocab = hf.config.vocab_size

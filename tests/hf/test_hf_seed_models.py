@@ -1,5 +1,5 @@
 """The seeds' models (MoE: DeepSeek-V2-Lite / V3 shapes, Qwen3-MoE) loaded from a
-saved safetensors directory and served by `cp_compile.hf.Engine` under TP / DCP /
+saved safetensors directory and served by `cp_compile.serving.hf.Engine` under TP / DCP /
 PCP on gloo ranks: greedy tokens equal HF's own `generate`, logits within fp32
 tolerance, one graph per batch kind (recompiles forbidden after warm-up).
 
@@ -18,9 +18,9 @@ import torch
 import transformers
 
 import cp_compile
-import cp_compile.hf
-from cp_compile.hf import moe
-from cp_compile.hf.moe import AllReduceOutput
+import cp_compile.serving.hf
+from cp_compile.serving.hf import moe
+from cp_compile.serving.hf.moe import AllReduceOutput
 from examples import seed_parity
 from examples.models.tiny_seed import save_checkpoint, tiny_seed_model
 
@@ -79,7 +79,7 @@ def test_moe_routing_differs_between_tokens_and_shards_exactly(tmp_path):
 def test_checkpoint_loads_from_disk_and_moe_blocks_are_wrapped(tmp_path):
     path = save_checkpoint(tiny_seed_model("qwen3_moe"), str(tmp_path / "ckpt"))
     model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-    engine = cp_compile.hf.Engine(model, cp_compile.CPConfig(block_size=4), num_blocks=8, lowering="eager")
+    engine = cp_compile.serving.hf.Engine(model, cp_compile.CPConfig(block_size=4), num_blocks=8, lowering="eager")
     assert model.config._experts_implementation == "batched_mm"
     assert engine.kind == "gqa"
     # tp = 1: nothing sharded, nothing wrapped

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from cp_compile.hf.scheduler import Scheduler, Sequence
+from cp_compile.serving.hf.scheduler import Scheduler, Sequence
 
 
 def test_admission_join_leave_and_abort_free_blocks():

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import cp_compile
-from cp_compile.comm_stats import CollectiveMeter, decode_comm_bytes_per_layer
+from cp_compile.base.comm_stats import CollectiveMeter, decode_comm_bytes_per_layer
 from cp_compile.passes.context import CompileContext
 from cp_compile.ops.parallel import dcp as D
 from cp_compile.testing.multirank import run_on_ranks

@@ -22,14 +22,14 @@ import torch
 import cp_compile.ops  # noqa: F401  (defines and registers the ops)
 from cp_compile.ops.kernels import registry
 from cp_compile.ops.spec import Absent
-from cp_compile.parallel_state import bind_device
+from cp_compile.runtime.parallel_state import bind_device
 from cp_compile.testing.device_modes import FACTORIES, FactoryDeviceMode
 
 REPO = Path(__file__).resolve().parents[2]
 
 # What a step runs: the ops, their kernels' launchers, the parallel compositions, the
 # graph passes (they build nodes, and any tensor they make lands in the graph) and the
-# HF serving path. Not here: cp_compile/metadata.py (builds a step's metadata from
+# HF serving path. Not here: cp_compile/runtime/metadata.py (builds a step's metadata from
 # Python lists on the host, then `.to(device)` once, by design), hf/tp.py (load-time
 # weight indices, moved to the weight's device where used), tools/ge_check.py (CPU-only
 # GE conversion cases), and `_lowering_examples` (CPU tensors for launch capture).
@@ -111,11 +111,11 @@ def test_bind_device_uses_the_local_rank(monkeypatch: pytest.MonkeyPatch) -> Non
 
 def test_hf_engine_allocates_on_the_model_device() -> None:
     import cp_compile
-    import cp_compile.hf
+    import cp_compile.serving.hf
     from examples.hf_generate import tiny_hf
 
     model = tiny_hf("qwen3").to("meta")  # any CPU tensor the engine makes would show as device cpu
-    engine = cp_compile.hf.Engine(model, cp_compile.CPConfig(block_size=4), num_blocks=4, progress=False)
+    engine = cp_compile.serving.hf.Engine(model, cp_compile.CPConfig(block_size=4), num_blocks=4, progress=False)
     assert engine.device == torch.device("meta")
     assert {t.device.type for layer in engine.cache.layers for t in layer} == {"meta"}
     ids, meta = engine._inputs([(0, 0, [1, 2, 3])])  # (request id, cached tokens, new tokens)

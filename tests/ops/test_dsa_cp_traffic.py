@@ -16,10 +16,10 @@ from __future__ import annotations
 import torch
 
 import cp_compile
-from cp_compile.comm_stats import CollectiveMeter
-from cp_compile.config import AttentionSpec
+from cp_compile.base.comm_stats import CollectiveMeter
+from cp_compile.base.config import AttentionSpec
 from cp_compile.passes.context import CompileContext
-from cp_compile.metadata import BlockAllocator, build_attention_metadata
+from cp_compile.runtime.metadata_build import BlockAllocator, build_attention_metadata
 from cp_compile.ops import layout
 from cp_compile.ops.parallel import dsa_cp as S
 from cp_compile.testing.batches import meta_args

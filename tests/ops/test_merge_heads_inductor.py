@@ -16,9 +16,9 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from cp_compile.decorator import no_size_specialisation
+from cp_compile.compiler.decorator import no_size_specialisation
 from cp_compile.ops.parallel import dcp as D
-from cp_compile.parallel_layout import Group
+from cp_compile.base.parallel_layout import Group
 from cp_compile.testing.multirank import run_on_ranks
 
 HEADS = 2  # per rank

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 import cp_compile
-from cp_compile import merge_cost
+from cp_compile.base import merge_cost
 from cp_compile.testing.multirank import run_on_ranks
 from examples.models.tiny import VOCAB, example_from_config, hf_deepseek_sfa, hf_deepseek_v3, hf_qwen3
 from examples.serving import layer_caches, run_schedule, tiny_schedule

@@ -1,4 +1,4 @@
-"""dcp_merge="auto": the cost model (cp_compile/merge_cost.py) and the per-graph choice of the DCP pass.
+"""dcp_merge="auto": the cost model (cp_compile/base/merge_cost.py) and the per-graph choice of the DCP pass.
 
 The choice on real ranks, exact against one device, is in
 tests/passes/test_compiled_dcp_model.py (the "auto" case); here: the prediction is
@@ -15,8 +15,8 @@ import pytest
 import torch
 
 import cp_compile
-from cp_compile import merge_cost
-from cp_compile.comm_stats import decode_comm_bytes_per_layer
+from cp_compile.base import merge_cost
+from cp_compile.base.comm_stats import decode_comm_bytes_per_layer
 from cp_compile.passes.context import CompileContext
 from cp_compile.testing.pass_harness import run_pipeline
 from tests.passes.test_pipeline import LAYERS, Attn, _ctx, _inputs

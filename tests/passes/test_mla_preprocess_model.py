@@ -10,8 +10,8 @@ graph rewritten (the pass's count == num_layers), with the latent cache write
 folded into the op where the graph writes the op's own latent.
 
 Default suite: one-device structure (example MLA bf16; HF DeepSeek-V3 both ropes and V2
-through `cp_compile.hf`) and tp = dcp = 2. `slow`: W8A8 and SFA on one device, HF
-DeepSeek-V3.2 / GLM-5 through `cp_compile.hf`, dcp 4, pcp 2, DSA-CP, SFA DCP, W8A8 under
+through `cp_compile.serving.hf`) and tp = dcp = 2. `slow`: W8A8 and SFA on one device, HF
+DeepSeek-V3.2 / GLM-5 through `cp_compile.serving.hf`, dcp 4, pcp 2, DSA-CP, SFA DCP, W8A8 under
 DCP, Inductor (docs/mla_preprocess.md lists the run).
 """
 
@@ -159,12 +159,12 @@ def check_hf_pair(out: dict, tol: float = 1e-5) -> None:
                                   pytest.param("glm-5", marks=pytest.mark.slow),
                                   pytest.param("v2-q_lora", marks=pytest.mark.slow)])
 def test_hf_every_layer_rewritten(name):
-    """Unmodified HF models through cp_compile.hf (lowering eager: the passes run, the graph
+    """Unmodified HF models through cp_compile.serving.hf (lowering eager: the passes run, the graph
     runs as FX): DeepSeek-V3 with its own projections and HF rope (interleaved pairs split into
     halves, or rotate_half over a cat((freqs, freqs)) table), the head layout, the dead per-head
     K; DeepSeek-V2 with its complex-number rope (view_as_complex x freqs_cis, view_as_real; in
     bf16 HF rotates in fp32: the op's interleave_fp32, bf16's tolerance);
-    DeepSeek-V3.2 / GLM-5 through cp_compile/hf/sfa.py (the query parts taken apart per head,
+    DeepSeek-V3.2 / GLM-5 through cp_compile/serving/hf/sfa.py (the query parts taken apart per head,
     the indexer reading q_resid)."""
     check_hf_pair(hf_engine_pair(HF_MODELS[name]()), tol=2e-2 if name.endswith("bf16") else 1e-5)
 

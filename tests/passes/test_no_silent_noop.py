@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 
 import cp_compile
-from cp_compile.config import AttentionSpec, ConfigError
+from cp_compile.base.config import AttentionSpec, ConfigError
 from cp_compile.testing.multirank import run_on_ranks
 from examples.models.common import RowParallelLinear
 
@@ -51,7 +51,7 @@ def test_validate_forward_args_finding_nothing_warns():
     """Before: no metadata or no caches in the forward's arguments -> nothing checked, nothing said."""
     import pytest
 
-    from cp_compile.metadata import validate_forward_args
+    from cp_compile.runtime.metadata_checks import validate_forward_args
 
     meta = cp_compile.build_attention_metadata([(0, 3)], cp_compile.BlockAllocator(4, 4))
     with pytest.warns(UserWarning, match=r"forward got no kv_caches argument .* is not checked"):

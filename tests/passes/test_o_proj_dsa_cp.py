@@ -12,7 +12,7 @@
    at layer 1's full-weight matmul, every o_proj parameter is the same object, with
    the same data_ptr, shape and values, and the rewritten graph holds no full-weight tensor except as an intermediate of the
    step (no get_attr, no graph output, users only the gather's wait and the matmul).
-2. Eager (`cp_compile.o_proj_full_weight.OProjFullWeight`, same world): the float
+2. Eager (`cp_compile.runtime.o_proj_full_weight.OProjFullWeight`, same world): the float
    model through the same schedule == one device; W8A8 dynamic / static models with
    the switch == the same models without it (row-parallel TP), bit for bit. After
    every step and after an exception injected inside a layer's switch window, every
@@ -32,10 +32,10 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import cp_compile
-from cp_compile import o_proj_full_weight as ofw
-from cp_compile.config import AttentionSpec, ConfigError, CPConfig
+from cp_compile.runtime import o_proj_full_weight as ofw
+from cp_compile.base.config import AttentionSpec, ConfigError, CPConfig
 from cp_compile.ops.parallel.o_proj import INPUT_SHARDED
-from cp_compile.metadata import BlockAllocator, build_attention_metadata
+from cp_compile.runtime.metadata_build import BlockAllocator, build_attention_metadata
 from cp_compile.passes import o_proj_dsa_cp as pass_module
 from cp_compile.passes.fx_utils import fake_value
 from cp_compile.testing.multirank import run_on_ranks
@@ -143,7 +143,7 @@ def _run_compiled_graphs_under(modes: list) -> None:
     dispatch mode active at the call would instead stop Dynamo from compiling the frame."""
     import importlib
 
-    backend = importlib.import_module("cp_compile.backend")  # the module (cp_compile.backend is also a function)
+    backend = importlib.import_module("cp_compile.compiler.backend")  # the module (cp_compile.backend is also a function)
     original = backend.lower
 
     def lower(*args, **kwargs):

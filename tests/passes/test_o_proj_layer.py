@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 
 import cp_compile
-from cp_compile.comm_stats import CollectiveMeter
+from cp_compile.base.comm_stats import CollectiveMeter
 from cp_compile.passes.context import CompileContext
 from cp_compile.ops.parallel.o_proj import INPUT_SHARDED, o_proj_bytes_per_step, o_proj_full_weight
 from cp_compile.testing.multirank import run_on_ranks
@@ -94,8 +94,8 @@ def test_eager_switch_refuses_a_model_without_tp_o_projs():
     before any parameter is touched."""
     import pytest
 
-    from cp_compile.config import ConfigError
-    from cp_compile.o_proj_full_weight import OProjFullWeight
+    from cp_compile.base.config import ConfigError
+    from cp_compile.runtime.o_proj_full_weight import OProjFullWeight
     from examples.models.tiny import example_from_hf, hf_deepseek_sfa
 
     model = example_from_hf(hf_deepseek_sfa("deepseek_v32", num_heads=4))

@@ -20,10 +20,10 @@ from torch import nn
 from torch._subclasses.fake_tensor import FakeTensor
 
 import cp_compile
-from cp_compile.config import AttentionSpec, ConfigError, CPConfig
-from cp_compile.parallel_layout import Group, Layout
+from cp_compile.base.config import AttentionSpec, ConfigError, CPConfig
+from cp_compile.base.parallel_layout import Group, Layout
 from cp_compile.passes.context import CompileContext, resolve_roles
-from cp_compile.metadata import BlockAllocator, build_attention_metadata
+from cp_compile.runtime.metadata_build import BlockAllocator, build_attention_metadata
 from cp_compile.passes.fx_utils import count_ops, fake_value
 from cp_compile.passes.o_proj_dsa_cp import OProjDSACPPass
 from examples.models.common import ColumnParallelLinear, RowParallelLinear

@@ -24,7 +24,7 @@ import pytest
 import torch
 
 import cp_compile
-from cp_compile.kv_cache import tp_kv_head_ids
+from cp_compile.runtime.kv_cache import tp_kv_head_ids
 from cp_compile.testing.multirank import run_on_ranks
 from examples.models.tiny import VOCAB, example_from_config, hf_deepseek_v3, hf_qwen3
 
@@ -77,7 +77,7 @@ def run_steps(forward, kv_layers, cfg: cp_compile.CPConfig, steps: list | None =
             if done[rid] >= PROMPT_LENS[rid] and done[rid] == len(tokens[rid]):
                 tokens[rid].append(t)  # sample only once the whole prompt is in
         graph = forward.batch_kind_of({"meta": meta}) if hasattr(forward, "batch_kind_of") else None
-        out.append(dict(rids=rids, kind=cp_compile.metadata.batch_kind(meta), graph=graph, last=last.clone(),
+        out.append(dict(rids=rids, kind=cp_compile.runtime.metadata.batch_kind(meta), graph=graph, last=last.clone(),
                         next=nxt))
     return out
 
@@ -107,7 +107,7 @@ def _world(rank: int, world: int, cases: list[tuple]) -> list[dict]:
         bad = cp_compile.BlockAllocator(NUM_BLOCKS, BLOCK * dcp)
         bad.ensure(99, 1)  # block 0 taken: the request's block ids then differ from its positions' blocks
         meta = cp_compile.build_attention_metadata([(0, 9)], bad)
-        with pytest.raises(cp_compile.metadata.MetadataError, match=rf"block of {BLOCK * pcp * dcp} tokens"):
+        with pytest.raises(cp_compile.runtime.metadata.MetadataError, match=rf"block of {BLOCK * pcp * dcp} tokens"):
             compiled(torch.zeros(9, dtype=torch.long), meta.positions, cache.layers, meta)
         assert all(int(t.count_nonzero()) == 0 for layer in cache.layers for t in layer)
         t0 = time.perf_counter()

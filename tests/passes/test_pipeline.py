@@ -12,9 +12,9 @@ import torch
 from torch import nn
 
 import cp_compile
-from cp_compile.config import AttentionSpec, ConfigError, CPConfig
+from cp_compile.base.config import AttentionSpec, ConfigError, CPConfig
 from cp_compile.passes.context import CompileContext, resolve_roles
-from cp_compile.metadata import BlockAllocator, build_attention_metadata
+from cp_compile.runtime.metadata_build import BlockAllocator, build_attention_metadata
 from cp_compile.passes import pass_manager
 from cp_compile.passes.base import CPPass
 from cp_compile.passes.fx_utils import fake_value, parameter_fqn

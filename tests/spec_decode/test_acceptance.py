@@ -23,8 +23,8 @@ from typing import Callable
 import pytest
 import torch
 
-from cp_compile.spec_decode import Sampler, greedy_accept, rejection_sample
-from cp_compile.spec_decode.acceptance import Accepted, _emit, _leading
+from cp_compile.serving.spec_decode import Sampler, greedy_accept, rejection_sample
+from cp_compile.serving.spec_decode.acceptance import Accepted, _emit, _leading
 
 V, K, L, N = 4, 3, 3, 20000
 

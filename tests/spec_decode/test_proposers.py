@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import cp_compile
-from cp_compile.metadata import BlockAllocator
+from cp_compile.runtime.metadata_build import BlockAllocator
 from examples import spec
 from examples.models.deepseek_mtp import build_mtp, random_mtp_tensors
 from examples.models.tiny import VOCAB, example_from_config, hf_deepseek_sfa, hf_deepseek_v3, hf_qwen3

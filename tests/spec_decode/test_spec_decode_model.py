@@ -49,7 +49,7 @@ import torch
 
 import cp_compile
 from cp_compile.ops.layout import local_slot_mapping
-from cp_compile.spec_decode import Rollback
+from cp_compile.serving.spec_decode import Rollback
 from cp_compile.testing.multirank import run_on_ranks
 from examples import spec
 from examples.models.tiny import VOCAB, hf_deepseek_sfa, hf_deepseek_v3, hf_qwen3

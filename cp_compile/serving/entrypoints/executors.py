@@ -1,0 +1,253 @@
+"""Where the ranks run: in this process (world 1), or in spawned worker processes.
+
+`EngineArgs` (vLLM's names) says what to build; `build_engine` builds it on one rank
+(init_parallel, `from_pretrained` of the local directory, `cp_compile.serving.hf.Engine`).
+
+`SpawnedExecutor` starts `world = tensor_parallel_size * prefill_context_parallel_size`
+worker processes (`python -m cp_compile.serving.entrypoints.worker`, CPU gloo ranks through
+torch.distributed's env:// rendezvous). Plain subprocesses, not multiprocessing
+spawn: spawn re-imports the caller's `__main__`, which breaks a script without an
+`if __name__ == "__main__":` guard (the seed's offline example has none). Each
+worker connects back over a local authenticated socket
+(`multiprocessing.connection`); every step the driver sends the plan to every rank
+and waits for every rank's reply (rank 0's carries the last-token logits), so a
+rank that fails is reported with its traceback instead of hanging the others.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import secrets
+import socket
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import asdict, dataclass
+from multiprocessing.connection import Connection, Listener
+from typing import Any
+
+import torch
+
+from cp_compile.base.config import CPConfig
+from cp_compile.serving.entrypoints.driver import Limits
+from cp_compile.serving.hf.engine import Engine
+from cp_compile.serving.hf.scheduler import StepPlan
+from cp_compile.serving.entrypoints import kv_rank
+from cp_compile.serving.hf.support import attention_spec
+from cp_compile.serving.kv_transfer import KVTransferConfig
+from cp_compile.runtime.parallel_state import init_parallel
+
+_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+           "float16": torch.float16, "fp16": torch.float16, "half": torch.float16}
+
+
+@dataclass
+class EngineArgs:
+    model: str
+    tensor_parallel_size: int = 1
+    decode_context_parallel_size: int = 1
+    prefill_context_parallel_size: int = 1
+    cp_kv_cache_interleave_size: int = 1
+    block_size: int = 16
+    dtype: str = "float32"
+    max_model_len: int | None = None
+    enable_dsa_cp: bool = False
+    max_num_seqs: int = 8
+    num_kv_blocks: int | None = None
+    lowering: str = "auto"
+    device: str = "cpu"
+    kv_transfer_config: dict | None = None  # PD disaggregation role (kv_rank.py), as given to LLM
+
+    @property
+    def world_size(self) -> int:
+        return self.tensor_parallel_size * self.prefill_context_parallel_size
+
+    def cp_config(self) -> CPConfig:
+        return CPConfig(tensor_parallel_size=self.tensor_parallel_size,
+                        decode_context_parallel_size=self.decode_context_parallel_size,
+                        prefill_context_parallel_size=self.prefill_context_parallel_size,
+                        cp_kv_cache_interleave_size=self.cp_kv_cache_interleave_size, block_size=self.block_size,
+                        enable_dsa_cp=self.enable_dsa_cp)
+
+    def validate(self) -> None:
+        """The checks that need only config.json: the model is servable (by name) and
+        the sizes fit its attention (CPConfig.validate_for), and the dtype is known."""
+        import transformers
+
+        hf_config = transformers.AutoConfig.from_pretrained(self.model)
+        self.cp_config().validate_for(attention_spec(hf_config))
+        self.torch_dtype()
+        if self.kv_transfer_config is not None:
+            KVTransferConfig.from_dict(self.kv_transfer_config)
+
+    def torch_dtype(self) -> torch.dtype:
+        if self.dtype in ("auto",):
+            return torch.float32
+        try:
+            return _DTYPES[self.dtype]
+        except KeyError:
+            raise ValueError(f"dtype={self.dtype!r}: choose one of {sorted(_DTYPES)}") from None
+
+
+def _max_model_len(args: EngineArgs, hf_config: Any) -> int:
+    model_max = getattr(hf_config, "max_position_embeddings", None) or 2048
+    return min(args.max_model_len or min(model_max, 2048), model_max)
+
+
+def build_engine(args: EngineArgs, init: bool = True) -> Any:
+    """On one rank (after the env:// rendezvous when world > 1): the model and its engine."""
+    import transformers
+
+    cfg = args.cp_config()
+    state = None  # without init: Engine reads the current state (the caller's init_parallel)
+    if init and (args.world_size > 1 or args.decode_context_parallel_size > 1):
+        state = init_parallel(cfg, device=args.device)
+    model = transformers.AutoModelForCausalLM.from_pretrained(args.model, dtype=args.torch_dtype()).eval()
+    max_len = _max_model_len(args, model.config)
+    vbs = cfg.virtual_block_size
+    blocks = args.num_kv_blocks or (-(-max_len // vbs)) * args.max_num_seqs + 1
+    engine = Engine(model, cfg, num_blocks=blocks, max_batch=args.max_num_seqs,
+                                  max_model_len=max_len, lowering=args.lowering, progress=False, parallel=state)
+    engine.model_max_len = max_len  # the Engine clamps max_model_len to its KV capacity; the driver names both
+    if args.kv_transfer_config is not None:
+        kv_rank.attach(engine, args.kv_transfer_config)
+    return engine
+
+
+def limits_of(engine: Any) -> Limits:
+    return Limits(num_blocks=engine.num_blocks, virtual_block_size=engine.config.virtual_block_size,
+                  max_batch=engine.max_batch, max_model_len=getattr(engine, "model_max_len", engine.max_model_len),
+                  vocab_size=engine.model.config.vocab_size, eos_token_ids=tuple(sorted(engine.eos)))
+
+
+class LocalExecutor:
+    """The engine in this process (world 1, or this process is one torchrun rank)."""
+
+    def __init__(self, engine: Any) -> None:
+        self.engine = engine
+        self.limits = limits_of(engine)
+        self.capacity = [engine.capacity()]
+
+    def execute(self, plan: StepPlan) -> list[torch.Tensor]:
+        return self.engine.execute(plan)
+
+    def call(self, kind: str, payload: Any) -> list[Any]:
+        """A driver command (kv_rank.handle) on the rank; its reply in a list of one."""
+        return [kv_rank.handle(self.engine, kind, payload)]
+
+    def close(self) -> None:
+        pass
+
+
+def send_obj(conn: Connection, obj: Any) -> None:
+    # Plain pickle, not Connection.send: torch registers shared-memory reducers with
+    # multiprocessing's pickler, which need the processes to be multiprocessing children.
+    conn.send_bytes(pickle.dumps(obj))
+
+
+def recv_obj(conn: Connection) -> Any:
+    return pickle.loads(conn.recv_bytes())
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class WorkerError(RuntimeError):
+    """A worker rank failed; the message carries its traceback."""
+
+
+class SpawnedExecutor:
+    """`args.world_size` worker processes on this machine (see module doc)."""
+
+    def __init__(self, args: EngineArgs, start_timeout: float = 900.0) -> None:
+        self.world = args.world_size
+        key = secrets.token_bytes(16)
+        self._listener = Listener(("127.0.0.1", 0), authkey=key)
+        host, port = self._listener.address
+        env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), WORLD_SIZE=str(self.world),
+                   CP_COMPILE_WORKER_KEY=key.hex(), CP_COMPILE_DRIVER=f"{host}:{port}",
+                   TRANSFORMERS_VERBOSITY="error", HF_HUB_DISABLE_PROGRESS_BARS="1",
+                   OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // self.world))))
+        self.procs = [subprocess.Popen([sys.executable, "-m", "cp_compile.serving.entrypoints.worker"],
+                                       env=dict(env, RANK=str(r), LOCAL_RANK=str(r))) for r in range(self.world)]
+        self.conns: list[Connection | None] = [None] * self.world
+        try:
+            self._accept_all(start_timeout)
+            for conn in self.conns:
+                send_obj(conn, asdict(args))
+            replies = [self._recv(r, start_timeout) for r in range(self.world)]
+        except BaseException:
+            self.close(force=True)
+            raise
+        self.limits = replies[0]["limits"]
+        self.capacity = [r["capacity"] for r in replies]
+
+    def _accept_all(self, timeout: float) -> None:
+        """Accept every worker's connection; a worker that dies first is reported."""
+        def accept() -> None:
+            for _ in range(self.world):
+                conn = self._listener.accept()
+                self.conns[recv_obj(conn)] = conn
+
+        t = threading.Thread(target=accept, daemon=True)
+        t.start()
+        deadline = time.monotonic() + timeout
+        while t.is_alive():
+            t.join(0.5)
+            dead = [r for r, p in enumerate(self.procs) if p.poll() is not None]
+            if dead and t.is_alive():
+                raise WorkerError(f"worker rank {dead[0]} exited with code {self.procs[dead[0]].returncode} before "
+                                  "connecting (its stderr is above)")
+            if time.monotonic() > deadline:
+                raise WorkerError(f"workers did not connect within {timeout:.0f} s")
+
+    def _recv(self, rank: int, timeout: float | None = None) -> Any:
+        conn = self.conns[rank]
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while not conn.poll(1.0):
+            if self.procs[rank].poll() is not None:
+                raise WorkerError(f"worker rank {rank} exited with code {self.procs[rank].returncode} "
+                                  "(its stderr is above)")
+            if deadline is not None and time.monotonic() > deadline:
+                raise WorkerError(f"worker rank {rank} did not answer within {timeout:.0f} s")
+        kind, payload = recv_obj(conn)
+        if kind == "error":
+            raise WorkerError(f"worker rank {rank} failed:\n{payload}")
+        return payload
+
+    def execute(self, plan: StepPlan) -> list[torch.Tensor]:
+        for conn in self.conns:
+            send_obj(conn, ("step", plan))
+        replies = [self._recv(r) for r in range(self.world)]
+        return list(replies[0]) if replies[0] is not None else []
+
+    def call(self, kind: str, payload: Any, timeout: float | None = None) -> list[Any]:
+        """A driver command (kv_rank.handle) on every rank; every rank's reply."""
+        for conn in self.conns:
+            send_obj(conn, (kind, payload))
+        return [self._recv(r, timeout) for r in range(self.world)]
+
+    def close(self, force: bool = False) -> None:
+        for conn in self.conns:
+            if conn is not None and not force:
+                try:
+                    send_obj(conn, ("close", None))
+                except OSError:
+                    pass
+        for p in self.procs:
+            try:
+                p.wait(timeout=0.1 if force else 60)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+        for conn in self.conns:
+            if conn is not None:
+                conn.close()
+        self.conns = [None] * self.world
+        self.procs = []
+        self._listener.close()

@@ -1,0 +1,117 @@
+"""One instance's KV layout and model geometry, as the transfer planner sees them.
+
+A prefill (P) and a decode (D) instance each shard a request's KV by the rule of
+docs/architecture.md §5 over their own context-parallel ranks (N = pcp * dcp, cp rank =
+pcp_rank * dcp + dcp_rank, world rank = pcp_rank * tp + tp_rank), with their own
+interleave and block size, and (GQA) their own TP split of the KV heads
+(`kv_cache.tp_kv_head_ids`). `KVLayout` is that layout as plain data (it crosses the
+store between instances); `KVGeometry` is what both sides must agree on before any
+byte moves (`check_compatible`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+import torch
+
+from cp_compile.base.config import AttentionSpec, CPConfig
+from cp_compile.base.errors import ConfigError
+from cp_compile.runtime.kv_cache import KVCacheSpec, tp_kv_head_ids
+
+
+@dataclass(frozen=True)
+class RankCoords:
+    rank: int  # world rank of the instance
+    tp_rank: int
+    pcp_rank: int
+    dcp_rank: int
+    cp_rank: int  # owner index of §5 at N = pcp * dcp
+
+
+@dataclass(frozen=True)
+class KVLayout:
+    """The cache layout of one instance (the CPConfig fields the layout depends on)."""
+
+    tensor_parallel_size: int
+    prefill_context_parallel_size: int
+    decode_context_parallel_size: int
+    cp_kv_cache_interleave_size: int
+    block_size: int  # tokens per physical page on one rank
+
+    @classmethod
+    def from_config(cls, cfg: CPConfig) -> "KVLayout":
+        return cls(cfg.tensor_parallel_size, cfg.prefill_context_parallel_size, cfg.decode_context_parallel_size,
+                   cfg.cp_kv_cache_interleave_size, cfg.block_size)
+
+    @property
+    def context_parallel_size(self) -> int:
+        return self.prefill_context_parallel_size * self.decode_context_parallel_size
+
+    @property
+    def virtual_block_size(self) -> int:
+        return self.block_size * self.context_parallel_size
+
+    @property
+    def world_size(self) -> int:
+        return self.tensor_parallel_size * self.prefill_context_parallel_size
+
+    def coords(self, rank: int) -> RankCoords:
+        if not 0 <= rank < self.world_size:
+            raise ValueError(f"rank {rank} outside a world of {self.world_size} ranks ({self})")
+        tp, dcp = self.tensor_parallel_size, self.decode_context_parallel_size
+        pcp_rank, tp_rank = divmod(rank, tp)
+        dcp_rank = tp_rank % dcp
+        return RankCoords(rank, tp_rank, pcp_rank, dcp_rank, pcp_rank * dcp + dcp_rank)
+
+    def describe(self) -> str:
+        return (f"tp={self.tensor_parallel_size} pcp={self.prefill_context_parallel_size} "
+                f"dcp={self.decode_context_parallel_size} interleave={self.cp_kv_cache_interleave_size} "
+                f"block_size={self.block_size}")
+
+
+@dataclass(frozen=True)
+class KVGeometry:
+    """Per-token cache geometry of the model, the same on both instances (global heads)."""
+
+    kind: str  # "gqa" | "mla" | "sfa"
+    num_layers: int
+    num_kv_heads: int = 0  # GQA: the model's KV heads (all of them, not per rank)
+    head_dim: int = 0  # GQA K
+    v_head_dim: int = 0  # GQA V
+    latent_dim: int = 0  # MLA / SFA latent (kv_lora_rank + rope dim)
+    index_dim: int = 0  # SFA indexer key dim (replicated cache)
+    dtype: str = "torch.float32"
+
+    @classmethod
+    def of(cls, spec: KVCacheSpec, attention: AttentionSpec, dtype: torch.dtype) -> "KVGeometry":
+        gqa = spec.kind == "gqa"
+        return cls(kind=spec.kind, num_layers=spec.num_layers, num_kv_heads=attention.num_kv_heads if gqa else 0,
+                   head_dim=spec.head_dim if gqa else 0,
+                   v_head_dim=(spec.v_head_dim or spec.head_dim) if gqa else 0,
+                   latent_dim=0 if gqa else spec.latent_dim, index_dim=spec.index_dim if spec.kind == "sfa" else 0,
+                   dtype=str(dtype))
+
+    @property
+    def element_size(self) -> int:
+        return torch.empty((), dtype=getattr(torch, self.dtype.removeprefix("torch."))).element_size()
+
+    def kv_heads_of(self, layout: KVLayout, rank: int) -> tuple[int, ...]:
+        """Global KV heads world rank `rank` of `layout` holds (GQA); () for latent caches."""
+        if self.kind != "gqa":
+            return ()
+        return tp_kv_head_ids(self.num_kv_heads, layout.tensor_parallel_size, layout.coords(rank).tp_rank)
+
+
+def check_compatible(prefill: KVGeometry, decode: KVGeometry) -> None:
+    """Refuse a P -> D transfer whose caches do not hold the same thing: `ConfigError`
+    naming every differing field (P value, D value). Called on every D rank with the
+    same two descriptors, so every rank refuses alike, before any transfer is posted."""
+    diff = [(f.name, getattr(prefill, f.name), getattr(decode, f.name)) for f in fields(KVGeometry)
+            if getattr(prefill, f.name) != getattr(decode, f.name)]
+    if diff:
+        shown = ", ".join(f"{name}: prefill {a!r}, decode {b!r}" for name, a, b in diff)
+        raise ConfigError("prefill and decode instances serve the same model and cache dtype (KV transfer)",
+                          shown, "start the decode instance with the prefill instance's model (layers, KV heads, "
+                          "head / latent / indexer dims) and KV-cache dtype")
+
