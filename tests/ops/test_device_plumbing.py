@@ -29,16 +29,16 @@ REPO = Path(__file__).resolve().parents[2]
 
 # What a step runs: the ops, their kernels' launchers, the parallel compositions, the
 # graph passes (they build nodes, and any tensor they make lands in the graph) and the
-# HF serving path. Not here: cp_compile/runtime/metadata.py (builds a step's metadata from
-# Python lists on the host, then `.to(device)` once, by design), hf/tp.py (load-time
+# HF serving path. Not here: cp_compile/runtime/metadata_build.py (builds a step's metadata from
+# Python lists on the host, then `.to(device)` once, by design), serving/hf/tp.py (load-time
 # weight indices, moved to the weight's device where used), tools/ge_check.py (CPU-only
 # GE conversion cases), and `_lowering_examples` (CPU tensors for launch capture).
 # ops/cpu_attention.py is left out: its kernels are registered for the cpu dispatch key only
 # (OpDecl.cpu), so a factory there can only ever make a tensor on the device it runs on.
 STEP_PATH = [*sorted(p for p in (REPO / "ops").glob("*.py") if p.name != "cpu_attention.py"), *sorted((REPO / "ops" / "kernels").glob("*.py")),
              *sorted((REPO / "ops" / "parallel").glob("*.py")), *sorted((REPO / "passes").glob("*.py")),
-             REPO / "cp_compile" / "hf" / "engine.py", REPO / "cp_compile" / "hf" / "attention.py",
-             REPO / "cp_compile" / "hf" / "cache.py", REPO / "cp_compile" / "kv_cache.py"]
+             *(REPO / "cp_compile" / "serving" / "hf" / name for name in ("engine.py", "attention.py", "cache.py")),
+             REPO / "cp_compile" / "runtime" / "kv_cache.py"]
 EXEMPT_FUNCTIONS = {"_lowering_examples"}
 FACTORY_NAMES = {f.__name__ for f in FACTORIES}
 
