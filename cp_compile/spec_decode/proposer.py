@@ -33,7 +33,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from cp_compile.metadata import BlockAllocator, build_attention_metadata
-from cp_compile.spec_decode.sampling import Sampler
+from cp_compile.sampling import Sampler
 
 
 class DraftProposer:

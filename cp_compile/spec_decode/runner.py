@@ -32,7 +32,7 @@ import torch
 from cp_compile.metadata import BlockAllocator, build_attention_metadata
 from cp_compile.spec_decode.acceptance import Accepted, greedy_accept, rejection_sample
 from cp_compile.spec_decode.proposer import DraftProposer
-from cp_compile.spec_decode.sampling import Sampler, share
+from cp_compile.sampling import Sampler, share
 
 
 @dataclass
