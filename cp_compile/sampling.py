@@ -166,10 +166,11 @@ def _collective_device(t: torch.Tensor) -> torch.device:
     backend = str(dist.get_backend())
     if t.device.type != "cpu" or "gloo" in backend:
         return t.device
-    acc = torch.accelerator.current_accelerator()
-    if acc is None:  # no accelerator: the backend must take CPU tensors
+    accel = getattr(torch, "accelerator", None)  # torch >= 2.6
+    acc = accel.current_accelerator() if accel is not None else None
+    if acc is None:  # no accelerator known: the backend must take CPU tensors
         return t.device
-    return torch.device(acc.type, torch.accelerator.current_device_index())
+    return torch.device(acc.type, accel.current_device_index())
 
 
 def share(t: torch.Tensor) -> torch.Tensor:
