@@ -41,15 +41,15 @@ LAYERS_NEW = [
 # Before issue 20: compositions in cp_compile/parallel, the context in cp_compile/context.py
 # (the pass interface, now passes/context.py), CI checks inside the package.
 LAYERS_OLD = [
-    ("front ends", ["cp_compile.hf", "cp_compile.testing", "cp_compile.ops.ge.check",
+    ("front ends", ["cp_compile.serving.hf", "cp_compile.testing", "cp_compile.ops.ge.check",
                     "cp_compile.ops.kernels.ascend_check"]),
-    ("front door", ["cp_compile.backend", "cp_compile.decorator", "cp_compile.lowering", "cp_compile.metadata",
-                    "cp_compile.kv_cache", "cp_compile.parallel_state", "cp_compile.comm_stats",
-                    "cp_compile.o_proj_full_weight"]),
+    ("front door", ["cp_compile.backend", "cp_compile.compiler.decorator", "cp_compile.compiler.lowering", "cp_compile.runtime.metadata",
+                    "cp_compile.runtime.kv_cache", "cp_compile.runtime.parallel_state", "cp_compile.base.comm_stats",
+                    "cp_compile.runtime.o_proj_full_weight"]),
     ("passes", ["cp_compile.passes", "cp_compile.context"]),
     ("compositions", ["cp_compile.parallel"]),
     ("ops", ["cp_compile.ops"]),
-    ("base", ["cp_compile.config"]),
+    ("base", ["cp_compile.base.config"]),
 ]
 OPTIONAL = ("torchair", "torch_npu", "triton", "transformers", "tqdm", "nixl")
 

@@ -18,10 +18,24 @@ engine path (bitwise the same token; no filtering, no generator touched).
 of the `logprobs` most likely ones, from the model's raw logits (log_softmax before
 temperature / top-k / top-p, vLLM's default "raw_logprobs"); `token_logprobs` computes them.
 
-Every rank samples the same token because only one sampler runs: the driver's
-(cp_compile.llm.driver), on the logits rank 0 returns; the token reaches every rank
-in the next step's plan. A seeded request owns a `torch.Generator` seeded with
+Every rank samples the same token because only one sampler runs: the step loop's
+(`cp_compile.serving.hf.scheduler.StepLoop`, under the driver of `LLM` and the server, and
+under `hf.Engine.generate`), on the logits rank 0 returns; the token reaches every
+rank in the next step's plan. A seeded request owns a `torch.Generator` seeded with
 `seed`, so its tokens do not depend on what else is in the batch.
+
+One `Sampler` serves both ways of sampling:
+
+- per request (`sample`): each request brings its own `SamplingParams` and
+  generator (the step loop);
+- per batch (`probs`, `choose`): the sampler's own temperature / top-k / top-p and
+  one generator seeded with `seed`, for speculative decoding, whose drafts and
+  acceptance draw for a whole batch at once (cp_compile.serving.spec_decode).
+
+`share` is the one token broadcast: rank 0's tokens replace every rank's (the
+driver under torchrun, where every rank runs a driver on the same requests, and
+speculative decoding, where every rank draws alike), so logits that differ in the
+last bit between ranks cannot split the world.
 """
 
 from __future__ import annotations
@@ -30,6 +44,7 @@ import math
 from dataclasses import dataclass, field, replace
 
 import torch
+import torch.distributed as dist
 
 
 class RequestError(ValueError):
@@ -145,10 +160,57 @@ def filter_logits(logits: torch.Tensor, temperature: float, top_k: int = -1, top
     return x
 
 
-class Sampler:
-    """Turns one request's last-token logits into its next token."""
+def _collective_device(t: torch.Tensor) -> torch.device:
+    """Where a broadcast of `t` can run: its own device, unless the world's backend
+    has no CPU collectives (NCCL / HCCL), then the current accelerator."""
+    backend = str(dist.get_backend())
+    if t.device.type != "cpu" or "gloo" in backend:
+        return t.device
+    accel = getattr(torch, "accelerator", None)  # torch >= 2.6
+    acc = accel.current_accelerator() if accel is not None else None
+    if acc is None:  # no accelerator known: the backend must take CPU tensors
+        return t.device
+    return torch.device(acc.type, accel.current_device_index())
 
+
+def share(t: torch.Tensor) -> torch.Tensor:
+    """Global rank 0's `t` on every rank (in place; same shape and dtype everywhere);
+    a no-op without a world of more than one rank."""
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        dev = _collective_device(t)
+        buf = t if dev == t.device else t.to(dev)
+        dist.broadcast(buf, src=0)
+        if buf is not t:
+            t.copy_(buf)
+    return t
+
+
+def share_tokens(tokens: list[int]) -> list[int]:
+    """`share` for the step loop's token list (one int64 broadcast)."""
+    return share(torch.tensor(tokens, dtype=torch.int64)).tolist()
+
+
+@dataclass
+class Sampler:
+    """Turns logits into tokens (see the module doc): `sample` per request with that
+    request's params and generator; `probs` / `choose` per batch with this sampler's
+    own params (temperature 0: greedy; > 0: softmax of the logits filtered by
+    temperature, top_k (-1 / 0 off) and top_p (1 off)) and its generator seeded by
+    `seed` (the same on every rank). Bad values raise `SamplingError` naming the field."""
+
+    temperature: float = 0.0
+    seed: int = 0
+    top_k: int = -1
+    top_p: float = 1.0
+    generator: torch.Generator = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        SamplingParams(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, seed=self.seed)
+        self.generator = torch.Generator().manual_seed(self.seed)
+
+    # ---- per request (the step loop) ----------------------------------------------
     def sample(self, logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:
+        """One request's next token from its last-token logits [vocab]."""
         if params.greedy:
             return int(logits.argmax())  # the greedy engine path, bitwise
         probs = filter_logits(logits, params.temperature, params.top_k, params.top_p).softmax(-1)
@@ -161,3 +223,20 @@ class Sampler:
             return None
         seed = params.seed if params.seed is not None else int(torch.randint(0, 2**62, (1,), generator=fallback))
         return torch.Generator().manual_seed(seed)
+
+    # ---- per batch (speculative decoding) -----------------------------------------
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+    def probs(self, logits: torch.Tensor) -> torch.Tensor:
+        """[..., V] logits -> [..., V] fp32 probabilities after temperature, top-k, top-p."""
+        return filter_logits(logits, self.temperature, self.top_k, self.top_p).softmax(dim=-1)
+
+    def choose(self, logits: torch.Tensor) -> torch.Tensor:
+        """[B, V] logits -> [B] int64 tokens, rank 0's on every rank (`share`)."""
+        if self.greedy:
+            tokens = logits.argmax(dim=-1)
+        else:
+            tokens = torch.multinomial(self.probs(logits).cpu(), 1, generator=self.generator)[:, 0]
+        return share(tokens.to(torch.int64).cpu().contiguous())

@@ -7,7 +7,7 @@ import pytest
 import torch
 import transformers
 
-from cp_compile.base.sampling import RequestError, Sampler, SamplingError, SamplingParams, filter_logits
+from cp_compile.base.sampling import RequestError, Sampler, SamplingError, SamplingParams, filter_logits, share
 
 
 def _hf_filtered(logits: torch.Tensor, t: float, k: int, p: float) -> torch.Tensor:
@@ -79,3 +79,61 @@ def test_bad_sampling_values_refused_naming_the_field(kwargs, field):
         SamplingParams(**kwargs)
     assert e.value.field == field and str(e.value).startswith(field)
     assert isinstance(e.value, RequestError) and isinstance(e.value, ValueError)
+
+
+# What the two samplers drew before they became one (cp_compile.base.sampling.Sampler per
+# request, cp_compile.serving.spec_decode.sampling.Sampler per batch; recorded at 37e6a19 with
+# the logits below). Same seeds, same logits: the same tokens, token for token.
+OLD_PER_REQUEST = [
+    (dict(temperature=0.8, top_p=0.95, seed=0), [93, 71, 65, 3, 71, 72, 13, 88, 69, 93, 51, 54]),
+    (dict(temperature=1.3, top_k=5, seed=7), [93, 71, 45, 48, 7, 72, 92, 88, 92, 93, 74, 54]),
+    (dict(temperature=0.7, top_k=20, top_p=0.9, seed=123), [27, 71, 13, 44, 71, 72, 8, 88, 39, 93, 89, 54]),
+    (dict(temperature=1.0), [68, 71, 40, 3, 75, 72, 41, 88, 4, 93, 70, 68]),  # unseeded: the fallback stream
+]
+OLD_PER_BATCH = [
+    (dict(temperature=0.9, seed=3, top_k=8, top_p=0.9), [[93, 82, 70, 35], [7, 60, 8, 88], [92, 93, 51, 54]]),
+    (dict(temperature=1.0, seed=0), [[93, 71, 65, 3], [71, 72, 13, 15], [87, 93, 51, 54]]),
+]
+
+
+def _golden_logits() -> torch.Tensor:
+    return torch.randn(12, 96, generator=torch.Generator().manual_seed(2026)) * 2.5
+
+
+def _per_request(sampler: Sampler, params: SamplingParams, logits: torch.Tensor) -> list[int]:
+    gen = Sampler.generator_for(params, torch.Generator().manual_seed(0))
+    return [sampler.sample(logits[i], params, gen) for i in range(logits.shape[0])]
+
+
+def _per_batch(sampler: Sampler, logits: torch.Tensor) -> list[list[int]]:
+    return [sampler.choose(logits[i:i + 4]).tolist() for i in range(0, logits.shape[0], 4)]
+
+
+@pytest.mark.parametrize("kwargs,old", OLD_PER_REQUEST, ids=[str(k) for k, _ in OLD_PER_REQUEST])
+def test_per_request_tokens_equal_the_old_samplers(kwargs, old):
+    assert _per_request(Sampler(), SamplingParams(**kwargs), _golden_logits()) == old
+
+
+@pytest.mark.parametrize("kwargs,old", OLD_PER_BATCH, ids=[str(k) for k, _ in OLD_PER_BATCH])
+def test_per_batch_tokens_equal_the_old_spec_decode_sampler(kwargs, old):
+    assert _per_batch(Sampler(**kwargs), _golden_logits()) == old
+
+
+def test_old_tokens_check_fails_on_a_changed_draw():
+    """The two checks above see a sampler that draws differently: another temperature,
+    or a request generator / batch generator seeded one off (mutation checks). (With
+    these peaked logits the filters rarely cut where the draws land; that the filters
+    equal HF's is the first tests' job.)"""
+    logits = _golden_logits()
+    kwargs, old = OLD_PER_REQUEST[1]
+    assert _per_request(Sampler(), SamplingParams(**dict(kwargs, temperature=2.0)), logits) != old
+    assert _per_request(Sampler(), SamplingParams(**dict(kwargs, seed=kwargs["seed"] + 1)), logits) != old
+    kwargs, old_batch = OLD_PER_BATCH[0]
+    s = Sampler(**kwargs)
+    s.generator.manual_seed(kwargs["seed"] + 1)
+    assert _per_batch(s, logits) != old_batch
+
+
+def test_share_without_a_world_is_the_identity():
+    t = torch.tensor([3, 1, 4], dtype=torch.int64)
+    assert share(t) is t and t.tolist() == [3, 1, 4]

@@ -198,3 +198,48 @@ def test_front_end_inputs_refused_before_any_step():
     with pytest.raises(ValueError, match="prompt 0: token -1 at position 0"):
         engine.generate([[-1]], max_new_tokens=1)
     assert engine.steps == 0 and engine.num_graphs == 0
+
+
+def _full_length_request_runs(engine) -> None:
+    """A request of exactly max_model_len tokens needs every block of the cache."""
+    out = engine.generate([[1] * (engine.max_model_len - 2)], max_new_tokens=2)
+    assert len(out[0]) == 2
+    assert engine.alloc.num_free == engine.num_blocks
+
+
+def test_refused_token_leaks_no_blocks():
+    """A prompt holding a non-integer token ("7": `int()` takes it, the input tensor
+    did not) raised TypeError from inside the first step, after that step had taken
+    KV blocks: a later request of max_model_len got CapacityError."""
+    hf = tiny_hf("llama")
+    engine = cp_compile.serving.hf.Engine(hf, cp_compile.CPConfig(block_size=BLOCK), num_blocks=3, lowering="eager")
+    with pytest.raises((TypeError, ValueError)):  # TypeError before; now ValueError naming the token
+        engine.generate([[1, "7", 5], [2, 3]], max_new_tokens=2)
+    assert engine.alloc.num_free == engine.num_blocks
+    _full_length_request_runs(engine)
+
+
+def test_generate_that_fails_mid_run_returns_every_block():
+    """A step that raises (here the model, on the third step: one request running, one
+    waiting for blocks) ends the call with every KV block back in the engine's
+    allocator and nothing left of the call's requests; the engine serves a full-length
+    request after it."""
+    hf = tiny_hf("llama")
+    engine = cp_compile.serving.hf.Engine(hf, cp_compile.CPConfig(block_size=BLOCK), num_blocks=3, lowering="eager")
+    model, calls = engine.compiled, []
+
+    def failing(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 3:
+            raise RuntimeError("model failed at step 3")
+        return model(*args, **kwargs)
+
+    engine.compiled = failing
+    # Two blocks each: the second request waits for the first's blocks.
+    with pytest.raises(RuntimeError, match="step 3"):
+        engine.generate([[1, 2, 3], [4, 5, 6]], max_new_tokens=4)
+    assert len(calls) == 3
+    assert engine.alloc.num_free == engine.num_blocks
+    assert all(engine.alloc.blocks(rid) == [] for rid in (0, 1))
+    engine.compiled = model
+    _full_length_request_runs(engine)

@@ -1,11 +1,15 @@
 """The host-side scheduler: admission by whole KV budget, joins beside decodes,
-leaving at max_tokens / EOS, aborts freeing blocks through the next plan."""
+leaving at max_tokens / EOS, aborts freeing blocks through the next plan; the step
+loop over it (StepLoop: sampling, rank 0's tokens shared, a failed step dropped)."""
 
 from __future__ import annotations
 
 import pytest
+import torch
 
-from cp_compile.serving.hf.scheduler import Scheduler, Sequence
+from cp_compile.serving.hf.scheduler import RequestState, Scheduler, Sequence, StepLoop, StepPlan
+from cp_compile.base.sampling import SamplingParams
+from cp_compile.testing.multirank import run_on_ranks
 
 
 def test_admission_join_leave_and_abort_free_blocks():
@@ -46,3 +50,46 @@ def test_request_beyond_the_cache_refused_at_add():
     s = Scheduler(num_blocks=2, virtual_block_size=4, max_batch=4)  # 8 tokens
     with pytest.raises(ValueError, match="need 3 KV blocks"):
         s.add(Sequence(0, [1] * 6, max_tokens=4))
+
+
+class _RankLogits:
+    """An executor whose logits differ per rank: item i's argmax is 10 * rank + i."""
+
+    def __init__(self, rank: int) -> None:
+        self.rank = rank
+        self.freed: list[int] = []
+
+    def execute(self, plan: StepPlan) -> list[torch.Tensor]:
+        self.freed += plan.free
+        out = []
+        for i, _ in enumerate(plan.items):
+            lg = torch.zeros(32)
+            lg[10 * self.rank + i] = 1.0
+            out.append(lg)
+        return out
+
+
+def _loop_tokens(rank: int, world: int, share: bool) -> list[list[int]]:
+    loop = StepLoop(_RankLogits(rank), Scheduler(8, 4, 4), share=share)
+    seqs = [loop.submit(Sequence(i, [1, 2], 2, payload=RequestState(SamplingParams(temperature=0), None)))
+            for i in range(2)]
+    loop.run_until_done()
+    return [s.output for s in seqs]
+
+
+def test_step_loop_shares_rank_0s_tokens():
+    """Under torchrun every rank runs the loop; rank 0's tokens are every rank's
+    (cp_compile.base.sampling.share). Without sharing, rank 1 would follow its own logits."""
+    assert run_on_ranks(_loop_tokens, 2, True) == [[[0, 0], [1, 1]]] * 2
+    assert run_on_ranks(_loop_tokens, 2, False) == [[[0, 0], [1, 1]], [[10, 10], [11, 11]]]
+
+
+def test_step_loop_drop_frees_every_request_now():
+    ex = _RankLogits(0)
+    loop = StepLoop(ex, Scheduler(8, 4, 1))  # one slot: the second request waits
+    seqs = [loop.submit(Sequence(i, [1, 2], 4, payload=RequestState(SamplingParams(temperature=0), None)))
+            for i in range(2)]
+    loop.step()
+    loop.drop(seqs)
+    assert ex.freed == [0] and not loop.has_work() and loop.scheduler.reserved == 0
+    assert [s.finish_reason for s in seqs] == ["abort", "abort"]

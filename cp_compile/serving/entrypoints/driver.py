@@ -6,26 +6,28 @@
         driver.step()            # one plan to every rank, rank 0's last logits back, one token each
 
 Shared by the offline `LLM` and the server, so both produce the same tokens for the
-same requests. Sampling happens here only (`cp_compile.base.sampling.Sampler`): every
-rank gets the chosen tokens in the next plan, so ranks cannot disagree.
+same requests. The loop itself is `cp_compile.serving.hf.scheduler.StepLoop` (also under
+`hf.Engine.generate`); the driver adds the request checks, request ids, and the
+PD-disaggregation hooks. Sampling happens in the loop only
+(`cp_compile.base.sampling.Sampler`): every rank gets the chosen tokens in the next plan,
+so ranks cannot disagree.
 """
 
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable, Protocol
 
 import torch
 
 from cp_compile.serving.entrypoints.kv_driver import ProducerSide
-from cp_compile.serving.hf.scheduler import Scheduler, Sequence, StepPlan
-from cp_compile.base.sampling import Logprob, RequestError, Sampler, SamplingParams, token_logprobs
+from cp_compile.serving.hf import scheduler as hf_scheduler
+from cp_compile.serving.hf.scheduler import Scheduler, Sequence, StepLoop, StepPlan
+from cp_compile.base.sampling import RequestError, SamplingParams
 
 
-class Executor(Protocol):
-    def execute(self, plan: StepPlan) -> list[torch.Tensor]: ...
-
+class Executor(hf_scheduler.Executor, Protocol):
     def close(self) -> None: ...
 
 
@@ -42,34 +44,24 @@ class Limits:
 
 
 @dataclass
-class RequestState:
-    """The driver's per-request state (Sequence.payload)."""
+class RequestState(hf_scheduler.RequestState):
+    """The driver's per-request state (Sequence.payload): the loop's, and PD disaggregation's."""
 
-    params: SamplingParams
-    generator: torch.Generator | None
-    on_token: Callable[[Sequence], str | None] | None  # -> a finish reason to stop early (stop strings)
-    logprobs: list[dict[int, Logprob]] = field(default_factory=list)  # per output token, when params.logprobs
-    cumulative_logprob: float = 0.0
     kv_import: Any = None  # consumer: the request's KV comes from the producer (kv_driver.Imported)
     kv_transfer_params: dict | None = None  # producer: what the consumer needs to import it (kv_driver)
 
 
-class Driver:
-    def __init__(self, executor: Executor, limits: Limits, seed: int = 0,
-                 share_tokens: Callable[[list[int]], list[int]] | None = None, kv_side: Any = None) -> None:
+class Driver(StepLoop):
+    def __init__(self, executor: Executor, limits: Limits, seed: int = 0, share_tokens: bool = False,
+                 kv_side: Any = None) -> None:
         # kv_side: PD disaggregation (kv_driver.ProducerSide / ConsumerSide), else None.
         self.kv_side = kv_side
-        # share_tokens: under torchrun every rank runs a driver on the same requests
-        # (SPMD); rank 0's sampled tokens replace everyone's (a broadcast), so the
-        # ranks still follow one sampler.
-        self.share_tokens = share_tokens
-        self.executor = executor
+        # share_tokens: this process is one torchrun rank (StepLoop: rank 0's tokens for all).
+        super().__init__(executor, Scheduler(limits.num_blocks, limits.virtual_block_size, limits.max_batch),
+                         share=share_tokens)
         self.limits = limits
-        self.scheduler = Scheduler(limits.num_blocks, limits.virtual_block_size, limits.max_batch)
-        self.sampler = Sampler()
         self._fallback = torch.Generator().manual_seed(seed)
         self._ids = itertools.count()
-        self.steps = 0
 
     def check(self, prompt: list[int], params: SamplingParams, kv_transfer_params: Any = None) -> int:
         """Refuse a request before it joins (RequestError naming the field); returns
@@ -110,64 +102,29 @@ class Driver:
         state = RequestState(params, self.sampler.generator_for(params, self._fallback), on_token)
         if self.kv_side is not None and kv_transfer_params is not None:
             state.kv_import = self.kv_side.check(len(prompt), params, kv_transfer_params)
-        seq = Sequence(next(self._ids), list(prompt), max_tokens, eos, payload=state)
-        self.scheduler.add(seq)
-        return seq
+        return self.submit(Sequence(next(self._ids), list(prompt), max_tokens, eos, payload=state))
 
     def abort(self, seq: Sequence) -> None:
         """Drop a request (a client went away); its KV blocks are freed by the next step."""
         self.scheduler.abort(seq.rid)
 
-    def has_work(self) -> bool:
-        return self.scheduler.has_work() or bool(self.scheduler._free)
+    # ---- StepLoop hooks: PD disaggregation ------------------------------------------
+    def _producer(self) -> bool:
+        return isinstance(self.kv_side, ProducerSide)
 
-    def drop(self, seqs: list[Sequence]) -> None:
-        """Drop these requests (after an error: a failed KV import) and free what left, now."""
-        for s in seqs:
-            if s.finish_reason is None:
-                self.scheduler.abort(s.rid)
-        self.executor.execute(StepPlan([], self.scheduler.drain_free()))
+    def _before_plan(self) -> None:
+        if self._producer() and self.kv_side.held:
+            self.kv_side.release_consumed(self.scheduler)
 
-    def step(self) -> list[Sequence]:
-        """One step on every rank; returns the requests that got a token (or finished)."""
-        kv = self.kv_side
-        producer = isinstance(kv, ProducerSide)
-        if producer and kv.held:
-            kv.release_consumed(self.scheduler)
-        plan = self.scheduler.plan()
-        if plan is None:
-            if producer:
-                kv.idle(self.scheduler)
-            return []
-        if kv is not None and not producer:
-            plan = kv.import_admitted(self.executor, self.scheduler, plan)  # KVTransferError: failed requests
-        running = list(self.scheduler.running)
-        last = self.executor.execute(plan)
-        self.steps += 1
-        if not running:
-            return []
-        tokens = [self.sampler.sample(lg, s.payload.params, s.payload.generator) for s, lg in zip(running, last)]
-        if self.share_tokens is not None:
-            tokens = self.share_tokens(tokens)
-        for s, lg, tok in zip(running, last, tokens):
-            st: RequestState = s.payload
-            if st.params.logprobs is not None:
-                entry = token_logprobs(lg, tok, st.params.logprobs)
-                st.logprobs.append(entry)
-                st.cumulative_logprob += entry[tok].logprob
-        self.scheduler.commit(tokens)
-        for seq in running:
-            cb = seq.payload.on_token
-            if cb is not None:  # also for a request that just finished: its last token's text
-                reason = cb(seq)
-                if reason is not None and seq.finish_reason is None:
-                    self.scheduler.finish(seq, reason)
-        if producer:
-            kv.after_commit(self.executor, self.scheduler, [s for s in running if s.finish_reason is not None])
-        return running
+    def _idle(self) -> None:
+        if self._producer():
+            self.kv_side.idle(self.scheduler)
 
-    def run_until_done(self, progress: Any = None) -> None:
-        while self.has_work():
-            updated = self.step()
-            if progress is not None:
-                progress(updated)
+    def _admitted(self, plan: StepPlan) -> StepPlan:
+        if self.kv_side is not None and not self._producer():
+            return self.kv_side.import_admitted(self.executor, self.scheduler, plan)  # KVTransferError: failed requests
+        return plan
+
+    def _after_commit(self, running: list[Sequence]) -> None:
+        if self._producer():
+            self.kv_side.after_commit(self.executor, self.scheduler, [s for s in running if s.finish_reason is not None])

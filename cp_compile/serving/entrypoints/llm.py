@@ -76,14 +76,6 @@ class TextState:
         return None
 
 
-def _broadcast_from_rank0(tokens: list[int]) -> list[int]:
-    import torch.distributed as dist
-
-    box = [tokens]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]
-
-
 def load_tokenizer(path: str) -> Any:
     """The checkpoint's own tokenizer, or None when the directory has none (token ids only)."""
     names = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
@@ -126,10 +118,10 @@ class LLM:
         self.args.validate()  # an unservable model or bad sizes fail here, before any process starts
         kv_side = make_side(kv)  # a producer hosting the store starts it before its ranks connect
         self.tokenizer = load_tokenizer(tokenizer or model)
-        share = None
+        share = False
         if "RANK" in os.environ and int(os.environ.get("WORLD_SIZE", "1")) > 1:
             # Launched by torchrun: this process is one rank; every rank runs this script
-            # (SPMD), rank 0's sampled tokens are broadcast to the others.
+            # (SPMD), rank 0's sampled tokens are broadcast to the others (cp_compile.base.sampling.share).
             world = int(os.environ["WORLD_SIZE"])
             if world != self.args.world_size:
                 raise ConfigError("torchrun world == tensor_parallel_size * prefill_context_parallel_size",
@@ -137,7 +129,7 @@ class LLM:
                                   f"prefill_context_parallel_size={prefill_context_parallel_size}",
                                   f"launch with --nproc-per-node {self.args.world_size}")
             self.executor: Any = LocalExecutor(build_engine(self.args))
-            share = _broadcast_from_rank0
+            share = True
         elif self.args.world_size == 1 and decode_context_parallel_size == 1:
             self.executor = LocalExecutor(build_engine(self.args))
         else:
@@ -271,7 +263,7 @@ class LLM:
         if isinstance(self.driver.kv_side, ProducerSide):
             self.driver.kv_side.close(self.driver.scheduler)  # the consumer may still read held requests
         self.executor.close()
-        if self.driver.share_tokens is not None:
+        if self.driver.share_tokens:  # this process is a torchrun rank: its own parallel state
             destroy_parallel()
 
     def __enter__(self) -> "LLM":

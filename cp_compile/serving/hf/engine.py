@@ -13,6 +13,7 @@ dynamic and never specialised on size 1 (`compile_model`'s one mechanism,
 from __future__ import annotations
 
 import math
+import operator
 from typing import Any, Sequence
 
 import torch
@@ -23,7 +24,7 @@ from cp_compile.compiler.decorator import compile_model
 from cp_compile.serving.hf.attention import GQA_NAME, MLA_NAME, register
 from cp_compile.serving.hf.cache import PagedCache
 from cp_compile.serving.hf.moe import EXPERTS_IMPLEMENTATION, is_moe_block
-from cp_compile.serving.hf.scheduler import Scheduler, StepPlan
+from cp_compile.serving.hf.scheduler import RequestState, Scheduler, StepLoop, StepPlan
 from cp_compile.serving.hf.sfa import route_sfa_layers
 from cp_compile.serving.hf.scheduler import Sequence as SchedSequence
 from cp_compile.serving.hf.support import attention_spec, check_supported, head_dim
@@ -32,6 +33,7 @@ from cp_compile.runtime.kv_cache import KVCacheSpec, allocate_kv_cache, tp_kv_he
 from cp_compile.compiler.lowering import Lowering
 from cp_compile.runtime.metadata_build import BlockAllocator, build_attention_metadata
 from cp_compile.runtime.parallel_state import ParallelState, parallel_state_or_none
+from cp_compile.base.sampling import SamplingParams
 
 def _sizes(cfg: CPConfig) -> tuple[int, int, int]:
     return (cfg.tensor_parallel_size, cfg.decode_context_parallel_size, cfg.prefill_context_parallel_size)
@@ -211,6 +213,12 @@ class Engine:
                 # HF generate refuses it too; one token would come back otherwise (issue 19).
                 raise ValueError(f"prompt {i}: max_new_tokens={max_new[i]!r} must be an integer >= 1. Fix: ask "
                                  "for at least one new token")
+            for j, t in enumerate(p):
+                try:
+                    operator.index(t)  # ints, numpy / 0-d tensor ints; not "7" or 7.0 (int() takes both)
+                except TypeError:
+                    raise ValueError(f"prompt {i}: token {t!r} at position {j} is not an integer token id. Fix: "
+                                     "pass token ids (ints), e.g. from this model's tokenizer") from None
             bad = [(j, t) for j, t in enumerate(p) if not 0 <= int(t) < (vocab or int(t) + 1)]
             if bad:
                 j, t = bad[0]
@@ -219,11 +227,14 @@ class Engine:
             if len(p) + max_new[i] > self.max_model_len:
                 raise ValueError(f"prompt {i}: {len(p)} tokens + max_new_tokens={max_new[i]} > max_model_len="
                                  f"{self.max_model_len}. Fix: more num_blocks, a larger dcp, or fewer tokens")
-        sched = self.scheduler()
+        # The one step loop (scheduler.StepLoop, as under LLM and the server) with this
+        # engine as its in-process executor; greedy: the sampler's argmax of each row.
+        loop = StepLoop(self, self.scheduler())
         eos = frozenset(self.eos)
-        seqs = [SchedSequence(i, list(p), max_new[i], eos, payload=[]) for i, p in enumerate(prompts)]
-        for i in sorted(range(n), key=lambda i: arrivals[i]):
-            sched.add(seqs[i])
+        seqs = [SchedSequence(i, list(p), max_new[i], eos,
+                              payload=RequestState(SamplingParams(temperature=0, max_tokens=max_new[i]), None,
+                                                   logits=[] if self.record_logits else None))
+                for i, p in enumerate(prompts)]
         total = sum(max_new)
         bar = None
         show = self.progress if self.progress is not None else total >= 256
@@ -231,24 +242,28 @@ class Engine:
             from tqdm.auto import tqdm
 
             bar = tqdm(total=total, desc="cp_compile.serving.hf generate", unit="tok")
-        step = 0
-        while sched.has_work():
-            plan = sched.plan(may_join=lambda seq: arrivals[seq.rid] <= step)
+        step = 0  # loop steps so far, planned or not: what `arrivals` counts
+
+        def may_join(seq: SchedSequence) -> bool:
+            return arrivals[seq.rid] <= step
+
+        def progress(updated: list[SchedSequence]) -> None:
+            nonlocal step
             step += 1
-            if plan is None:  # nothing admitted yet: the next arrival is in the future
-                continue
-            running = list(sched.running)
-            last = self.execute(plan)
-            if not last:
-                continue
-            for seq, lg in zip(running, last):
-                if self.record_logits:
-                    seq.payload.append(lg)
-            sched.commit([int(lg.argmax()) for lg in last])
             if bar is not None:
-                bar.update(len(running))
-        self.execute(StepPlan([], sched.drain_free()))  # the last leavers' blocks
-        if bar is not None:
-            bar.close()
-        self.last_logits = {i: seqs[i].payload for i in range(n)} if self.record_logits else {}
+                bar.update(len(updated))
+
+        try:
+            for i in sorted(range(n), key=lambda i: arrivals[i]):
+                loop.submit(seqs[i])
+            loop.run_until_done(progress, may_join)  # the last plan frees the last leavers' blocks
+        except BaseException:
+            # Give back every block this call took (the engine's allocator outlives the
+            # call; a failed step may have allocated before it raised), then re-raise.
+            loop.drop(seqs)
+            raise
+        finally:
+            if bar is not None:
+                bar.close()
+        self.last_logits = {i: seqs[i].payload.logits for i in range(n)} if self.record_logits else {}
         return [seqs[i].output for i in range(n)]

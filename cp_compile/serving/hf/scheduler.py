@@ -13,6 +13,14 @@ The step loop is factored as `plan() -> execute -> commit(tokens)` so a role tha
 only prefills (PD disaggregation: the plan's requests leave after their first
 token) or decodes from imported KV (the plan starts at `cached = prompt length`)
 is a different plan, not a different engine.
+
+`StepLoop` is that loop, the one every non-speculative front end steps through:
+plan, execute on the ranks (an `Executor`: the engine itself in this process, or
+the spawned ranks), sample each request's token (`cp_compile.base.sampling.Sampler`, per
+request; rank 0's tokens shared under torchrun), commit. `hf.Engine.generate` runs
+it with the engine as its executor and greedy params; the driver of `LLM` and the
+server (`cp_compile.serving.entrypoints.driver.Driver`) is a `StepLoop` that adds request
+checks and the PD-disaggregation hooks.
 """
 
 from __future__ import annotations
@@ -20,7 +28,11 @@ from __future__ import annotations
 import math
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable, Protocol
+
+import torch
+
+from cp_compile.base.sampling import Logprob, Sampler, SamplingParams, share_tokens, token_logprobs
 
 
 @dataclass
@@ -154,3 +166,110 @@ class Scheduler:
         seq.finish_reason = reason
         self.reserved -= self.blocks_for(seq.budget)
         self._free.append(seq.rid)
+
+
+class Executor(Protocol):
+    """Runs one plan on every rank; returns rank 0's last-token logits [vocab] per item."""
+
+    def execute(self, plan: StepPlan) -> list[torch.Tensor]: ...
+
+
+@dataclass
+class RequestState:
+    """The step loop's per-request state (`Sequence.payload`)."""
+
+    params: SamplingParams
+    generator: torch.Generator | None
+    on_token: Callable[[Sequence], str | None] | None = None  # -> a finish reason to stop early (stop strings)
+    logprobs: list[dict[int, Logprob]] = field(default_factory=list)  # per output token, when params.logprobs
+    cumulative_logprob: float = 0.0
+    logits: list[torch.Tensor] | None = None  # each output token's logits [vocab], when recorded (a list)
+
+
+class StepLoop:
+    """The one step loop (module doc): `submit` requests, `step()` until `has_work()`
+    is false. Subclasses hook into a step (`_before_plan`, `_admitted`, `_idle`,
+    `_after_commit`) instead of writing a loop of their own."""
+
+    def __init__(self, executor: Executor, scheduler: Scheduler, share: bool = False) -> None:
+        self.executor = executor
+        self.scheduler = scheduler
+        # share: under torchrun every rank runs a loop on the same requests (SPMD); rank
+        # 0's sampled tokens replace everyone's (`cp_compile.base.sampling.share`), so the
+        # ranks still follow one sampler.
+        self.share_tokens = share
+        self.sampler = Sampler()
+        self.steps = 0
+
+    def submit(self, seq: Sequence) -> Sequence:
+        """Queue a request whose payload is a `RequestState`."""
+        self.scheduler.add(seq)
+        return seq
+
+    def has_work(self) -> bool:
+        # Requests that left still hold blocks until a plan carries their ids.
+        return self.scheduler.has_work() or bool(self.scheduler._free)
+
+    def drop(self, seqs: list[Sequence]) -> None:
+        """Drop these requests (after an error) and free what left, now: the allocator on
+        the ranks gets back every block they took, whatever step failed."""
+        for s in seqs:
+            if s.finish_reason is None:
+                self.scheduler.abort(s.rid)
+        self.executor.execute(StepPlan([], self.scheduler.drain_free()))
+
+    def step(self, may_join: Callable[[Sequence], bool] | None = None) -> list[Sequence]:
+        """One step on every rank; returns the requests that got a token (or finished).
+        `may_join(seq)`: whether a waiting request may join this step (arrivals)."""
+        self._before_plan()
+        plan = self.scheduler.plan(may_join)
+        if plan is None:
+            self._idle()
+            return []
+        plan = self._admitted(plan)
+        running = list(self.scheduler.running)
+        last = self.executor.execute(plan)
+        self.steps += 1
+        if not running:
+            return []
+        tokens = [self.sampler.sample(lg, s.payload.params, s.payload.generator) for s, lg in zip(running, last)]
+        if self.share_tokens:
+            tokens = share_tokens(tokens)
+        for s, lg, tok in zip(running, last, tokens):
+            st: RequestState = s.payload
+            if st.params.logprobs is not None:
+                entry = token_logprobs(lg, tok, st.params.logprobs)
+                st.logprobs.append(entry)
+                st.cumulative_logprob += entry[tok].logprob
+            if st.logits is not None:
+                st.logits.append(lg)
+        self.scheduler.commit(tokens)
+        for seq in running:
+            cb = seq.payload.on_token
+            if cb is not None:  # also for a request that just finished: its last token's text
+                reason = cb(seq)
+                if reason is not None and seq.finish_reason is None:
+                    self.scheduler.finish(seq, reason)
+        self._after_commit(running)
+        return running
+
+    def run_until_done(self, progress: Callable[[list[Sequence]], None] | None = None,
+                       may_join: Callable[[Sequence], bool] | None = None) -> None:
+        while self.has_work():
+            updated = self.step(may_join)
+            if progress is not None:
+                progress(updated)
+
+    # ---- hooks (PD disaggregation in the driver); no-ops here ----------------------
+    def _before_plan(self) -> None:
+        pass
+
+    def _idle(self) -> None:
+        """Nothing to run this step."""
+
+    def _admitted(self, plan: StepPlan) -> StepPlan:
+        """The plan to execute (a consumer imports the admitted requests' KV first)."""
+        return plan
+
+    def _after_commit(self, running: list[Sequence]) -> None:
+        pass

@@ -33,7 +33,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from cp_compile.runtime.metadata_build import BlockAllocator, build_attention_metadata
-from cp_compile.serving.spec_decode.sampling import Sampler
+from cp_compile.base.sampling import Sampler
 
 
 class DraftProposer:

@@ -32,7 +32,7 @@ import torch
 from cp_compile.runtime.metadata_build import BlockAllocator, build_attention_metadata
 from cp_compile.serving.spec_decode.acceptance import Accepted, greedy_accept, rejection_sample
 from cp_compile.serving.spec_decode.proposer import DraftProposer
-from cp_compile.serving.spec_decode.sampling import Sampler, share
+from cp_compile.base.sampling import Sampler, share
 
 
 @dataclass
