@@ -7,7 +7,8 @@ and sweeps context length x batch: the context is written straight into each KV
 pool, then `--warmup` untimed, `--steps` timed and `--profile-steps` profiled decode
 steps, DCP and baseline alternating; a step's time is the max over ranks and TPOT
 the median over steps (`examples/bench/decode.py` has the details,
-`docs/benchmarks.md` the figures and what they mean).
+`docs/benchmarks.md` the current figures, `docs/benchmarks_log.md` every run and what
+they mean).
 
 Writes `<out>/bench_decode.json` (one row per world x (dcp, context, batch)),
 `<out>/bench_decode.png` and `<out>/bench_decode_breakdown.png`, and prints the

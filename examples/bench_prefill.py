@@ -8,8 +8,9 @@ tokens each; with `--prefix P` a chunked variant starts from P cached tokens per
 request (written straight into the KV pools) and prefills the rest. `--warmup`
 untimed, `--steps` timed and `--profile-steps` profiled steps, DCP and baseline
 alternating; a step's time is the max over ranks and TTFT the median over steps
-(`examples/bench/prefill.py` has the details, `docs/benchmarks.md` the figures and
-what they mean: DCP halves the KV bytes per rank but not the prefill compute).
+(`examples/bench/prefill.py` has the details, `docs/benchmarks.md` the figures,
+`docs/benchmarks_log.md` every run and what they mean: DCP halves the KV bytes per
+rank but not the prefill compute).
 
 Writes `<out>/bench_prefill.json` (one row per world x (dcp, prompt, prefix, batch))
 and `<out>/bench_prefill.png`, and prints the tables. Progress goes to stderr. From

@@ -3,7 +3,7 @@
 The world is the decode benchmark's (`decode.build_sides`): the same model compiled
 with cp_ascend at the world's dcp and, beside it, with the plain lowering over a
 dcp = 1 pool; their steps alternate (AB, BA, ...) so that a slow spell of a shared
-machine hits both alike (docs/benchmarks.md).
+machine hits both alike (docs/benchmarks_log.md, "What is measured").
 
 Per (prompt, batch) two variants, each its own config:
 
