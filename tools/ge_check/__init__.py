@@ -24,8 +24,9 @@ asserts op types, attributes and shapes. Nothing is compiled by GE or run.
    the stand-in's `run`) and compared with its FX graph on the same inputs, outputs
    and mutated caches, every rank, under both readings of FIA's empty-row LSE
    (`tools/ge_eval/probe.py`); `CP_COMPILE_GE_CONVERTERS=DIR` loads converter copies
-   (`tools/ge_eval/probe.py`); `CP_COMPILE_GE_CONVERTERS=DIR` loads converter copies
-   from DIR instead of ops/ge (the mutation test).
+   from DIR instead of the library's, and `--mutations SPEC` checks op graphs with one
+   converter module's text replaced (the mutation test), every importer of that module
+   seeing the mutated copy (`converters.py`).
 
     TORCH_DEVICE_BACKEND_AUTOLOAD=0 .venv-torchair/bin/python -m tools.ge_check [--json F] [--dump DIR]
 
@@ -37,5 +38,5 @@ One module per part: `cli` (arguments, the run, table, JSON, exit status),
 `op_graphs` (one call per cp:: op and its expectations), `model_graphs` (the DCP
 example models on gloo ranks and their expectations), `reading` (the GE graph and the
 value comparison read back into a `GraphResult`), `converters` (which converter code
-runs: the library's, or copies).
+runs: the library's, copies, or a mutation).
 """

@@ -16,7 +16,8 @@ import torch
 
 import tools.ge_check as package
 from tools import torchair_standin as standin
-from tools.ge_check.converters import CONVERTERS_ENV, load_converters, run_mutations
+from tools.ge_check.converters import (CONVERTERS_ENV, folder_sources, load_converters, read_mutations,
+                                       register_converters, run_mutations)
 from tools.ge_check.model_graphs import BUILDING_RANKS, MODEL_WORLD, SFA_WORLD, expect_model, run_model_graphs
 from tools.ge_check.op_graphs import ATEN_GE_OPS, expect_op, run_op_graphs
 from tools.ge_check.reading import KEY_ATTRS, FxRecorder, GraphResult
@@ -53,26 +54,33 @@ def main(argv: list[str] | None = None) -> int:
                         help="add an op that has no GE converter (the check must fail)")
     parser.add_argument("--ops-only", action="store_true", help="skip the model graphs (4 gloo ranks)")
     parser.add_argument("--op", action="append", help="only this op graph (e.g. cp::cache_write); implies --ops-only")
-    parser.add_argument("--mutations", help="a JSON list of [name, converter folder, op]: each op graph with its "
-                        "folder's converters, in turn (implies --ops-only)")
+    parser.add_argument("--mutations", help="a JSON list of [name, converter module (dotted, or a file of the "
+                        "repository), old text, new text, op] or [name, converter folder, op]: each op graph with "
+                        "its converter code, in turn, every importer seeing that code (implies --ops-only)")
     parser.add_argument("--model", action="append", help="only this model graph, KIND:DCP:MERGE (e.g. sfa:2:ag_rs); "
                         "skips the op graphs")
     args = parser.parse_args(argv)
     start = time.perf_counter()
     try:
         standin.install()
-        from cp_compile.ops.ge import GE_OPS, register_converters
+        from cp_compile.ops.ge import GE_OPS
         from tools.ge_eval import probe
 
-        load_converters(os.environ.get(CONVERTERS_ENV))
+        folder = os.environ.get(CONVERTERS_ENV)
+        if folder:
+            load_converters(folder_sources(folder))
         register_converters()
         probe.install()
     except (RuntimeError, ImportError) as e:
         print(f"torchair GE check not runnable here: {e}", file=sys.stderr)
         return 2
     recorder = FxRecorder()
+    not_applied: dict[str, str] = {}
     if args.mutations:
-        results = run_mutations(args.mutations, recorder)
+        rows, not_applied = read_mutations(args.mutations)
+        for name, why in not_applied.items():
+            print(f"mutation {name!r} not applied: {why}", file=sys.stderr)
+        results = run_mutations(rows, recorder)
     else:
         results = [] if args.model else run_op_graphs(recorder, args.dump, args.with_unconverted_op, args.op)
     for r in results:
@@ -107,7 +115,7 @@ def main(argv: list[str] | None = None) -> int:
                    ge_ops=sum(sum(r.ge_ops.values()) for r in results),
                    hccl_ops=sum(len([g for g in r.groups]) for r in results),
                    cp_ops_defined=len(defined), cp_ops_without_converter=uncovered,
-                   seconds=time.perf_counter() - start)
+                   mutations_not_applied=not_applied, seconds=time.perf_counter() - start)
     print(table(results))
     print("\n" + values_table(results))
     print(f"\ntorchair GE check: {summary['op_graphs']} cp op graphs (+ {summary['aten_op_graphs']} aten), "
@@ -125,6 +133,6 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         rows = [{k: v for k, v in asdict(r).items() if k != "text"} for r in results]
         Path(args.json).write_text(json.dumps(dict(summary=summary, results=rows), indent=1))
-    return 1 if failed or uncovered else 0
+    return 1 if failed or uncovered or not_applied else 0
 
 

@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from tools import torchair_standin as standin
-from tools.ge_check.converters import CONVERTERS_ENV, load_converters
+from tools.ge_check.converters import CONVERTERS_ENV, folder_sources, load_converters
 from tools.ge_check.reading import FxRecorder, GraphResult, compile_and_load
 
 MODEL_CONFIGS = [("gqa", 1, "ag_rs"), ("gqa", 2, "ag_rs"), ("gqa", 2, "a2a"),
@@ -66,7 +66,9 @@ def _rank_main(rank: int, world: int, configs: list[tuple[str, int, str]], dump:
     from cp_compile.metadata import BlockAllocator
     from tools.ge_eval import hccl, probe
 
-    load_converters(os.environ.get(CONVERTERS_ENV))
+    folder = os.environ.get(CONVERTERS_ENV)
+    if folder:  # a spawned rank imports the converters anew: the copies the check runs with
+        load_converters(folder_sources(folder))
     probe.install(hccl.Comm())
 
     recorder = FxRecorder()
