@@ -22,14 +22,14 @@ def main() -> int:
     standin.install()
     import cp_compile
     from cp_compile.ops.ge import register_converters
-    from tools.ge_check import _FxRecorder, compile_and_load
+    from tools.ge_check.reading import FxRecorder, compile_and_load
     from examples.models.deepseek_mla import DeepseekMLAConfig, DeepseekMLAModel
 
     from tools.ge_eval import probe
 
     register_converters()
     probe.install()  # the GE graph is run on CPU by tools.ge_eval and compared with the FX graph by value
-    recorder = _FxRecorder()
+    recorder = FxRecorder()
     # The tiny DeepSeek-V3 shape of examples/models/tiny.py (no transformers in this environment).
     mcfg = DeepseekMLAConfig(vocab_size=128, hidden_size=64, num_layers=2, num_heads=4, q_lora_rank=24,
                              kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=12,

@@ -31,7 +31,7 @@ REPO = Path(__file__).resolve().parents[2]
 # graph passes (they build nodes, and any tensor they make lands in the graph) and the
 # HF serving path. Not here: cp_compile/runtime/metadata_build.py (builds a step's metadata from
 # Python lists on the host, then `.to(device)` once, by design), serving/hf/tp.py (load-time
-# weight indices, moved to the weight's device where used), tools/ge_check.py (CPU-only
+# weight indices, moved to the weight's device where used), tools/ge_check/ (CPU-only
 # GE conversion cases), and `_lowering_examples` (CPU tensors for launch capture).
 # ops/cpu_attention.py is left out: its kernels are registered for the cpu dispatch key only
 # (OpDecl.cpu), so a factory there can only ever make a tensor on the device it runs on.

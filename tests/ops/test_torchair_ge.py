@@ -1,4 +1,4 @@
-"""torchair GE graph mode without an NPU (tools/ge_check.py, docs/torchair.md).
+"""torchair GE graph mode without an NPU (tools/ge_check/, docs/torchair.md).
 
 The check runs in its own environment (.venv-torchair: CPU torch + torch-npu's
 torchair, whose one C++ extension is replaced by tools.torchair_standin)

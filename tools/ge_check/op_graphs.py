@@ -1,0 +1,206 @@
+"""The op graphs: one small call per cp:: op (and the aten ops the project converts
+itself), compiled alone through `torchair.get_npu_backend` in max-autotune mode, and
+what each op's GE graph must hold."""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+
+from tools.ge_check.reading import FxRecorder, GraphResult, compile_and_load
+
+def op_cases() -> dict[str, tuple[Callable[..., Any], tuple]]:
+    """One small call per cp:: op: bf16 activations, fp32 LSEs, the example models' head layouts."""
+    bf = torch.bfloat16
+    T, B, NB, BS, nb = 6, 2, 8, 4, 4
+    Hq, Hkv, D = 8, 2, 64
+    H, L, R = 8, 64, 16
+    qsl = torch.tensor([0, 2, 5], dtype=torch.int32)
+    seq = torch.tensor([5, 7], dtype=torch.int32)
+    slots = torch.tensor([3, 4, 9, 10, 11, -1])
+    table = torch.zeros(B, nb, dtype=torch.int32)
+    kv_lens = torch.tensor([4, 5, 5, 6, 7, 0], dtype=torch.int32)
+    mine, other = torch.randn(T, 2 * Hq), torch.randn(T, 2 * Hq)  # per-token LSEs of two DCP ranks
+    mine[4:] = float("-inf")
+    other[5] = float("-inf")
+    cp = torch.ops.cp
+    from cp_compile.ops.scratch_block import mark_scratch_block
+
+    def cache(make: Callable[..., torch.Tensor], *shape: int, dtype: torch.dtype) -> torch.Tensor:
+        # A paged cache as allocate_kv_cache(..., scratch_block=True) makes it: its last
+        # page (block NB - 1, named by no table and no slot here) is the scratch block
+        # the GE cache writes send slot -1 to (ops/scratch_block.py).
+        t = make(*shape, dtype=dtype)
+        mark_scratch_block(t)
+        return t
+
+    return {
+        "cp::dcp_localize_metadata": (lambda s, q, sl: cp.dcp_localize_metadata(s, q, sl, 2, 1, 1, BS),
+                                      (slots, qsl, seq)),
+        # Returns the cache's pages (the scratch block, where slot -1 lands, is undefined).
+        "cp::cache_write": (lambda n, c, s: (cp.cache_write(n, c, s), c[:-1])[1],
+                            (torch.randn(T, Hkv, D, dtype=bf), cache(torch.zeros, NB, BS, Hkv, D, dtype=bf), slots)),
+        "cp::paged_attention_lse": (lambda q, k, v, t, qs, kl: cp.paged_attention_lse(q, k, v, t, qs, kl, 0.125),
+                                    (torch.randn(T, Hq, D, dtype=bf), cache(torch.randn, NB, BS, Hkv, D, dtype=bf),
+                                     cache(torch.randn, NB, BS, Hkv, D, dtype=bf), table, qsl, kv_lens)),
+        "cp::mla_partial_attention": (lambda qn, qp, c, t, qs, kl: cp.mla_partial_attention(qn, qp, c, t, qs, kl, 0.1),
+                                      (torch.randn(T, H, L, dtype=bf), torch.randn(T, H, R, dtype=bf),
+                                       cache(torch.randn, NB, BS, L + R, dtype=bf), table, qsl, kv_lens)),
+        # Empty shards: token 4 has no key on this rank, token 5 (padding) on none.
+        "cp::lse_rescale": (lambda o, l, la: cp.lse_rescale(o, l, la),
+                            (torch.randn(T, 2 * Hq, D, dtype=bf), mine, torch.cat([mine.T, other.T]))),
+        "cp::lse_combine": (lambda o, l: cp.lse_combine(o, l),
+                            (torch.randn(2, Hq, T, D, dtype=bf), torch.stack([mine[:, :Hq].T, other[:, :Hq].T]))),
+        "cp::gqa_paged_attention": (
+            lambda q, k, v, kc, vc, s, t, sl, qs: cp.gqa_paged_attention(q, k, v, kc, vc, s, t, sl, qs, 0.125),
+            (torch.randn(T, Hq, D, dtype=bf), torch.randn(T, Hkv, D, dtype=bf), torch.randn(T, Hkv, D, dtype=bf),
+             cache(torch.zeros, NB, BS, Hkv, D, dtype=bf), cache(torch.zeros, NB, BS, Hkv, D, dtype=bf), slots, table,
+             seq, qsl)),
+        "cp::mla_attention": (
+            lambda qn, qp, c, kp, kv, s, t, sl, qs: cp.mla_attention(qn, qp, c, kp, kv, s, t, sl, qs, 0.1),
+            (torch.randn(T, H, L, dtype=bf), torch.randn(T, H, R, dtype=bf), torch.randn(T, L, dtype=bf),
+             torch.randn(T, R, dtype=bf), cache(torch.zeros, NB, BS, L + R, dtype=bf), slots, table, seq, qsl)),
+        "cp::lightning_indexer": (
+            lambda qi, ki, w, ic, s, t, sl, qs: cp.lightning_indexer(qi, ki, w, ic, s, t, sl, qs, 4),
+            (torch.randn(T, 4, 32, dtype=bf), torch.randn(T, 32, dtype=bf), torch.randn(T, 4, dtype=bf),
+             cache(torch.zeros, NB, BS, 32, dtype=bf), slots, table, seq, qsl)),
+        "cp::sparse_mla_attention": (
+            lambda qn, qp, c, kp, kv, s, t, sl, qs, ti: cp.sparse_mla_attention(qn, qp, c, kp, kv, s, t, sl, qs, ti,
+                                                                                0.1),
+            (torch.randn(T, H, L, dtype=bf), torch.randn(T, H, R, dtype=bf), torch.randn(T, L, dtype=bf),
+             torch.randn(T, R, dtype=bf), cache(torch.zeros, NB, BS, L + R, dtype=bf), slots, table, seq, qsl,
+             torch.zeros(T, 4, dtype=torch.int32))),
+        "cp::sparse_mla_partial_attention": (
+            lambda qn, qp, c, t, qs, i: cp.sparse_mla_partial_attention(qn, qp, c, t, qs, i, 0.1),
+            (torch.randn(T, 2 * H, L, dtype=bf), torch.randn(T, 2 * H, R, dtype=bf),
+             cache(torch.randn, NB, BS, L + R, dtype=bf), table, qsl, torch.zeros(T, 4, dtype=torch.int32))),
+        "cp::dcp_sparse_indices": (lambda i: cp.dcp_sparse_indices(i, 2, 1, 1, BS),
+                                   (torch.tensor([[0, 5, 2, -1]] * T, dtype=torch.int32),)),
+        # DSA-CP: rank 1's 3 rows of the 6 tokens at tp 2 (rows 3..5, the last one padding).
+        "cp::lightning_indexer_topk_rows": (
+            lambda qi, ic, w, t, sl, qs: cp.lightning_indexer_topk_rows(qi, ic, w, t, sl, qs, 2, 1, 4),
+            (torch.randn(3, 4, 32, dtype=bf), cache(torch.zeros, NB, BS, 32, dtype=bf), torch.randn(3, 4, dtype=bf),
+             table, seq, qsl)),
+        "cp::sparse_mla_rows_attention": (
+            lambda qn, qp, c, t, sl, qs, i: cp.sparse_mla_rows_attention(qn, qp, c, t, sl, qs, i, 2, 1, 0.1),
+            (torch.randn(3, H, L, dtype=bf), torch.randn(3, H, R, dtype=bf),
+             cache(torch.randn, NB, BS, L + R, dtype=bf), table, seq, qsl, torch.zeros(3, 4, dtype=torch.int32))),
+        # W8A8 o_proj (ops/quant.py): int8 K-major weight [in, out], two activation groups
+        # (the DSA-CP full-weight o_proj at tp 2).
+        "cp::w8a8_dynamic_linear": (
+            lambda x, w, s, o: cp.w8a8_dynamic_linear(x, w, s, o, 2),
+            (torch.randn(T, 64, dtype=bf), torch.randint(-127, 128, (64, 32), dtype=torch.int8), torch.rand(32),
+             torch.zeros(32, dtype=torch.int32))),
+        "cp::w8a8_static_linear": (
+            lambda x, w, s, o, qb, dq: cp.w8a8_static_linear(x, w, s, o, qb, dq),
+            (torch.randn(T, 64, dtype=bf), torch.randint(-127, 128, (64, 32), dtype=torch.int8),
+             torch.tensor([0.02, 0.03]), torch.tensor([1, -2], dtype=torch.int32),
+             torch.zeros(2, 32, dtype=torch.int32), torch.rand(2, 32))),
+        # MLAPO (ops/mla_preprocess.py): q-LoRA 32, H heads of nope 16 + rope R, latent L, cache write;
+        # then into a second cache in HF DeepSeek-V2's bf16 rope (rotated in fp32, issue 27).
+        "cp::mla_preprocess": (
+            lambda x, qa, qan, qb, kva, kvn, wuk, c, s, kv, sl, kv2: cp.mla_preprocess(
+                x, qa, None, None, qan, qb, None, None, kva, None, None, kvn, wuk, c, s, kv, sl, 1e-6, 1e-6,
+                "interleave") + cp.mla_preprocess(
+                x, qa, None, None, qan, qb, None, None, kva, None, None, kvn, wuk, c, s, kv2, sl, 1e-6, 1e-6,
+                "interleave_fp32"),
+            (torch.randn(T, 64, dtype=bf), torch.randn(32, 64, dtype=bf), torch.ones(32, dtype=bf),
+             torch.randn(H * (16 + R), 32, dtype=bf), torch.randn(L + R, 64, dtype=bf), torch.ones(L, dtype=bf),
+             torch.randn(H, 16, L, dtype=bf), torch.rand(T, R // 2), torch.rand(T, R // 2),
+             cache(torch.zeros, NB, BS, L + R, dtype=bf), slots, cache(torch.zeros, NB, BS, L + R, dtype=bf))),
+        # Not a cp op: torchair's aten.constant_pad_nd converter refuses a symbolic pad,
+        # ops/ge/aten_pad.py converts it (PadV3), as the DSA-CP prefill graph's token pad
+        # needs (ops/parallel/dsa_cp.pad_tokens). Compiled with dynamic shapes (DYNAMIC_CASES):
+        # the token dim's pad (2 * ceil(T / 2) - T, pad_tokens' formula at tp 2) is a SymInt;
+        # the other dims' pads are static.
+        "aten::constant_pad_nd": (lambda x: torch.nn.functional.pad(
+            x, (1, 2, 0, 0, 0, (x.shape[0] + 1) // 2 * 2 - x.shape[0]), value=0.5),
+                                  (torch.randn(7, 3, 4, dtype=bf),)),
+    }
+
+
+# Op cases compiled with dynamic shapes (the others are static).
+DYNAMIC_CASES = {"aten::constant_pad_nd"}
+# Op graphs whose GE path rounds through bf16 where the FX kernel stays in fp32: compared
+# with bf16's tolerance, for the reason given.
+BF16_PATHS = {"cp::lse_combine": (torch.bfloat16, "AttentionUpdate's out has localOut's dtype (bf16 here; the page "
+                                                  "allows fp32 only on Atlas A3)")}
+
+
+def _unconverted_op() -> torch._ops.OpOverload:
+    """A custom op with no GE converter (negative case)."""
+    if not hasattr(torch.ops, "cp_check") or not hasattr(torch.ops.cp_check, "unconverted"):
+        @torch.library.custom_op("cp_check::unconverted", mutates_args=())
+        def unconverted(x: torch.Tensor) -> torch.Tensor:
+            return x * 2
+
+        @unconverted.register_fake
+        def _(x):
+            return torch.empty_like(x)
+    return torch.ops.cp_check.unconverted.default
+
+
+def _torchair_backend(dump: str | None) -> Callable[..., Any]:
+    import torchair
+
+    cfg = torchair.CompilerConfig()
+    cfg.mode = "max-autotune"
+    if dump:
+        cfg.debug.graph_dump.type = "pbtxt"
+        cfg.debug.graph_dump.path = dump
+    return torchair.get_npu_backend(compiler_config=cfg)
+
+
+def run_op_graphs(recorder: FxRecorder, dump: str | None, with_unconverted: bool,
+                  only: list[str] | None = None) -> list[GraphResult]:
+    results = []
+    # Every op the project defines (an op listed here but not defined yet is skipped).
+    cases = {k: v for k, v in op_cases().items() if not k.startswith("cp::") or hasattr(torch.ops.cp, k[4:])}
+    if with_unconverted:
+        op = _unconverted_op()
+        cases["cp_check::unconverted"] = (lambda x: op(x) + 1, (torch.randn(4, 4, dtype=torch.bfloat16),))
+    if only:
+        cases = {k: v for k, v in cases.items() if k in only or (with_unconverted and k == "cp_check::unconverted")}
+    from tools.ge_eval import probe
+
+    for name, (fn, args) in cases.items():
+        torch._dynamo.reset()
+        compiled = torch.compile(fn, backend=_torchair_backend(dump), fullgraph=True, dynamic=name in DYNAMIC_CASES)
+        probe.TOLERANCE_DTYPE = BF16_PATHS.get(name, (None, ""))[0]
+        results.append(compile_and_load(lambda: compiled(*args), f"op:{name}", recorder))
+        probe.TOLERANCE_DTYPE = None
+    return results
+
+
+# aten ops the project converts itself (ops/ge/aten_pad.py): the GE ops their op graph
+# must hold (GatherV2 builds PadV3's paddings from the symbolic pad: not torchair's converter).
+ATEN_GE_OPS = {"aten::constant_pad_nd": ("PadV3", "GatherV2")}
+
+
+def expect_op(r: GraphResult, op: str) -> list[str]:
+    from cp_compile.ops.ge import GE_OPS
+
+    problems = [f"{op}: GE graph lacks {t}" for t in {**GE_OPS, **ATEN_GE_OPS}[op] if t not in r.ge_ops]
+    if any("NO CONVERTER" in k for k in r.fx_targets):
+        problems.append(f"FX nodes without converter: {[k for k in r.fx_targets if 'NO CONVERTER' in k]}")
+    fia = r.attrs.get("FusedInferAttentionScore", [])
+    for a in fia:
+        if not a.get("softmax_lse_flag", False) and op != "cp::gqa_paged_attention" and op != "cp::mla_attention":
+            problems.append(f"{op}: FusedInferAttentionScore without softmax_lse_flag")
+    if op == "cp::paged_attention_lse" and fia and (fia[0].get("num_heads"), fia[0].get("num_key_value_heads"),
+                                                    fia[0].get("input_layout"), fia[0].get("block_size")) != (
+            8, 2, "BSND", 4):
+        problems.append(f"{op}: FusedInferAttentionScore attrs {fia[0]}")
+    if op == "cp::mla_partial_attention" and fia and (fia[0].get("num_heads"), fia[0].get("num_key_value_heads")) \
+            != (8, 1):
+        problems.append(f"{op}: FusedInferAttentionScore attrs {fia[0]}")
+    if op == "cp::sparse_mla_partial_attention" and \
+            not r.attrs.get("SparseFlashAttention", [{}])[0].get("return_softmax_lse"):
+        problems.append(f"{op}: SparseFlashAttention without return_softmax_lse")
+    if op == "cp::dcp_sparse_indices" and r.attrs.get("Sort", [{}])[0].get("stable") is not True:
+        problems.append(f"{op}: the compaction sort is not stable")
+    if op == "cp::lse_combine" and r.attrs.get("AttentionUpdate", [{}])[0] != {"update_type": 1, "sp": 2}:
+        problems.append(f"{op}: AttentionUpdate attrs {r.attrs.get('AttentionUpdate')}")
+    return problems
+
