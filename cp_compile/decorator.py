@@ -37,8 +37,8 @@ from cp_compile.config import PREFILL_KINDS, AttentionSpec, ConfigError, CPConfi
 from cp_compile.passes.context import RoleBinding, resolve_roles
 from cp_compile.lowering import Lowering, TorchairMode
 from cp_compile.metadata import AttentionMetadata, BatchKind, batch_kind, is_fresh, validate_forward_args
-from cp_compile.ops.pcp import pcp_token_index
-from cp_compile.ops.pcp_layout import pcp_token_table
+from cp_compile.ops.pcp.ops import pcp_token_index
+from cp_compile.ops.core.pcp_layout import pcp_token_table
 from cp_compile.parallel_state import ParallelState, parallel_state_or_none
 
 M = TypeVar("M", bound=type[nn.Module])

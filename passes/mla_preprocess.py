@@ -44,7 +44,7 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
-import cp_compile.ops.mla_preprocess  # noqa: F401  (registers cp::mla_preprocess)
+import cp_compile.ops.mla_preprocess.ops  # noqa: F401  (registers cp::mla_preprocess)
 from cp_compile.passes.context import CompileContext
 from cp_compile.passes.base import CPPass
 from cp_compile.passes.fx_utils import fake_value

@@ -24,7 +24,8 @@ asserts op types, attributes and shapes. Nothing is compiled by GE or run.
    the stand-in's `run`) and compared with its FX graph on the same inputs, outputs
    and mutated caches, every rank, under both readings of FIA's empty-row LSE
    (`tools/ge_eval/probe.py`); `CP_COMPILE_GE_CONVERTERS=DIR` loads converter copies
-   from DIR instead of ops/ge (the mutation test).
+   from DIR (each at its path below ops/: `catalog.converter_modules`) instead of the
+   library's (the mutation test).
 
     TORCH_DEVICE_BACKEND_AUTOLOAD=0 .venv-torchair/bin/python -m tools.ge_check [--json F] [--dump DIR]
 
@@ -228,23 +229,24 @@ def compile_and_load(fn: Callable[[], Any], name: str, recorder: _FxRecorder, ra
 
 # ----------------------------------------------------------------------------- converters under test
 
-# A folder holding (mutated) copies of ops/ge/*.py: loaded in place of the library's
-# converter modules, for the mutation test (tests/ops/test_ge_value_mutations.py).
+# A folder holding (mutated) copies of the GE converter modules, each at its path below
+# ops/ (`paged/ge.py`, `core/ge_util.py`, ...: `catalog.module_path`): loaded in place of
+# the library's converter modules, for the mutation test (tests/ops/test_ge_value_mutations.py).
 CONVERTERS_ENV = "CP_COMPILE_GE_CONVERTERS"
 
 
 def load_converters(folder: str | None) -> None:
-    """Import the converter modules from `folder` under their library names (so the
-    library's `register_converters` finds them already imported)."""
+    """Import the converter modules (`cp_compile.ops.core.catalog.converter_modules()`:
+    helpers first) from `folder` under their library names (so the library's
+    `register_converters` finds them already imported)."""
     if not folder:
         return
     import importlib.util
 
-    from cp_compile.ops import ge as ge_pkg
+    from cp_compile.ops.core.catalog import converter_modules, module_path
 
-    for name in ("_util",) + ge_pkg.MODULES + ge_pkg.ATEN_MODULES:
-        full = f"{ge_pkg.__name__}.{name}"
-        spec = importlib.util.spec_from_file_location(full, Path(folder) / f"{name}.py")
+    for full in converter_modules():
+        spec = importlib.util.spec_from_file_location(full, Path(folder) / module_path(full))
         module = importlib.util.module_from_spec(spec)
         sys.modules[full] = module
         spec.loader.exec_module(module)
@@ -268,12 +270,12 @@ def op_cases() -> dict[str, tuple[Callable[..., Any], tuple]]:
     mine[4:] = float("-inf")
     other[5] = float("-inf")
     cp = torch.ops.cp
-    from cp_compile.ops.scratch_block import mark_scratch_block
+    from cp_compile.ops.core.scratch_block import mark_scratch_block
 
     def cache(make, *shape, dtype):
         # A paged cache as allocate_kv_cache(..., scratch_block=True) makes it: its last
         # page (block NB - 1, named by no table and no slot here) is the scratch block
-        # the GE cache writes send slot -1 to (ops/scratch_block.py).
+        # the GE cache writes send slot -1 to (ops/core/scratch_block.py).
         t = make(*shape, dtype=dtype)
         mark_scratch_block(t)
         return t
@@ -329,7 +331,7 @@ def op_cases() -> dict[str, tuple[Callable[..., Any], tuple]]:
             lambda qn, qp, c, t, sl, qs, i: cp.sparse_mla_rows_attention(qn, qp, c, t, sl, qs, i, 2, 1, 0.1),
             (torch.randn(3, H, L, dtype=bf), torch.randn(3, H, R, dtype=bf),
              cache(torch.randn, NB, BS, L + R, dtype=bf), table, seq, qsl, torch.zeros(3, 4, dtype=torch.int32))),
-        # W8A8 o_proj (ops/quant.py): int8 K-major weight [in, out], two activation groups
+        # W8A8 o_proj (ops/quant/ops.py): int8 K-major weight [in, out], two activation groups
         # (the DSA-CP full-weight o_proj at tp 2).
         "cp::w8a8_dynamic_linear": (
             lambda x, w, s, o: cp.w8a8_dynamic_linear(x, w, s, o, 2),
@@ -340,7 +342,7 @@ def op_cases() -> dict[str, tuple[Callable[..., Any], tuple]]:
             (torch.randn(T, 64, dtype=bf), torch.randint(-127, 128, (64, 32), dtype=torch.int8),
              torch.tensor([0.02, 0.03]), torch.tensor([1, -2], dtype=torch.int32),
              torch.zeros(2, 32, dtype=torch.int32), torch.rand(2, 32))),
-        # MLAPO (ops/mla_preprocess.py): q-LoRA 32, H heads of nope 16 + rope R, latent L, cache write;
+        # MLAPO (ops/mla_preprocess/ops.py): q-LoRA 32, H heads of nope 16 + rope R, latent L, cache write;
         # then into a second cache in HF DeepSeek-V2's bf16 rope (rotated in fp32, issue 27).
         "cp::mla_preprocess": (
             lambda x, qa, qan, qb, kva, kvn, wuk, c, s, kv, sl, kv2: cp.mla_preprocess(
@@ -353,7 +355,7 @@ def op_cases() -> dict[str, tuple[Callable[..., Any], tuple]]:
              torch.randn(H, 16, L, dtype=bf), torch.rand(T, R // 2), torch.rand(T, R // 2),
              cache(torch.zeros, NB, BS, L + R, dtype=bf), slots, cache(torch.zeros, NB, BS, L + R, dtype=bf))),
         # Not a cp op: torchair's aten.constant_pad_nd converter refuses a symbolic pad,
-        # ops/ge/aten_pad.py converts it (PadV3), as the DSA-CP prefill graph's token pad
+        # ops/core/ge_aten_pad.py converts it (PadV3), as the DSA-CP prefill graph's token pad
         # needs (ops/parallel/dsa_cp.pad_tokens). Compiled with dynamic shapes (DYNAMIC_CASES):
         # the token dim's pad (2 * ceil(T / 2) - T, pad_tokens' formula at tp 2) is a SymInt;
         # the other dims' pads are static.
@@ -422,7 +424,7 @@ def run_mutations(spec: str, recorder: _FxRecorder) -> list[GraphResult]:
     dict keyed by op: registering again overrides), then that op's graph is checked.
     One process for every mutation (tests/ops/test_ge_value_mutations.py): one torch and
     torchair import instead of one per mutation."""
-    from cp_compile.ops import ge as ge_pkg
+    from cp_compile.ops.core import ge_registry as ge_pkg
 
     results = []
     for name, folder, op in json.loads(Path(spec).read_text()):
@@ -449,7 +451,7 @@ BUILDING_RANKS = (0, 1, 2, 3)  # all: the value check runs the TP all-reduce, wh
 # of 2 ranks (both build; the DCP group is the TP group).
 # The DSA-CP prefill graph (tp = 2, W8A8 o_proj through the o_proj pass). Its token pad is
 # `F.pad` by a symbolic amount -> aten.constant_pad_nd with a tensor pad, which torchair's own
-# converter refuses: ops/ge/aten_pad.py converts it (PadV3); the check runs a second step of
+# converter refuses: ops/core/ge_aten_pad.py converts it (PadV3); the check runs a second step of
 # another token-count parity with error_on_recompile (a torch.cat of zero rows instead of the
 # pad would guard on the pad being 0: a recompile per parity).
 SFA_CONFIGS = [("sfa", 2, "ag_rs"), ("sfa", 1, "dsa_cp")]
@@ -522,7 +524,7 @@ def _rank_main(rank: int, world: int, configs: list, dump: str | None) -> list[d
                     compiled(ids, meta.positions, layers, meta)
                     if dsa:
                         # DSA-CP pads the token dim to tp * ceil(T / tp) (aten.constant_pad_nd of
-                        # a symbolic amount, ops/ge/aten_pad.py): a second chunk of the same
+                        # a symbolic amount, ops/core/ge_aten_pad.py): a second chunk of the same
                         # requests with an odd T (7: pad 1, the first step's 10: pad 0) must
                         # reuse the graph. A recompile raises here, and a second GE graph fails
                         # compile_and_load ("expected one GE graph").
@@ -559,13 +561,13 @@ def run_model_graphs(dump: str | None, configs=None) -> list[GraphResult]:
 # ----------------------------------------------------------------------------- expectations
 
 
-# aten ops the project converts itself (ops/ge/aten_pad.py): the GE ops their op graph
+# aten ops the project converts itself (ops/core/ge_aten_pad.py): the GE ops their op graph
 # must hold (GatherV2 builds PadV3's paddings from the symbolic pad: not torchair's converter).
 ATEN_GE_OPS = {"aten::constant_pad_nd": ("PadV3", "GatherV2")}
 
 
 def expect_op(r: GraphResult, op: str) -> list[str]:
-    from cp_compile.ops.ge import GE_OPS
+    from cp_compile.ops.core.ge_registry import GE_OPS
 
     problems = [f"{op}: GE graph lacks {t}" for t in {**GE_OPS, **ATEN_GE_OPS}[op] if t not in r.ge_ops]
     if any("NO CONVERTER" in k for k in r.fx_targets):
@@ -726,7 +728,7 @@ def main(argv: list[str] | None = None) -> int:
     start = time.perf_counter()
     try:
         standin.install()
-        from cp_compile.ops.ge import GE_OPS, register_converters
+        from cp_compile.ops.core.ge_registry import GE_OPS, register_converters
         from tools.ge_eval import probe
 
         load_converters(os.environ.get(CONVERTERS_ENV))
@@ -757,8 +759,8 @@ def main(argv: list[str] | None = None) -> int:
         results += models
     # Ops declared without a GE converter (`ge=Absent(why)`: cp::pcp_token_index, a marker the
     # PCP pass removes before any lowering) are not expected to convert.
-    from cp_compile.ops.catalog import OPS
-    from cp_compile.ops.spec import Absent
+    from cp_compile.ops.core.catalog import OPS
+    from cp_compile.ops.core.spec import Absent
 
     no_ge = {d.name for d in OPS if isinstance(d.ge, Absent)}
     defined = sorted(f"cp::{n}" for n in dir(torch.ops.cp) if not n.startswith("_") and

@@ -25,7 +25,7 @@ import torch
 from torchair._ge_concrete_graph import ge_apis as ge
 from torchair.ge._ge_graph import Tensor
 
-from cp_compile.ops.ge._util import I32, I64, cast, const
+from cp_compile.ops.core.ge_util import I32, I64, cast, const
 
 
 def padv3_order(rank: int, pad_len: int) -> list[int]:

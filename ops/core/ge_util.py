@@ -1,4 +1,4 @@
-"""Small helpers shared by the GE converters (imported only when torchair is).
+"""Small helpers shared by the GE converters of every op family (imported only when torchair is).
 
 Shapes: converters see torchair `Tensor`s whose `.meta` is the FX fake value; a
 dim is a Python int when static and a SymInt when dynamic (the token count T,
@@ -121,3 +121,34 @@ def token_positions(query_start_loc: Tensor, seq_lens: Tensor, like: Tensor) -> 
     t = ge.Range(const(0, I64), ge.GatherV2(ge.Shape(like, dtype=I64), const(0, I64), const(0, I64)), const(1, I64))
     pos = ge.Add(ctx, ge.Sub(t, ge.GatherV2(qsl, req, const(0, I64))))
     return pos, req, valid, ctx
+
+
+# ----------------------------------------------------------------------------- cache writes
+# Every family that writes a paged cache in its GE graph (paged, sparse, mla_preprocess)
+# scatters the same way; why the scratch block: paged/ge_cache.py.
+
+
+def slot_indices(slot_mapping: Tensor, block_size: int) -> Tensor:
+    """[T] slots -> [T, 2] (block, offset) int64 indices into a [NB, BS, ...] cache."""
+    s = cast(slot_mapping, I64)
+    bs = const(block_size, I64)
+    return ge.Pack([ge.FloorDiv(s, bs), ge.FloorMod(s, bs)], N=2, axis=1)
+
+
+def scratch_slot(cache: Tensor) -> Tensor:
+    """The first slot of `cache`'s last page (its scratch block), int64 scalar."""
+    nb, bs = cache.meta.shape[0], int(cache.meta.shape[1])
+    if isinstance(nb, int):
+        return const((nb - 1) * bs, I64)
+    n = ge.GatherV2(ge.Shape(cache, dtype=I64), const(0, I64), const(0, I64))
+    return ge.Mul(ge.Sub(n, const(1, I64)), const(bs, I64))
+
+
+def scatter_into(cache: Tensor, new: Tensor, slot_mapping: Tensor) -> Tensor:
+    """cache[slot // BS, slot % BS] = new[t], in place (the returned tensor is the ref output).
+
+    A slot < 0 (writes nothing) goes to the scratch block, so every index is in range.
+    """
+    s = cast(slot_mapping, I64)
+    s = where(ge.GreaterEqual(s, const(0, I64)), s, scratch_slot(cache))  # -1 -> the scratch block
+    return ge.ScatterNdUpdate(cache, slot_indices(s, int(cache.meta.shape[1])), new)

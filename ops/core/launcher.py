@@ -1,26 +1,18 @@
-"""Triton kernels written once for Triton and Triton-Ascend (docs/architecture.md §8).
+"""Lazy access to the Triton kernels of the op families (docs/architecture.md §8).
 
 Importable without triton: `triton_available()` says whether the launchers can be
-used; touching a launcher without triton raises ImportError. Each launcher takes
-torch tensors and returns new tensors; CPU tensors run only under TRITON_INTERPRET=1
-(set before triton is first imported), which is how the tests check them.
+used. Each family's `launch.py` names its accelerator kernels with `lazy(module, name)`:
+the kernel module (`<family>/triton_*.py`, which imports triton) is imported on the
+first call, never at op registration, because importing triton fixes the
+TRITON_INTERPRET mode (read at @triton.jit decoration) and the tests set it first.
+Touching a launcher without triton raises ImportError. CPU tensors run only under
+TRITON_INTERPRET=1 (set before triton is first imported), which is how the tests
+check the kernels.
 
-- `paged_attention_with_lse_triton`  (paged_decode_lse.py)
-- `merge_partials_triton`, `lse_rescale_triton`  (lse_merge.py)
-- `local_slot_mapping_triton`  (localize_slots.py)
-- `paged_prefill_attention_lse_triton`  (paged_prefill.py: query-tiled prefill over a paged cache)
-- `cache_write_triton`  (cache_write.py)
-- `mla_preprocess_tail_triton`, `mla_preprocess_device`  (mla_preprocess_tail.py: MLAPO norm + rope + cache write)
-- `sparse_mla_rows_triton`  (sparse_mla.py)
-- `index_scores_triton`, `indexer_topk_rows`  (lightning_indexer.py)
-- `int8_matmul_triton`  (int8_matmul.py)
-
-and, next to each launcher, the `*_device` functions registered as the cp:: ops'
-accelerator kernels (declared by the op family modules, `kernels/launch.py` adapts the launchers).
-
-Each kernel module also declares `LOWERING` (`_common.LoweringDeclaration`): the
-launches the Triton-Ascend lowering check compiles (`python -m
-tools.ascend_check`, in .venv-ascend).
+Each kernel module declares `LOWERING` (`core/triton_common.LoweringDeclaration`):
+the launches the Triton-Ascend lowering check compiles (`python -m
+tools.ascend_check`, in .venv-ascend), which finds every `triton_*.py` of the
+family folders (`kernel_module_names()`).
 """
 
 from __future__ import annotations
@@ -28,32 +20,14 @@ from __future__ import annotations
 import functools
 import importlib
 import importlib.util
-from typing import Any
+import pkgutil
+from pathlib import Path
+from typing import Any, Callable
 
-_LAUNCHERS = {
-    "paged_attention_with_lse_triton": "paged_decode_lse",
-    "merge_partials_triton": "lse_merge",
-    "lse_rescale_triton": "lse_merge",
-    "local_slot_mapping_triton": "localize_slots",
-    "paged_prefill_attention_lse_triton": "paged_prefill",
-    "cache_write_triton": "cache_write",
-    "cache_write_device": "cache_write",
-    "sparse_mla_rows_triton": "sparse_mla",
-    "sparse_mla_partial_attention_device": "sparse_mla",
-    "sparse_mla_rows_attention_device": "sparse_mla",
-    "sparse_mla_attention_device": "sparse_mla",
-    "index_scores_triton": "lightning_indexer",
-    "indexer_topk_rows": "lightning_indexer",
-    "lightning_indexer_device": "lightning_indexer",
-    "lightning_indexer_topk_rows_device": "lightning_indexer",
-    "int8_matmul_triton": "int8_matmul",
-    "w8a8_dynamic_linear_device": "int8_matmul",
-    "mla_preprocess_tail_triton": "mla_preprocess_tail",
-    "mla_preprocess_device": "mla_preprocess_tail",
-    "w8a8_static_linear_device": "int8_matmul",
-}
-
-__all__ = ["triton_available", *_LAUNCHERS]
+# The op packages below cp_compile.ops (core/ and parallel/ hold no kernels of their own
+# except core's shared cache write, found by its triton_ prefix like the rest).
+_OPS_DIR = Path(__file__).resolve().parents[1]
+_OPS_PACKAGE = __name__.rsplit(".", 2)[0]  # cp_compile.ops
 
 
 @functools.lru_cache(maxsize=None)
@@ -70,18 +44,32 @@ def triton_available() -> bool:
         return False
 
 
-def __getattr__(name: str) -> Any:
-    # Lazy: importing cp_compile.ops.kernels must not import triton (nor fix the
-    # TRITON_INTERPRET mode) until a launcher is actually asked for.
-    module = _LAUNCHERS.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    if not triton_available():
-        raise ImportError(f"{name} needs triton (pip install triton, or triton-ascend on NPU)")
-    value = getattr(importlib.import_module(f"{__name__}.{module}"), name)
-    globals()[name] = value
-    return value
+def lazy(module: str, name: str) -> Callable[..., Any]:
+    """The function `name` of the kernel module `module` (dotted), fetched (and triton
+    imported) on first call, not at registration. Its `__module__` / `__name__` are
+    where the function lives (the op table of docs/architecture.md §4 prints them)."""
+    fetched: list[Callable[..., Any]] = []
+
+    def call(*args: Any, **kwargs: Any) -> Any:
+        if not fetched:
+            if not triton_available():
+                raise ImportError(f"{name} needs triton (pip install triton, or triton-ascend on NPU)")
+            fetched.append(getattr(importlib.import_module(module), name))
+        return fetched[0](*args, **kwargs)
+
+    call.__name__ = name
+    call.__qualname__ = name
+    call.__module__ = module
+    return call
 
 
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(__all__))
+def kernel_module_names() -> list[str]:
+    """Dotted names of every Triton kernel module: `triton_*.py` in an op family folder
+    (and core/'s shared ones), sorted. Found by name, so a new kernel file is checked
+    (ascend_check, aot_cuda_check) without being listed anywhere."""
+    names = []
+    for package in sorted(p for p in _OPS_DIR.iterdir() if (p / "__init__.py").exists()):
+        for info in pkgutil.iter_modules([str(package)]):
+            if info.name.startswith("triton_") and info.name != "triton_common":
+                names.append(f"{_OPS_PACKAGE}.{package.name}.{info.name}")
+    return sorted(names)

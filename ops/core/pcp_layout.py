@@ -10,7 +10,7 @@ Padding tokens (at or past query_start_loc[-1]) belong to no rank: on one device
 they produce zeros, and whoever puts the outputs back in global order fills zeros.
 
 KV layout. The cached context is sharded over the whole context-parallel world of
-N = pcp * dcp ranks with the DCP rule of docs/architecture.md §5 (`ops/layout.py`,
+N = pcp * dcp ranks with the DCP rule of docs/architecture.md §5 (`ops/core/layout.py`,
 called with dcp=N, rank=cp rank); the context-parallel rank of (pcp_rank, dcp_rank)
 is `pcp_rank * dcp + dcp_rank`. Why that order: world ranks are pcp-major
 (rank = pcp_rank * tp + tp_rank, `parallel_state.py`) and DCP ranks are consecutive
@@ -19,7 +19,7 @@ pcp*dcp global ranks that share its KV heads: a process group over them (the DCP
 decode group at N = pcp*dcp) has group rank == cp rank, and a DCP decode with
 `DCPContext(group=<the cp group: N ranks, group rank = cp rank>)` reads the shards the PCP prefill wrote, in place.
 
-Keyword-only parameters, in the order of `ops/layout.py` with `pcp` first:
+Keyword-only parameters, in the order of `ops/core/layout.py` with `pcp` first:
 `pcp, dcp, rank, interleave, block_size` (each function takes the ones it needs).
 """
 
@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import torch
 
-from cp_compile.ops.layout import request_index
+from cp_compile.ops.core.layout import request_index
 
 
 def cp_size(*, pcp: int, dcp: int) -> int:

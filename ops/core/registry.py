@@ -1,11 +1,11 @@
 """Register every cp:: op's declared accelerator kernels, at one moment (`import cp_compile.ops`).
 
-The kernels are the ones each op family module declares (`OPS`, ops/spec.py): CUDA
+The kernels are the ones each op family declares (`OPS`, core/spec.py): CUDA
 (and, with torch_npu, the NPU: a torch_npu fused op where declared, else the CUDA
 entry through triton-ascend).
 
 CPU runs the torch reference, or the op's declared CPU kernel (`OpDecl.cpu`:
-pure torch, `ops/cpu_attention.py`), so a CPU `torch.compile` never traces into
+pure torch, e.g. `paged/cpu.py`), so a CPU `torch.compile` never traces into
 Triton. Registration itself imports no triton: each kernel body fetches its
 launcher on first call. Every `cp::` op gets an accelerator kernel: its device
 kernel, or, when it has none (or triton is not installed), a kernel that raises
@@ -18,11 +18,10 @@ from __future__ import annotations
 
 import torch
 
-from cp_compile.ops import kernels
-from cp_compile.ops.attention import SINGLE_DEVICE_ATTENTION_OPS
-from cp_compile.ops.catalog import OPS
-from cp_compile.ops.sharded_cache import SINGLE_DEVICE_OP_RUNS, refuse_sharded
-from cp_compile.ops.spec import Absent, TritonAscend
+from cp_compile.ops.core.catalog import OPS, SINGLE_DEVICE_ATTENTION_OPS
+from cp_compile.ops.core.launcher import triton_available
+from cp_compile.ops.core.sharded_cache import SINGLE_DEVICE_OP_RUNS, refuse_sharded
+from cp_compile.ops.core.spec import Absent, TritonAscend
 
 _REGISTERED: list[str] = []
 
@@ -94,7 +93,7 @@ def device_types() -> list[str]:
 
 def _refusing_sharded_caches(op: str, fn):
     """A single-device attention op's device kernel, refusing a DCP / PCP-sharded
-    cache first (as the CPU reference does in `check_paged_step`; issue 19)."""
+    cache first (as the CPU reference does in `core/paged_cache.check_paged_step`; issue 19)."""
     schema = getattr(torch.ops.cp, op.split("::", 1)[1]).default._schema
     written = [(i, a.name) for i, a in enumerate(schema.arguments)
                if a.alias_info is not None and a.alias_info.is_write]
@@ -112,7 +111,7 @@ def register_device_kernels() -> list[str]:
     """Idempotent; returns the '<op>@<device>' registrations made (refusals included)."""
     if _REGISTERED:
         return _REGISTERED
-    triton_ok = kernels.triton_available()
+    triton_ok = triton_available()
     for decl in OPS:
         if callable(decl.cpu):
             torch.library.register_kernel(decl.name, "cpu", decl.cpu)

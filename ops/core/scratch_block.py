@@ -5,7 +5,7 @@ in eager mode, the Triton kernels and the references: they skip it. A GE graph
 (torchair max-autotune) cannot skip a row of one ScatterNdUpdate without a
 data-dependent shape, and CANN's aclnnScatterNdUpdate page says out-of-range indices
 are unsupported ("indices中的索引数据不支持越界"), so block -1 is not an option there.
-The GE converters (`ops/ge/cache.py`) therefore write those rows into the cache's
+The GE converters (`ops/paged/ge_cache.py`) therefore write those rows into the cache's
 LAST block, the scratch block: `allocate_kv_cache(..., scratch_block=True)` allocates
 `num_blocks + 1` pages and marks the storage here; the allocator
 (`BlockAllocator(num_blocks)`) never hands out block `num_blocks`, and the step

@@ -1,19 +1,21 @@
 """How an op family declares its ops: one `OpDecl` per `cp::` op (docs/architecture.md §12).
 
-An op lives in its family module (`attention`, `dcp`, `dsa_cp`, `quant`): the
-`torch.library.custom_op` (its schema), its `register_fake` (the fake), its body
-(the torch reference: the CPU kernel and the tests' oracle, built from
-`ops/reference.py`), and, at the end of the module, its declaration in `OPS`:
+An op lives in its family folder (`paged/`, `merge/`, `sparse/`, `quant/`,
+`mla_preprocess/`, `pcp/`), in the family's op module (`ops.py`; the sparse family
+also `dsa_cp.py`): the `torch.library.custom_op` (its schema), its `register_fake`
+(the fake), its body (the torch reference: the CPU kernel and the tests' oracle,
+built from the family's `reference.py`), and, at the end of the module, its
+declaration in `OPS`:
 
     OpDecl(lse_combine,
            cuda=launch.lse_combine,           # Triton kernel adapter, same signature as the op
-           npu=npu_fused.lse_combine,         # torch_npu fused op, or TRITON_ASCEND, or Absent(why)
-           ge=GE("merge", "AttentionUpdate"),  # ge/merge.py: convert_lse_combine; the GE ops it emits
+           npu=npu._lse_combine,              # torch_npu fused op, or TRITON_ASCEND, or Absent(why)
+           ge=GE("ge", "AttentionUpdate"),    # merge/ge.py: convert_lse_combine; the GE ops it emits
            profile="dcp_local")               # benchmark profile bucket
 
 A piece that does not exist is `Absent("why")`, never left out.
-`ops/catalog.py` collects every family's `OPS` and registers the kernels at one
-moment (`import cp_compile.ops`); `tests/ops/test_op_catalog.py` walks every `cp::`
+`core/catalog.py` collects every family's `OPS` and `core/registry.py` registers the
+kernels at one moment (`import cp_compile.ops`); `tests/ops/test_op_catalog.py` walks every `cp::`
 op and fails on a missing declaration, a piece without a reason, or a GE converter
 not where its declaration says; the op table of docs/architecture.md §4 is
 generated from the declarations (`python -m tools.op_table --write`).
@@ -58,9 +60,10 @@ REFERENCE = Reference()
 
 @dataclass(frozen=True, init=False)
 class GE:
-    """The op's torchair GE converter: `convert_<op name>` in `cp_compile.ops.ge.<module>`
-    (registered by `ge.register_converters`), and the GE op types its converted graph
-    contains (the GE check asserts them)."""
+    """The op's torchair GE converter: `convert_<op name>` in the module `module` of the
+    op's family folder (`cp_compile.ops.<family>.<module>`, `OpDecl.ge_module`;
+    registered by `core/ge_registry.register_converters`), and the GE op types its
+    converted graph contains (the GE check asserts them)."""
 
     module: str
     emits: tuple[str, ...]
@@ -87,10 +90,10 @@ class OpDecl:
     ge:   the torchair GE converter (NPU graph mode, `max-autotune`) or Absent.
     profile: the benchmark bucket of the op's time.
     cpu:  the CPU kernel: REFERENCE (the body serves CPU too) or a faster torch
-          implementation with the op's signature (`ops/cpu_attention.py`); the body stays
+          implementation with the op's signature (`paged/cpu.py`); the body stays
           the oracle the tests compare it with (issue 26).
     An Absent kernel is registered as a refusal that names the op and the reason
-    (`kernels.registry.MissingDeviceKernel`), never as a silent fallback to the reference.
+    (`core/registry.MissingDeviceKernel`), never as a silent fallback to the reference.
     """
 
     op: Any  # the torch.library CustomOpDef (schema, fake and body)
@@ -104,3 +107,17 @@ class OpDecl:
     def name(self) -> str:
         """'cp::op_name'."""
         return self.op._qualname
+
+    @property
+    def family(self) -> str:
+        """The dotted package of the op's family folder ('cp_compile.ops.paged'): the
+        package of the module that defines the op."""
+        return self.op._init_fn.__module__.rsplit(".", 1)[0]
+
+    @property
+    def ge_module(self) -> str:
+        """The dotted module holding the op's GE converter (its family folder's
+        `GE.module`); raises ValueError for an op without one."""
+        if not isinstance(self.ge, GE):
+            raise ValueError(f"{self.name} has no GE converter: {self.ge}")
+        return f"{self.family}.{self.ge.module}"

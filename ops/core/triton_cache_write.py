@@ -4,7 +4,7 @@ One work item is (token, column block of the flattened row); a slot of -1
 (padding, or a token another DCP rank stores) writes nothing. No boolean-mask
 indexing (the reference's `slot_mapping[keep]` has a data-dependent size, i.e. a
 host sync), so it captures in a CUDA graph / aclgraph. Torch oracle:
-`cp_compile.ops.reference.write_cache`.
+`cp_compile.ops.core.paged_cache.write_cache`.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from cp_compile.ops.kernels._common import (
+from cp_compile.ops.core.triton_common import (
     LoweringDeclaration,
     grid_size,
     kernel_for,

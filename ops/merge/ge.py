@@ -1,4 +1,4 @@
-"""GE converters: the two LSE merges.
+"""GE converters of the merge family: the two LSE merges.
 
 - `cp::lse_combine` (after the all-to-all; chunked-prefill combine) -> CANN's
   `AttentionUpdate` (torch_npu `npu_attention_update`, the op vLLM-Ascend's DCP
@@ -14,7 +14,7 @@
 Strict as the reference (decision 47): only -inf is empty; a NaN or +inf LSE makes
 its row NaN, selected explicitly (not left to how ReduceMax / AttentionUpdate treat
 NaN on the device). FIA's +inf reading of a row without keys (docs/torchair.md) is
-mapped to -inf where FIA's LSE enters (`fia_lse`), not here.
+mapped to -inf where FIA's LSE enters (`paged/ge.fia_lse`), not here.
 """
 
 from __future__ import annotations
@@ -24,17 +24,7 @@ from typing import Any
 from torchair._ge_concrete_graph import ge_apis as ge
 from torchair.ge._ge_graph import Tensor
 
-from cp_compile.ops.ge._util import F32, I64, cast, const, dims, reshape, where
-
-
-def fia_lse(lse: Tensor) -> Tensor:
-    """FIA's LSE with its +inf reading of a row without keys made -inf (empty).
-
-    CANN's FIA page calls inf LSE data "invalid" and does not say what a row without
-    keys gives; the check evaluates -inf and +inf there (docs/torchair.md). That
-    reading is handled here, at the FIA boundary only: a NaN passes, and the merges
-    make its row NaN (decision 47)."""
-    return where(ge.Equal(lse, const(float("inf"), F32)), const(float("-inf"), F32), lse)
+from cp_compile.ops.core.ge_util import F32, I64, cast, const, dims, reshape, where
 
 
 def invalid(lse: Tensor) -> Tensor:

@@ -8,7 +8,7 @@ Two kernels, one per communication strategy:
 Empty shards (lse -inf) weigh 0 and an all-empty row is 0, never NaN; a NaN or +inf
 LSE is invalid and makes its row NaN (strict, decision 47: not read as empty). The max
 is taken before any sum, so the result does not depend on shard order beyond fp32
-rounding. Torch oracle: `cp_compile.ops.reference.merge_partials`.
+rounding. Torch oracle: `cp_compile.ops.merge.reference.merge_partials`.
 """
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ import torch
 import triton
 import triton.language as tl
 
-from cp_compile.ops.kernels import launch
-from cp_compile.ops.kernels._common import (
+from cp_compile.ops.merge import launch as merge_launch
+from cp_compile.ops.core.triton_common import (
     LoweringDeclaration,
     grid_size,
     kernel_for,
@@ -267,9 +267,9 @@ def _lowering_examples():
                 name = f"Dv {dv} {str(dtype)[6:]} {n_rows} rows"
                 outs = torch.empty(2, n_rows, 1, dv, dtype=dtype)
                 lses = torch.empty(2, n_rows, 1)
-                yield f"lse_combine {name}", functools.partial(launch.lse_combine, outs, lses)
+                yield f"lse_combine {name}", functools.partial(merge_launch.lse_combine, outs, lses)
                 yield (f"lse_rescale {name}",
-                       functools.partial(launch.lse_rescale, outs[0], lses[0], lses.permute(0, 2, 1).reshape(-1, n_rows)))
+                       functools.partial(merge_launch.lse_rescale, outs[0], lses[0], lses.permute(0, 2, 1).reshape(-1, n_rows)))
         # Without lse_out (WRITE_LSE=False): the launchers' default.
         outs, lses = torch.empty(2, cap, 1, dv), torch.empty(2, cap, 1)
         yield f"merge_partials Dv {dv} no lse_out", functools.partial(merge_partials_triton, outs, lses)

@@ -24,7 +24,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from cp_compile.ops import mla_preprocess_reference as ref
+from cp_compile.ops.mla_preprocess import reference as ref
 
 
 def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
@@ -81,7 +81,7 @@ def mla_preprocess_cpu(x: Tensor, q_a_weight: Tensor | None, q_a_scale: Tensor |
                        kv_cache: Tensor | None, slot_mapping: Tensor | None, q_eps: float, kv_eps: float,
                        rope_mode: str) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """-> (q_abs [T, H, L], q_pe [T, H, R], kv_c [T, L], k_pe [T, R], q_resid); arguments as the op's
-    (already checked by the caller, `ops/mla_preprocess.py`)."""
+    (already checked by the caller, `ops/mla_preprocess/ops.py`)."""
     T = x.shape[0]
     H, nope, L = w_uk.shape
     if q_a_weight is not None:

@@ -1,4 +1,4 @@
-"""GE converter: `cp::mla_preprocess` (MLAPO, ops/mla_preprocess.py) from GE primitives.
+"""GE converter: `cp::mla_preprocess` (MLAPO, ops/mla_preprocess/ops.py) from GE primitives.
 
 CANN has a fused MLA prolog (`aclnnMlaProlog` / `MlaPrologV2` / V3, torch_npu's
 `npu_mla_prolog[_v2|_v3]`): x -> W^DQ -> RmsNorm -> W^UQ, W^UK (q^N) and W^QR + rope
@@ -18,7 +18,7 @@ Its semantics do not fit this op's, so the converter is built from primitives:
   weights' rope columns permuted at load (vLLM-Ascend does this) — a weight
   re-layout the graph rewrite cannot do on a parameter it does not own.
 
-The NPU eager kernel (ops/kernels/npu_mla_prolog.py) does call `npu_mla_prolog_v3`
+The NPU eager kernel (ops/mla_preprocess/npu.py) does call `npu_mla_prolog_v3`
 where the shapes fit and the cache is split. Here: MatMulV2 (float linears; the
 W8A8 ones reuse the W8A8 converter), RMSNorm as Cast / Mul / ReduceMeanD / Add /
 Rsqrt, rope by GatherV2 of the pair halves and one GatherV2 to the output layout,
@@ -34,9 +34,9 @@ from typing import Any
 from torchair._ge_concrete_graph import ge_apis as ge
 from torchair.ge._ge_graph import Tensor
 
-from cp_compile.ops.ge._util import F32, I64, cast, const, dims, ge_dtype, reshape
-from cp_compile.ops.ge.cache import scatter_into
-from cp_compile.ops.ge.quant import convert_w8a8_dynamic_linear
+from cp_compile.ops.core.ge_util import F32, I64, cast, const, dims, ge_dtype, reshape
+from cp_compile.ops.core.ge_util import scatter_into
+from cp_compile.ops.quant.ge import convert_w8a8_dynamic_linear
 
 
 def _linear(x: Tensor, weight: Tensor, scale: Tensor | None, offset: Tensor | None) -> Tensor:

@@ -23,8 +23,8 @@ from __future__ import annotations
 
 import torch
 
-from cp_compile.ops import kernels
-from cp_compile.ops import mla_preprocess_reference as ref
+from cp_compile.ops.mla_preprocess import launch
+from cp_compile.ops.mla_preprocess import reference as ref
 
 
 def _fits(x, q_a_weight, q_a_scale, q_b_scale, kv_a_scale, kv_cache, rope_mode) -> bool:
@@ -36,9 +36,9 @@ def mla_preprocess_npu(x, q_a_weight, q_a_scale, q_a_offset, q_a_norm, q_b_weigh
                        kv_a_weight, kv_a_scale, kv_a_offset, kv_norm, w_uk, cos, sin, kv_cache, slot_mapping,
                        q_eps, kv_eps, rope_mode):
     if not _fits(x, q_a_weight, q_a_scale, q_b_scale, kv_a_scale, kv_cache, rope_mode):
-        return kernels.mla_preprocess_device(x, q_a_weight, q_a_scale, q_a_offset, q_a_norm, q_b_weight, q_b_scale,
-                                             q_b_offset, kv_a_weight, kv_a_scale, kv_a_offset, kv_norm, w_uk, cos,
-                                             sin, kv_cache, slot_mapping, q_eps, kv_eps, rope_mode)
+        return launch.mla_preprocess(x, q_a_weight, q_a_scale, q_a_offset, q_a_norm, q_b_weight, q_b_scale,
+                                     q_b_offset, kv_a_weight, kv_a_scale, kv_a_offset, kv_norm, w_uk, cos,
+                                     sin, kv_cache, slot_mapping, q_eps, kv_eps, rope_mode)
     import torch_npu
 
     T = x.shape[0]

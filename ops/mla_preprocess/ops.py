@@ -15,12 +15,11 @@ dynamic (int8 weight: pass its scale and offset). The `mla_preprocess` pass
 write is folded in where the graph writes the latent of exactly these tokens
 (DCP / SFA DCP / DSA-CP: the local write; one device: the attention's own write).
 
-Kernels: the torch reference (every device's oracle), the CPU kernel
-(`ops/mla_preprocess_cpu.py`: the same values without the reference's copies), the Triton kernel for the
-norm + rope + cache-write tail on CUDA (`ops/kernels/mla_preprocess_tail.py`, the
-GEMMs stay library GEMMs), torch_npu's fused MLA prolog on the NPU
-(`ops/kernels/npu_mla_prolog.py`, untested), and the GE converter
-(`ops/ge/mla_preprocess.py`).
+Kernels (this folder): the torch reference (`reference.py`, every device's oracle),
+the CPU kernel (`cpu.py`: the same values without the reference's copies), the Triton
+kernel for the norm + rope + cache-write tail on CUDA (`triton_tail.py`, the GEMMs
+stay library GEMMs), torch_npu's fused MLA prolog on the NPU (`npu.py`, untested),
+and the GE converter (`ge.py`).
 """
 
 from __future__ import annotations
@@ -28,11 +27,11 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from cp_compile.ops import mla_preprocess_reference as ref
-from cp_compile.ops.mla_preprocess_cpu import mla_preprocess_cpu
-from cp_compile.ops.kernels import launch
-from cp_compile.ops.kernels.npu_mla_prolog import mla_preprocess_npu
-from cp_compile.ops.spec import GE, OpDecl
+from cp_compile.ops.core.spec import GE, OpDecl
+from cp_compile.ops.mla_preprocess import launch
+from cp_compile.ops.mla_preprocess import reference as ref
+from cp_compile.ops.mla_preprocess.cpu import mla_preprocess_cpu
+from cp_compile.ops.mla_preprocess.npu import mla_preprocess_npu
 
 ROPE_MODES = ref.ROPE_MODES
 
@@ -95,7 +94,7 @@ def mla_preprocess(
 def _mla_preprocess_cpu(x, q_a_weight, q_a_scale, q_a_offset, q_a_norm, q_b_weight, q_b_scale, q_b_offset,
                         kv_a_weight, kv_a_scale, kv_a_offset, kv_norm, w_uk, cos, sin, kv_cache, slot_mapping,
                         q_eps, kv_eps, rope_mode):
-    """The CPU kernel (ops/mla_preprocess_cpu.py: the body's values without its copies), checked as the body."""
+    """The CPU kernel (ops/mla_preprocess/cpu.py: the body's values without its copies), checked as the body."""
     check_args(x, q_a_weight, q_a_norm, q_b_weight, kv_a_weight, kv_norm, w_uk, cos, kv_cache, slot_mapping,
                rope_mode)
     return mla_preprocess_cpu(x, q_a_weight, q_a_scale, q_a_offset, q_a_norm, q_b_weight, q_b_scale, q_b_offset,
@@ -119,9 +118,9 @@ def _mla_preprocess_fake(x, q_a_weight, q_a_scale, q_a_offset, q_a_norm, q_b_wei
             x.new_empty(T, q_lora))
 
 
-# ----------------------------------------------------------------------------- declarations (ops/spec.py)
+# ----------------------------------------------------------------------------- declarations (core/spec.py)
 OPS = (
-    OpDecl(mla_preprocess, cuda=launch.lazy("mla_preprocess_device"), npu=mla_preprocess_npu,
-           ge=GE("mla_preprocess", "MatMulV2", "Rsqrt", "BatchMatMulV2", "ScatterNdUpdate"), profile="other",
+    OpDecl(mla_preprocess, cuda=launch.mla_preprocess, npu=mla_preprocess_npu,
+           ge=GE("ge", "MatMulV2", "Rsqrt", "BatchMatMulV2", "ScatterNdUpdate"), profile="other",
            cpu=_mla_preprocess_cpu),
 )

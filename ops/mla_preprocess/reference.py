@@ -32,7 +32,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from cp_compile.ops import quant_reference, reference
+from cp_compile.ops.quant import reference as quant_reference
+from cp_compile.ops.core import paged_cache
 
 ROPE_MODES = ("interleave", "interleave_split", "neox", "interleave_fp32")
 
@@ -106,5 +107,5 @@ def mla_preprocess(x: Tensor, q_a_weight: Tensor | None, q_a_scale: Tensor | Non
     k_pe = rope(k_pe[:, None, :], cos, sin, rope_mode)[:, 0]  # [T, R]
     q_abs = torch.einsum("thn,hnl->thl", q_nope, w_uk)  # [T, H, L]
     if kv_cache is not None:
-        (write or reference.write_cache)(kv_cache, torch.cat([kv_c, k_pe], dim=-1), slot_mapping)
+        (write or paged_cache.write_cache)(kv_cache, torch.cat([kv_c, k_pe], dim=-1), slot_mapping)
     return q_abs.contiguous(), q_pe.contiguous(), kv_c.contiguous(), k_pe.contiguous(), q_resid

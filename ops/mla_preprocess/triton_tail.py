@@ -23,10 +23,16 @@ import torch
 import triton
 import triton.language as tl
 
-from cp_compile.ops import mla_preprocess as mla
-from cp_compile.ops import mla_preprocess_reference as ref
-from cp_compile.ops.kernels._common import LoweringDeclaration, grid_size, kernel_for, next_pow2, require_int32_offsets
-from cp_compile.ops.kernels.int8_matmul import w8a8_dynamic_linear_device
+from cp_compile.ops.mla_preprocess import ops as mla
+from cp_compile.ops.mla_preprocess import reference as ref
+from cp_compile.ops.core.triton_common import (
+    LoweringDeclaration,
+    grid_size,
+    kernel_for,
+    next_pow2,
+    require_int32_offsets,
+)
+from cp_compile.ops.quant.triton_int8_matmul import w8a8_dynamic_linear_device
 
 # rope_mode -> (pairs in, split out, rotate in fp32)
 _PAIRS = {"interleave": (True, False, False), "interleave_split": (True, True, False), "neox": (False, True, False),

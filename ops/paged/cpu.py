@@ -44,8 +44,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from cp_compile.ops import cpu_decode
-from cp_compile.ops.layout import request_index
+from cp_compile.ops.paged import cpu_decode
+from cp_compile.ops.core.layout import request_index
 
 _flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 

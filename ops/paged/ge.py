@@ -28,11 +28,20 @@ from typing import Any
 from torchair._ge_concrete_graph import ge_apis as ge
 from torchair.ge._ge_graph import Tensor
 
-from cp_compile.ops.ge._util import I32, I64, cast, const, dims, request_of_token, reshape, token_positions, where
-from cp_compile.ops.ge.cache import scatter_into
-from cp_compile.ops.ge.merge import fia_lse
+from cp_compile.ops.core.ge_util import (F32, I32, I64, cast, const, dims, request_of_token, reshape, scatter_into,
+                                         token_positions, where)
 
 MAX_INT32 = 2147483647
+
+
+def fia_lse(lse: Tensor) -> Tensor:
+    """FIA's LSE with its +inf reading of a row without keys made -inf (empty).
+
+    CANN's FIA page calls inf LSE data "invalid" and does not say what a row without
+    keys gives; the check evaluates -inf and +inf there (docs/torchair.md). That
+    reading is handled here, at the FIA boundary only: a NaN passes, and the merges
+    make its row NaN (decision 47)."""
+    return where(ge.Equal(lse, const(float("inf"), F32)), const(float("-inf"), F32), lse)
 
 
 def _paged_per_token(q: Tensor, q_like: Tensor, k_cache: Tensor, v_cache: Tensor, block_table: Tensor, query_start_loc: Tensor,

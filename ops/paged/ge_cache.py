@@ -1,14 +1,15 @@
-"""GE converters: metadata localisation and cache writes.
+"""GE converters of the paged family: metadata localisation and cache writes.
 
 - `cp::dcp_localize_metadata` -> a composition of GE primitives (FloorDiv, FloorMod,
   Mul, Add, Minimum/Maximum, Equal, LogicalAnd, SelectV2, GatherV2, Range, Cast):
-  the formulas of `ops/layout.py`, once per graph. No fused CANN op does this.
-- `cp::cache_write` -> `ScatterNdUpdate(cache, [slot // BS, slot % BS], new)`, the
+  the formulas of `core/layout.py`, once per graph. No fused CANN op does this.
+- `cp::cache_write` -> `ScatterNdUpdate(cache, [slot // BS, slot % BS], new)`
+  (`core/ge_util.scatter_into`, which every family's cache write uses), the
   in-place scatter torch_npu exposes as `npu_scatter_nd_update_` (the way
   vLLM-Ascend writes MLA caches in torchair graph mode). Tokens whose local slot
   is -1 (owned by another DCP rank, or padding) write nothing in eager mode; here
   they are written to the cache's scratch block (its last page,
-  `ops/scratch_block.py`: `allocate_kv_cache(..., scratch_block=True)`), because
+  `core/scratch_block.py`: `allocate_kv_cache(..., scratch_block=True)`), because
   CANN's aclnnScatterNdUpdate page says out-of-range indices are unsupported
   ("indices中的索引数据不支持越界") and one scatter cannot skip a row without a
   data-dependent shape. No block table names the scratch block, so nothing reads
@@ -22,33 +23,7 @@ from typing import Any
 from torchair._ge_concrete_graph import ge_apis as ge
 from torchair.ge._ge_graph import Tensor
 
-from cp_compile.ops.ge._util import I32, I64, cast, const, local_len, token_positions, where
-
-
-def slot_indices(slot_mapping: Tensor, block_size: int) -> Tensor:
-    """[T] slots -> [T, 2] (block, offset) int64 indices into a [NB, BS, ...] cache."""
-    s = cast(slot_mapping, I64)
-    bs = const(block_size, I64)
-    return ge.Pack([ge.FloorDiv(s, bs), ge.FloorMod(s, bs)], N=2, axis=1)
-
-
-def scratch_slot(cache: Tensor) -> Tensor:
-    """The first slot of `cache`'s last page (its scratch block), int64 scalar."""
-    nb, bs = cache.meta.shape[0], int(cache.meta.shape[1])
-    if isinstance(nb, int):
-        return const((nb - 1) * bs, I64)
-    n = ge.GatherV2(ge.Shape(cache, dtype=I64), const(0, I64), const(0, I64))
-    return ge.Mul(ge.Sub(n, const(1, I64)), const(bs, I64))
-
-
-def scatter_into(cache: Tensor, new: Tensor, slot_mapping: Tensor) -> Tensor:
-    """cache[slot // BS, slot % BS] = new[t], in place (the returned tensor is the ref output).
-
-    A slot < 0 (writes nothing) goes to the scratch block, so every index is in range.
-    """
-    s = cast(slot_mapping, I64)
-    s = where(ge.GreaterEqual(s, const(0, I64)), s, scratch_slot(cache))  # -1 -> the scratch block
-    return ge.ScatterNdUpdate(cache, slot_indices(s, int(cache.meta.shape[1])), new)
+from cp_compile.ops.core.ge_util import I32, I64, cast, const, local_len, scatter_into, token_positions, where
 
 
 def convert_cache_write(new: Tensor, cache: Tensor, slot_mapping: Tensor, meta_outputs: Any = None):

@@ -1,21 +1,21 @@
-"""NPU eager kernels from torch_npu's fused ops, for aclgraph capture (torchair `reduce-overhead`).
+"""NPU eager kernels of the paged ops from torch_npu's fused ops, for aclgraph capture
+(torchair `reduce-overhead`).
 
 Not run on an NPU (none here; torch_npu cannot import without CANN): tests/ops/test_npu_fused_kernels.py
 runs these functions against a torch_npu stand-in that records the calls and enforces the
 documented preconditions (in-range, unique scatter indices).
-The op family modules declare these as their ops' `npu` kernels (ops/spec.py);
-`ops/kernels/registry.py` registers them for the "npu" device when torch_npu imports,
-instead of the Triton-Ascend kernel, where a torch_npu fused op does the same job
-(the same CANN ops the GE converters in `cp_compile/ops/ge/` emit, so eager,
-aclgraph and GE graph mode run one kernel per op):
+`ops.py` declares these as the ops' `npu` kernels (core/spec.py); `core/registry.py`
+registers them for the "npu" device when torch_npu imports, instead of the
+Triton-Ascend kernel, where a torch_npu fused op does the same job (the same CANN ops
+the family's GE converters, `ge.py` / `ge_cache.py`, emit, so eager, aclgraph and GE
+graph mode run one kernel per op). The other families' torch_npu kernels:
+`merge/npu.py` (`cp::lse_combine`), `mla_preprocess/npu.py` (`cp::mla_preprocess`).
 
 | cp op | torch_npu op |
 |---|---|
 | `cp::cache_write` | `npu_scatter_nd_update_(cache, [slot // BS, slot % BS], new)` |
 | `cp::paged_attention_lse` | `npu_fused_infer_attention_score` (BSND, one batch row per token, `softmax_lse_flag`) |
 | `cp::mla_partial_attention` | the same over the whole [c, k_pe] row, first L output columns |
-| `cp::lse_combine` | `npu_attention_update(lses, outs, update_type=1)` |
-| `cp::mla_preprocess` | `npu_mla_prolog_v3` where the layer fits it (`npu_mla_prolog.py`), else Triton-Ascend |
 
 Everything else (localisation, `lse_rescale`, the single-device ops, SFA) keeps the
 Triton-Ascend kernel or the torch reference. The argument conventions follow
@@ -23,12 +23,11 @@ torch_npu's documentation for these ops and are the ones the GE check verifies f
 the GE path (docs/torchair.md).
 
 aclgraph capture (issue 21):
-- `cp::cache_write` and `cp::lse_combine` read nothing on the host. Slots -1 (another
-  DCP rank's token, padding) are routed explicitly: each such row is sent to a distinct
-  slot no valid row writes this step and writes back that slot's current content, so
-  every index handed to `npu_scatter_nd_update_` is in range and unique (CANN documents
-  no out-of-range behaviour). AttentionUpdate never sees an all -inf row (its page
-  gives only the formula, NaN there): LSEs are floored, and empty rows set to 0 / -inf.
+- `cp::cache_write` reads nothing on the host. Slots -1 (another DCP rank's token,
+  padding) are routed explicitly: each such row is sent to a distinct slot no valid
+  row writes this step and writes back that slot's current content, so every index
+  handed to `npu_scatter_nd_update_` is in range and unique (CANN documents no
+  out-of-range behaviour).
 - `cp::paged_attention_lse` / `cp::mla_partial_attention`: torch_npu's
   `npu_fused_infer_attention_score` takes `actual_seq_lengths_kv` as a host list
   (`SymInt[]`); a capture would freeze one step's lengths into every replay. These
@@ -40,20 +39,12 @@ from __future__ import annotations
 
 import torch
 
-from cp_compile.ops import layout
-
-# A finite floor for AttentionUpdate's LSEs (see the module doc).
-LSE_FLOOR = -1.0e30
+from cp_compile.ops.core import layout
+from cp_compile.ops.core.npu import torch_npu as _torch_npu
 
 
 class NpuCaptureUnsupported(RuntimeError):
     """An npu_fused kernel that needs a host value was called inside an aclgraph capture."""
-
-
-def _torch_npu():
-    import torch_npu  # noqa: F401
-
-    return torch_npu
 
 
 def route_invalid_slots(slots: torch.Tensor, num_slots: int) -> torch.Tensor:
@@ -124,20 +115,3 @@ def _mla_partial_attention(q_nope, q_pe, kv_cache, block_table, query_start_loc,
     out, lse = _per_token_fia(torch.cat([q_nope, q_pe], -1), kv_cache, kv_cache, block_table, query_start_loc,
                               kv_lens, scale, 1, "cp::mla_partial_attention")
     return out[..., :L].contiguous(), lse
-
-
-def _lse_combine(outs, lses):
-    n, dv = outs.shape[0], outs.shape[-1]
-    lses = lses.float()
-    finite = torch.isfinite(lses)
-    empty = (lses == float("-inf")).all(dim=0)  # no rank holds a key for this row
-    bad = (torch.isnan(lses) | torch.isposinf(lses)).any(dim=0)  # invalid LSE: the row is NaN (decision 47)
-    floored = torch.where(finite, lses, torch.full_like(lses, LSE_FLOOR))  # the op gets finite LSEs only
-    merged, total = _torch_npu().npu_attention_update([floored[i].reshape(-1) for i in range(n)],
-                                                      [outs[i].reshape(-1, dv) for i in range(n)], 1)
-    merged = merged.float().reshape(outs.shape[1:])
-    total = total.reshape(lses.shape[1:])
-    merged = torch.where(empty[..., None], torch.zeros_like(merged), merged)
-    total = torch.where(empty, torch.full_like(total, float("-inf")), total)
-    return (torch.where(bad[..., None], torch.full_like(merged, float("nan")), merged),
-            torch.where(bad, torch.full_like(total, float("nan")), total))

@@ -1,17 +1,24 @@
-"""Single-device attention custom ops that models call (docs/architecture.md §4).
+"""The paged attention ops (docs/architecture.md §4, §5): the single-device attention
+custom ops that models call, and the DCP building blocks over a paged cache.
 
 Every op is a `torch.library` custom op in the `cp` namespace: dynamo keeps each one
 as a single graph node (which the DCP passes rewrite), `mutates_args` names exactly
 the caches the op writes (so functionalization and Inductor's reinplacing keep the
 cache update in place), and a fake implementation gives shapes under tracing.
 
-The implementation registered here is the torch reference (the tests' oracle); the
-CPU kernels (`ops/cpu_attention.py`, declared as `cpu=`) and the device kernels
-(Triton) override it per device with `register_kernel`.
+The implementation registered here is the torch reference (`reference.py`, the tests'
+oracle); the CPU kernels (`cpu.py`, declared as `cpu=`) and the device kernels
+(Triton, `launch.py`; torch_npu, `npu.py`) override it per device with `register_kernel`.
 Metadata is global and flattened (vLLM style): `T` tokens over `B` requests,
 `query_start_loc[B+1]`, `seq_lens[B]` (context + new), `block_table[B, nb]`,
 `slot_mapping[T]` (-1 = skip). Tokens at or past `query_start_loc[-1]` are padding
-and produce zeros (attention) or -1 rows (indexer).
+and produce zeros.
+
+The DCP building blocks are small enough for a pass to place on its own: metadata
+localisation (once per forward), local cache write, partial attention over the local
+shard returning (out, lse). Collectives are *not* inside these ops: the compositions
+in `cp_compile.ops.parallel.dcp` issue them as `_c10d_functional` ops so they stay
+visible graph nodes; the LSE merges of the partials are the `merge` family.
 
 Callers use `torch.ops.cp.<name>`; there are no Python wrappers.
 """
@@ -19,10 +26,11 @@ Callers use `torch.ops.cp.<name>`; there are no Python wrappers.
 from __future__ import annotations
 
 import torch
+from torch import Tensor
 
-from cp_compile.ops import cpu_attention, layout, reference
-from cp_compile.ops.kernels import launch, npu_fused
-from cp_compile.ops.spec import GE, TRITON_ASCEND, OpDecl
+from cp_compile.ops.core import layout, paged_cache
+from cp_compile.ops.core.spec import GE, TRITON_ASCEND, OpDecl
+from cp_compile.ops.paged import cpu, launch, npu, reference
 
 
 # --------------------------------------------------------------------------- GQA
@@ -53,10 +61,10 @@ def gqa_paged_attention(
 
 def _gqa_step(attend, q, k, v, k_cache, v_cache, slot_mapping, block_table, seq_lens, query_start_loc, scale):
     """Check, write the caches, attend causally with `attend` (the reference, or the CPU kernel)."""
-    reference.check_paged_step((k_cache, v_cache), slot_mapping, block_table, seq_lens, query_start_loc,
+    paged_cache.check_paged_step((k_cache, v_cache), slot_mapping, block_table, seq_lens, query_start_loc,
                                op="cp::gqa_paged_attention")
-    reference.write_cache(k_cache, k, slot_mapping)
-    reference.write_cache(v_cache, v, slot_mapping)
+    paged_cache.write_cache(k_cache, k, slot_mapping)
+    paged_cache.write_cache(v_cache, v, slot_mapping)
     kv_lens = layout.causal_lens(query_start_loc, seq_lens, q.shape[0])  # [T], 0 for padding
     out, _ = attend(q, k_cache, v_cache, block_table, query_start_loc, kv_lens, scale)
     return out  # fresh tensor (built with torch.zeros inside), never an alias of q
@@ -64,7 +72,7 @@ def _gqa_step(attend, q, k, v, k_cache, v_cache, slot_mapping, block_table, seq_
 
 def _gqa_paged_attention_cpu(q, k, v, k_cache, v_cache, slot_mapping, block_table, seq_lens, query_start_loc,
                              scale):
-    return _gqa_step(cpu_attention.paged_attention_lse, q, k, v, k_cache, v_cache, slot_mapping, block_table,
+    return _gqa_step(cpu.paged_attention_lse, q, k, v, k_cache, v_cache, slot_mapping, block_table,
                      seq_lens, query_start_loc, scale)
 
 
@@ -77,11 +85,6 @@ def _gqa_paged_attention_fake(q, k, v, k_cache, v_cache, slot_mapping, block_tab
 
 # --------------------------------------------------------------------------- MLA
 
-
-def _write_latent(kv_cache: torch.Tensor, kv_c: torch.Tensor, k_pe: torch.Tensor,
-                  slot_mapping: torch.Tensor) -> None:
-    """kv_cache[slot] = [kv_c | k_pe] (the MLA cache stores one [L+R] vector per token)."""
-    reference.write_cache(kv_cache, torch.cat([kv_c, k_pe], dim=-1), slot_mapping)
 
 
 @torch.library.custom_op("cp::mla_attention", mutates_args=("kv_cache",))
@@ -109,16 +112,16 @@ def mla_attention(
 def _mla_step(attend, q_nope, q_pe, kv_c, k_pe, kv_cache, slot_mapping, block_table, seq_lens, query_start_loc,
               scale):
     """Check, write the latent cache, attend causally with `attend` (the reference, or the CPU kernel)."""
-    reference.check_paged_step((kv_cache,), slot_mapping, block_table, seq_lens, query_start_loc,
+    paged_cache.check_paged_step((kv_cache,), slot_mapping, block_table, seq_lens, query_start_loc,
                                op="cp::mla_attention")
-    _write_latent(kv_cache, kv_c, k_pe, slot_mapping)
+    paged_cache.write_latent(kv_cache, kv_c, k_pe, slot_mapping)
     kv_lens = layout.causal_lens(query_start_loc, seq_lens, q_nope.shape[0])
     return attend(q_nope, q_pe, kv_cache, block_table, query_start_loc, kv_lens, scale)[0]
 
 
 def _mla_attention_cpu(q_nope, q_pe, kv_c, k_pe, kv_cache, slot_mapping, block_table, seq_lens, query_start_loc,
                        scale):
-    return _mla_step(cpu_attention.mla_attention_lse, q_nope, q_pe, kv_c, k_pe, kv_cache, slot_mapping,
+    return _mla_step(cpu.mla_attention_lse, q_nope, q_pe, kv_c, k_pe, kv_cache, slot_mapping,
                      block_table, seq_lens, query_start_loc, scale)
 
 
@@ -128,104 +131,105 @@ def _mla_attention_fake(q_nope, q_pe, kv_c, k_pe, kv_cache, slot_mapping, block_
     return torch.empty_like(q_nope, memory_format=torch.contiguous_format)
 
 
-# --------------------------------------------------------------------------- DSA indexer
+
+# --------------------------------------------------------------------------- DCP building blocks
 
 
-@torch.library.custom_op("cp::lightning_indexer", mutates_args=("index_cache",))
-def lightning_indexer(
-    q_i: torch.Tensor,  # [T, Hi, Di]
-    k_i: torch.Tensor,  # [T, Di]  new indexer keys of this step
-    w: torch.Tensor,  # [T, Hi]  per-head weights (scales folded in)
-    index_cache: torch.Tensor,  # [NB, BS, Di] written in place
-    slot_mapping: torch.Tensor,  # [T] int64
-    block_table: torch.Tensor,  # [B, nb] int32
-    seq_lens: torch.Tensor,  # [B] int32
-    query_start_loc: torch.Tensor,  # [B+1] int32
-    topk: int,
-) -> torch.Tensor:
-    """DeepSeek-V3.2 lightning indexer -> int32 [T, topk] request-local positions.
+@torch.library.custom_op("cp::dcp_localize_metadata", mutates_args=())
+def dcp_localize_metadata(slot_mapping: Tensor, query_start_loc: Tensor, seq_lens: Tensor, cp: int, rank: int,
+                          interleave: int, block_size: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Global metadata -> this rank's view, computed once per forward for all layers.
 
-    Score I[t, s] = sum_j w[t, j] * relu(q_i[t, j] . k_i[s]) over the request's cached
-    keys s = 0..pos (causal). Sorted by descending score, ties to the lower position;
-    -1 padded when fewer than topk keys exist; padding tokens are all -1.
+    Returns (local_slot_mapping [T] int64, local_seq_lens [B] int32,
+    local_causal_lens [T] int32, local_context_lens [T] int32). `block_size` is the
+    per-rank page size (virtual blocks hold block_size * cp tokens; cp: the cache's
+    context-parallel group size, pcp * dcp).
     """
-    reference.check_paged_step((index_cache,), slot_mapping, block_table, seq_lens, query_start_loc,
-                               op="cp::lightning_indexer")
-    reference.write_cache(index_cache, k_i, slot_mapping)
-    T = q_i.shape[0]
-    kv_lens = layout.causal_lens(query_start_loc, seq_lens, T)
-    return reference.lightning_indexer_topk(q_i, index_cache, w, block_table, query_start_loc, kv_lens, topk)
+    T = slot_mapping.shape[0]
+    lay = dict(cp=cp, rank=rank, interleave=interleave)
+    slots = layout.local_slot_mapping(slot_mapping.long(), **lay, block_size=block_size)
+    seq = layout.local_len(seq_lens, **lay).to(torch.int32)
+    causal = layout.local_causal_lens(query_start_loc, seq_lens, T, **lay)
+    ctx = layout.local_context_lens(query_start_loc, seq_lens, T, **lay)
+    return slots, seq, causal, ctx
 
 
-@lightning_indexer.register_fake
-def _lightning_indexer_fake(q_i, k_i, w, index_cache, slot_mapping, block_table, seq_lens,
-                            query_start_loc, topk):
-    return torch.empty((q_i.shape[0], topk), dtype=torch.int32, device=q_i.device)
+@dcp_localize_metadata.register_fake
+def _(slot_mapping, query_start_loc, seq_lens, cp, rank, interleave, block_size):
+    T = slot_mapping.shape[0]
+    return (slot_mapping.new_empty(T, dtype=torch.int64), seq_lens.new_empty(seq_lens.shape, dtype=torch.int32),
+            slot_mapping.new_empty(T, dtype=torch.int32), slot_mapping.new_empty(T, dtype=torch.int32))
 
 
-# --------------------------------------------------------------------------- sparse MLA (SFA)
+@torch.library.custom_op("cp::cache_write", mutates_args=("cache",))
+def cache_write(new: Tensor, cache: Tensor, slot_mapping: Tensor) -> None:
+    """cache[slot] = new[t] for tokens with slot >= 0; with a local slot mapping this
+    stores only this rank's tokens. new [T, ...], cache [NB, BS, ...]."""
+    paged_cache.write_cache(cache, new, slot_mapping)
 
 
-@torch.library.custom_op("cp::sparse_mla_attention", mutates_args=("kv_cache",))
-def sparse_mla_attention(
-    q_nope: torch.Tensor,  # [T, H, L]  absorbed
-    q_pe: torch.Tensor,  # [T, H, R]
-    kv_c: torch.Tensor,  # [T, L]
-    k_pe: torch.Tensor,  # [T, R]
-    kv_cache: torch.Tensor,  # [NB, BS, L+R] written in place
-    slot_mapping: torch.Tensor,  # [T] int64
-    block_table: torch.Tensor,  # [B, nb] int32
-    seq_lens: torch.Tensor,  # [B] int32
-    query_start_loc: torch.Tensor,  # [B+1] int32
-    topk_indices: torch.Tensor,  # [T, K] int32 request-local positions, -1 = skip
-    scale: float,
-) -> torch.Tensor:
-    """Sparse (DSA) absorbed MLA: each query attends only its topk_indices -> [T, H, L].
-
-    The cache is written like `mla_attention`. Indices are trusted (no causal crop):
-    the indexer already restricted them to 0..pos, and under SFA DCP they are local
-    coordinates where a causal bound would not line up.
-    """
-    reference.check_paged_step((kv_cache,), slot_mapping, block_table, seq_lens, query_start_loc,
-                               op="cp::sparse_mla_attention")
-    _write_latent(kv_cache, kv_c, k_pe, slot_mapping)
-    L = q_nope.shape[-1]
-    q = torch.cat([q_nope, q_pe], dim=-1)  # [T, H, L+R]
-    out, _ = reference.sparse_attention_with_lse(q, kv_cache, block_table, query_start_loc, topk_indices, L, scale)
-    return out
+@cache_write.register_fake
+def _(new, cache, slot_mapping):
+    return None
 
 
-@sparse_mla_attention.register_fake
-def _sparse_mla_attention_fake(q_nope, q_pe, kv_c, k_pe, kv_cache, slot_mapping, block_table, seq_lens,
-                               query_start_loc, topk_indices, scale):
-    return torch.empty_like(q_nope, memory_format=torch.contiguous_format)
+@torch.library.custom_op("cp::paged_attention_lse", mutates_args=())
+def paged_attention_lse(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_table: Tensor, query_start_loc: Tensor,
+                        kv_lens: Tensor, scale: float) -> tuple[Tensor, Tensor]:
+    """Partial GQA attention over the local shard: token t attends local positions
+    0..kv_lens[t]-1 of its request. q [T,Hq,D] (may be a gathered, strided view),
+    caches [NB,BS,Hkv,D|Dv] -> out [T,Hq,Dv] (q dtype), lse [T,Hq] fp32 (-inf if empty)."""
+    return reference.paged_attention_with_lse(q, k_cache, v_cache, block_table, query_start_loc, kv_lens, scale)
 
 
-# Every op above assumes the single-device cache layout. Under DCP or PCP the caches
-# are laid out differently (sharded latents and K/V; the indexer's replicated cache
-# only under the SFA DCP pass that allocates and reads it), so a pass must replace or
-# claim each of these nodes; the pipeline's final check
-# (passes/unsharded_attention.py) refuses a graph that still holds one. A new
-# single-device attention op goes in this list.
+@paged_attention_lse.register_fake
+def _(q, k_cache, v_cache, block_table, query_start_loc, kv_lens, scale):
+    T, H = q.shape[0], q.shape[1]
+    return q.new_empty(T, H, v_cache.shape[-1]), q.new_empty(T, H, dtype=torch.float32)
+
+
+@torch.library.custom_op("cp::mla_partial_attention", mutates_args=())
+def mla_partial_attention(q_nope: Tensor, q_pe: Tensor, kv_cache: Tensor, block_table: Tensor,
+                          query_start_loc: Tensor, kv_lens: Tensor, scale: float) -> tuple[Tensor, Tensor]:
+    """Partial absorbed-MLA attention over the local latent shard.
+    q_nope [T,H,L], q_pe [T,H,R], kv_cache [NB,BS,L+R] -> out [T,H,L], lse [T,H] fp32."""
+    return reference.mla_attention_with_lse(q_nope, q_pe, kv_cache, block_table, query_start_loc, kv_lens, scale)
+
+
+@mla_partial_attention.register_fake
+def _(q_nope, q_pe, kv_cache, block_table, query_start_loc, kv_lens, scale):
+    T, H, L = q_nope.shape
+    return q_nope.new_empty(T, H, L), q_nope.new_empty(T, H, dtype=torch.float32)
+
+
+
+# Every op above with a single-device cache assumes its layout. Under DCP or PCP the
+# caches are laid out differently (sharded latents and K/V), so a pass must replace or
+# claim each of these nodes; the pipeline's final check (passes/unsharded_attention.py)
+# refuses a graph that still holds one. A new single-device attention op goes in this
+# list (the sparse family has its own; `core/catalog.py` joins them).
 SINGLE_DEVICE_ATTENTION_OPS: tuple[torch._ops.OpOverloadPacket, ...] = (
     torch.ops.cp.gqa_paged_attention,
     torch.ops.cp.mla_attention,
-    torch.ops.cp.sparse_mla_attention,
-    torch.ops.cp.lightning_indexer,
 )
 
 
-# ----------------------------------------------------------------------------- declarations (ops/spec.py)
+# ----------------------------------------------------------------------------- declarations (core/spec.py)
 # Every piece of every op above: kernels per device, GE converter, profile bucket.
 OPS = (
     OpDecl(gqa_paged_attention, cuda=launch.gqa_paged_attention, npu=TRITON_ASCEND,
-           ge=GE("attention", "ScatterNdUpdate", "FusedInferAttentionScore"), profile="attention",
+           ge=GE("ge", "ScatterNdUpdate", "FusedInferAttentionScore"), profile="attention",
            cpu=_gqa_paged_attention_cpu),
     OpDecl(mla_attention, cuda=launch.mla_attention, npu=TRITON_ASCEND,
-           ge=GE("attention", "ScatterNdUpdate", "FusedInferAttentionScore"), profile="attention",
+           ge=GE("ge", "ScatterNdUpdate", "FusedInferAttentionScore"), profile="attention",
            cpu=_mla_attention_cpu),
-    OpDecl(lightning_indexer, cuda=launch.lazy("lightning_indexer_device"), npu=TRITON_ASCEND,
-           ge=GE("sparse", "ScatterNdUpdate", "LightningIndexer"), profile="attention"),
-    OpDecl(sparse_mla_attention, cuda=launch.lazy("sparse_mla_attention_device"), npu=TRITON_ASCEND,
-           ge=GE("sparse", "ScatterNdUpdate", "SparseFlashAttention"), profile="attention"),
+    OpDecl(dcp_localize_metadata, cuda=launch.dcp_localize_metadata, npu=TRITON_ASCEND,
+           ge=GE("ge_cache", "FloorDiv", "FloorMod", "SelectV2"), profile="dcp_local"),
+    OpDecl(cache_write, cuda=launch.cache_write, npu=npu._cache_write,
+           ge=GE("ge_cache", "ScatterNdUpdate"), profile="attention"),
+    OpDecl(paged_attention_lse, cuda=launch.paged_attention_lse, npu=npu._paged_attention_lse,
+           ge=GE("ge", "FusedInferAttentionScore"), profile="attention",
+           cpu=cpu.paged_attention_lse),
+    OpDecl(mla_partial_attention, cuda=launch.mla_partial_attention, npu=npu._mla_partial_attention,
+           ge=GE("ge", "FusedInferAttentionScore"), profile="attention", cpu=cpu.mla_attention_lse),
 )

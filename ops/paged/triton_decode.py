@@ -3,7 +3,7 @@
 Flash-decode style: one work item is (token, kv head, block of query heads of that
 kv head's group); it streams the request's pages in BLOCK_N-key tiles with an online
 softmax in fp32. The LSE output is what the DCP merge needs (docs/architecture.md §5).
-Torch oracle: `cp_compile.ops.reference.paged_attention_with_lse`.
+Torch oracle: `cp_compile.ops.paged.reference.paged_attention_with_lse`.
 """
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ import torch
 import triton
 import triton.language as tl
 
-from cp_compile.ops.kernels import launch
-from cp_compile.ops.kernels._common import (
+from cp_compile.ops.paged import launch as paged_launch
+from cp_compile.ops.core.triton_common import (
     LoweringDeclaration,
     grid_size,
     kernel_for,
@@ -23,7 +23,7 @@ from cp_compile.ops.kernels._common import (
     prev_pow2,
     require_int32_offsets,
 )
-from cp_compile.ops.layout import request_index
+from cp_compile.ops.core.layout import request_index
 
 # Elements of the [BLOCK_H, BLOCK_N, D] broadcast product a tile may hold. Bounds
 # registers / UB on device and keeps interpreter tiles small.
@@ -221,12 +221,12 @@ def _lowering_examples():
             q = torch.empty(2, group, d, dtype=dtype)
             kv = torch.empty(2, 16, 1, d, dtype=dtype)
             yield (f"GQA {str(dtype)[6:]} group {group} D {d}",
-                   functools.partial(launch.paged_attention_lse, q, kv, kv, bt, qsl, kv_lens, d ** -0.5))
+                   functools.partial(paged_launch.paged_attention_lse, q, kv, kv, bt, qsl, kv_lens, d ** -0.5))
     for heads in _MLA_HEADS:
         q_nope, q_pe = torch.empty(2, heads, 512, dtype=torch.bfloat16), torch.empty(2, heads, 64, dtype=torch.bfloat16)
         cache = torch.empty(2, 16, 576, dtype=torch.bfloat16)
         yield (f"MLA bf16 {heads} heads 512+64",
-               functools.partial(launch.mla_partial_attention, q_nope, q_pe, cache, bt, qsl, kv_lens, 0.1))
+               functools.partial(paged_launch.mla_partial_attention, q_nope, q_pe, cache, bt, qsl, kv_lens, 0.1))
     # The cube path (tests launch it; the intended MLA path on AI cores).
     q = torch.empty(2, 16, 576, dtype=torch.bfloat16)
     cache = torch.empty(2, 16, 576, dtype=torch.bfloat16)

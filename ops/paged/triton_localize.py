@@ -3,7 +3,7 @@
 A global slot is `block_id * (Bk * N) + offset` in a virtual block of Bk*N tokens;
 virtual blocks start at multiples of Bk*N, so `offset` is the request-local position
 modulo Bk*N and the owner / local offset follow from it alone. Non-owned and
-padding (-1) slots map to -1. Torch oracle: `cp_compile.ops.layout.local_slot_mapping`.
+padding (-1) slots map to -1. Torch oracle: `cp_compile.ops.core.layout.local_slot_mapping`.
 """
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ import torch
 import triton
 import triton.language as tl
 
-from cp_compile.ops.kernels import launch
-from cp_compile.ops.kernels._common import LoweringDeclaration, grid_size, kernel_for, next_pow2
+from cp_compile.ops.paged import launch as paged_launch
+from cp_compile.ops.core.triton_common import LoweringDeclaration, grid_size, kernel_for, next_pow2
 
 _MAX_BLOCK = 1024  # tokens per tile
 
@@ -92,7 +92,7 @@ def _lowering_examples():
         slots = torch.zeros(T, dtype=torch.int64)
         qsl = torch.tensor([0, T], dtype=torch.int32)
         seq_lens = torch.tensor([T], dtype=torch.int32)
-        yield f"{T} tokens", functools.partial(launch.dcp_localize_metadata, slots, qsl, seq_lens, 2, 0, 1, 128)
+        yield f"{T} tokens", functools.partial(paged_launch.dcp_localize_metadata, slots, qsl, seq_lens, 2, 0, 1, 128)
 
 
 LOWERING = LoweringDeclaration(

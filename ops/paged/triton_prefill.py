@@ -8,7 +8,7 @@ fp32), each row masking keys to its own `kv_lens[t]` (causal, or a DCP rank's lo
 lengths). Tiles never straddle requests (they share a page table row): the tile ->
 (request, first row) map is built on the device from query_start_loc over a static
 bound of cdiv(T, BLOCK_M) + B tiles, so nothing is read back to the host.
-Torch oracle: `cp_compile.ops.reference.paged_attention_with_lse`.
+Torch oracle: `cp_compile.ops.paged.reference.paged_attention_with_lse`.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from cp_compile.ops.kernels._common import (
+from cp_compile.ops.core.triton_common import (
     LoweringDeclaration,
     grid_size,
     kernel_for,

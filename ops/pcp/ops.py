@@ -2,7 +2,7 @@
 
 At pcp > 1 the compiled entry (`decorator.CompiledForward`) compiles prefill steps
 through a wrapper that takes this rank's token indices ([T_loc] int64, -1 padded:
-a row of `pcp_layout.pcp_token_table`) and calls this op on them before anything
+a row of `core/pcp_layout.pcp_token_table`) and calls this op on them before anything
 else. The `pcp_attention` pass finds the token indices as the argument of this op's
 one call, whatever the wrapper's parameter is named (no name is matched against
 Dynamo's sources), and removes the call. So the op is an identity (a copy: a custom
@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from cp_compile.ops.spec import Absent, OpDecl
+from cp_compile.ops.core.spec import Absent, OpDecl
 
 
 @torch.library.custom_op("cp::pcp_token_index", mutates_args=())

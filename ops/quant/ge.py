@@ -1,4 +1,4 @@
-"""GE converters: the W8A8 linears (ops/quant.py).
+"""GE converters: the W8A8 linears (ops/quant/ops.py).
 
 Both quantise the activations per input group with GE primitives, multiply int8 x
 int8 -> int32 with `QuantBatchMatmulV3` (the op behind `npu_quant_matmul`, here with
@@ -25,7 +25,7 @@ from typing import Any
 from torchair._ge_concrete_graph import ge_apis as ge
 from torchair.ge._ge_graph import DataType, Tensor
 
-from cp_compile.ops.ge._util import F32, I32, I64, cast, const, dims, ge_dtype, reshape, where
+from cp_compile.ops.core.ge_util import F32, I32, I64, cast, const, dims, ge_dtype, reshape, where
 
 I8 = DataType.DT_INT8
 

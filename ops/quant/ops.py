@@ -14,7 +14,7 @@ Two ops, one per activation-quantisation scheme, with the NPU's K-major int8 wei
 
 A single op node per quantised linear gives the passes a clean pattern (the weight
 placeholder is an argument of the node) and the lowering one place to emit the NPU
-quantised matmul (`ops/ge/quant.py`). Torch references: `ops/quant_reference.py`
+quantised matmul (`quant/ge.py`). Torch references: `quant/reference.py`
 (int32 accumulation, exact).
 """
 
@@ -23,9 +23,9 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from cp_compile.ops import quant_reference as ref
-from cp_compile.ops.kernels import launch, npu_fused
-from cp_compile.ops.spec import GE, TRITON_ASCEND, OpDecl
+from cp_compile.ops.core.spec import GE, TRITON_ASCEND, OpDecl
+from cp_compile.ops.quant import launch
+from cp_compile.ops.quant import reference as ref
 
 
 @torch.library.custom_op("cp::w8a8_dynamic_linear", mutates_args=())
@@ -68,11 +68,11 @@ def _(x, weight, input_scale, input_offset, quant_bias, deq_scale):
 QUANT_LINEAR_OPS = (torch.ops.cp.w8a8_dynamic_linear, torch.ops.cp.w8a8_static_linear)
 
 
-# ----------------------------------------------------------------------------- declarations (ops/spec.py)
+# ----------------------------------------------------------------------------- declarations (core/spec.py)
 # Every piece of every op above: kernels per device, GE converter, profile bucket.
 OPS = (
-    OpDecl(w8a8_dynamic_linear, cuda=launch.lazy("w8a8_dynamic_linear_device"), npu=TRITON_ASCEND,
-           ge=GE("quant", "ReduceMaxD", "Round", "QuantBatchMatmulV3", "ReduceSumD"), profile="other"),
-    OpDecl(w8a8_static_linear, cuda=launch.lazy("w8a8_static_linear_device"), npu=TRITON_ASCEND,
-           ge=GE("quant", "Round", "QuantBatchMatmulV3", "ReduceSumD"), profile="other"),
+    OpDecl(w8a8_dynamic_linear, cuda=launch.w8a8_dynamic_linear, npu=TRITON_ASCEND,
+           ge=GE("ge", "ReduceMaxD", "Round", "QuantBatchMatmulV3", "ReduceSumD"), profile="other"),
+    OpDecl(w8a8_static_linear, cuda=launch.w8a8_static_linear, npu=TRITON_ASCEND,
+           ge=GE("ge", "Round", "QuantBatchMatmulV3", "ReduceSumD"), profile="other"),
 )

@@ -1,4 +1,4 @@
-"""Torch references of the W8A8 linears (`ops/quant.py`): int8 x int8 -> int32, exactly.
+"""Torch references of the W8A8 linears (`ops/quant/ops.py`): int8 x int8 -> int32, exactly.
 
 Layouts follow the NPU quantised matmul (`npu_quant_matmul` / QuantBatchMatmulV3):
 the int8 weight is stored K-major, [in, out], so a row-parallel (input-sharded)

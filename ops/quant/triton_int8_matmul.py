@@ -6,7 +6,7 @@ through tl.dot with an int32 accumulator (tensor cores' IMMA / the cube's int8
 path). Integer arithmetic, so it equals the torch reference bit for bit. Why not
 `torch._int_mm` on CUDA: it needs M > 16 and K, N multiples of 8, which a decode
 step (a handful of tokens) does not meet, and it does not exist on the NPU
-(docs/decisions.md). Torch oracle: `cp_compile.ops.quant_reference.int8_matmul`.
+(docs/decisions.md). Torch oracle: `cp_compile.ops.quant.reference.int8_matmul`.
 """
 
 from __future__ import annotations
@@ -17,8 +17,14 @@ import torch
 import triton
 import triton.language as tl
 
-from cp_compile.ops import quant_reference as ref
-from cp_compile.ops.kernels._common import LoweringDeclaration, grid_size, kernel_for, next_pow2, require_int32_offsets
+from cp_compile.ops.quant import reference as ref
+from cp_compile.ops.core.triton_common import (
+    LoweringDeclaration,
+    grid_size,
+    kernel_for,
+    next_pow2,
+    require_int32_offsets,
+)
 
 
 @triton.jit

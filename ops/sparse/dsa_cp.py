@@ -16,9 +16,9 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from cp_compile.ops import layout, reference
-from cp_compile.ops.kernels import launch, npu_fused
-from cp_compile.ops.spec import GE, TRITON_ASCEND, OpDecl
+from cp_compile.ops.core import layout
+from cp_compile.ops.core.spec import GE, TRITON_ASCEND, OpDecl
+from cp_compile.ops.sparse import launch, reference
 
 
 def _rows(query_start_loc: Tensor, seq_lens: Tensor, rows: int, tp: int, rank: int) -> tuple[Tensor, Tensor]:
@@ -69,11 +69,11 @@ def _(q_nope, q_pe, kv_cache, block_table, seq_lens, query_start_loc, indices, t
     return torch.empty_like(q_nope, memory_format=torch.contiguous_format)
 
 
-# ----------------------------------------------------------------------------- declarations (ops/spec.py)
+# ----------------------------------------------------------------------------- declarations (core/spec.py)
 # Every piece of every op above: kernels per device, GE converter, profile bucket.
 OPS = (
-    OpDecl(lightning_indexer_topk_rows, cuda=launch.lazy("lightning_indexer_topk_rows_device"), npu=TRITON_ASCEND,
-           ge=GE("dsa_cp", "Cumsum", "LightningIndexer", "SelectV2"), profile="attention"),
-    OpDecl(sparse_mla_rows_attention, cuda=launch.lazy("sparse_mla_rows_attention_device"), npu=TRITON_ASCEND,
-           ge=GE("dsa_cp", "Cumsum", "SparseFlashAttention", "SelectV2"), profile="attention"),
+    OpDecl(lightning_indexer_topk_rows, cuda=launch.lightning_indexer_topk_rows, npu=TRITON_ASCEND,
+           ge=GE("ge_dsa_cp", "Cumsum", "LightningIndexer", "SelectV2"), profile="attention"),
+    OpDecl(sparse_mla_rows_attention, cuda=launch.sparse_mla_rows_attention, npu=TRITON_ASCEND,
+           ge=GE("ge_dsa_cp", "Cumsum", "SparseFlashAttention", "SelectV2"), profile="attention"),
 )

@@ -18,7 +18,7 @@ input, attribute and output names of torchair's own converters for torch_npu's
   softmax_max + log(softmax_sum) of its two statistics outputs, read as [T, H]
   (that output layout is torch_npu's documented one, not verifiable here).
 - `cp::dcp_sparse_indices` (SFA DCP: global top-k -> this rank's local positions)
-  -> GE primitives for the owner test and the local offset (ops/layout.py), then a
+  -> GE primitives for the owner test and the local offset (ops/core/layout.py), then a
   stable `Sort` of "not owned" and `GatherElements`, the reference's compaction.
 """
 
@@ -31,8 +31,8 @@ from torchair._ge_concrete_graph import ge_apis as ge
 from torchair.ge import attr
 from torchair.ge._ge_graph import Tensor
 
-from cp_compile.ops.ge._util import F32, I32, I64, cast, const, dims, local_len, reshape, tail, where
-from cp_compile.ops.ge.cache import scatter_into
+from cp_compile.ops.core.ge_util import F32, I32, I64, cast, const, dims, local_len, reshape, tail, where
+from cp_compile.ops.core.ge_util import scatter_into
 
 MAX_INT64 = (1 << 63) - 1
 

@@ -1,4 +1,4 @@
-"""GE converters: the DSA-CP token-shard ops (ops/dsa_cp.py, docs/dsa_cp.md).
+"""GE converters: the DSA-CP token-shard ops (ops/sparse/dsa_cp.py, docs/dsa_cp.md).
 
 Both ops work on this rank's rows [rank * rows, (rank + 1) * rows) of the step's
 padded tokens, with global metadata. The NPU kernels take queries in the TND layout
@@ -28,8 +28,8 @@ from torchair._ge_concrete_graph import ge_apis as ge
 from torchair.ge import attr
 from torchair.ge._ge_graph import Tensor
 
-from cp_compile.ops.ge._util import I32, I64, cast, const, dims, head, reshape, tail, where
-from cp_compile.ops.ge.sparse import MAX_INT64, _paged, lightning_indexer_op
+from cp_compile.ops.core.ge_util import I32, I64, cast, const, dims, head, reshape, tail, where
+from cp_compile.ops.sparse.ge import MAX_INT64, _paged, lightning_indexer_op
 
 
 def _shard_tnd(q: Tensor, query_start_loc: Tensor, seq_lens: Tensor, rank: int) -> tuple[Tensor, Tensor, Tensor]:

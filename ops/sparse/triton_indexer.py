@@ -7,7 +7,7 @@ length: nothing is read back to the host). Top-k: a stable descending `torch.sor
 on the device, so ties go to the lower position exactly as in the reference, and
 positions past kv_lens become -1. Rows are scored in chunks that bound the [rows, S]
 score buffer (a Python loop over shapes, which a CUDA graph captures).
-Torch oracle: `cp_compile.ops.reference.lightning_indexer_topk_rows`.
+Torch oracle: `cp_compile.ops.sparse.reference.lightning_indexer_topk_rows`.
 """
 
 from __future__ import annotations
@@ -18,9 +18,9 @@ import torch
 import triton
 import triton.language as tl
 
-from cp_compile.ops import layout
-from cp_compile.ops.kernels.cache_write import cache_write_triton
-from cp_compile.ops.kernels._common import (
+from cp_compile.ops.core import layout
+from cp_compile.ops.core.triton_cache_write import cache_write_triton
+from cp_compile.ops.core.triton_common import (
     LoweringDeclaration,
     grid_size,
     kernel_for,

@@ -7,7 +7,7 @@ column groups (L and R, no padding of L + R to a power of two) and values the c
 columns already loaded for the scores. Online softmax in fp32; a row with no valid
 index gets out 0, lse -inf (the DCP merge weighs it 0). Serves the single-device
 op, the SFA DCP partial and the DSA-CP row shard (rows given by their request).
-Torch oracle: `cp_compile.ops.reference.sparse_attention_rows_with_lse`.
+Torch oracle: `cp_compile.ops.sparse.reference.sparse_attention_rows_with_lse`.
 """
 
 from __future__ import annotations
@@ -18,9 +18,9 @@ import torch
 import triton
 import triton.language as tl
 
-from cp_compile.ops import layout
-from cp_compile.ops.kernels.cache_write import cache_write_triton
-from cp_compile.ops.kernels._common import (
+from cp_compile.ops.core import layout
+from cp_compile.ops.core.triton_cache_write import cache_write_triton
+from cp_compile.ops.core.triton_common import (
     LoweringDeclaration,
     grid_size,
     kernel_for,

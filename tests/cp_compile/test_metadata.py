@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import cp_compile
-from cp_compile.ops import layout
+from cp_compile.ops.core import layout
 
 
 def test_metadata_for_mixed_batch_with_padding():

@@ -106,7 +106,7 @@ def test_unsupported_constructs_fail_the_check(ascend_python: str, tmp_path: Pat
 
 
 def test_grid_is_bounded_by_the_core_budget() -> None:
-    from cp_compile.ops.kernels._common import CPU_MAX_PROGRAMS, grid_size, max_programs
+    from cp_compile.ops.core.triton_common import CPU_MAX_PROGRAMS, grid_size, max_programs
 
     cpu = torch.device("cpu")
     assert max_programs(cpu) == max_programs(cpu, uses_cube=True) == CPU_MAX_PROGRAMS
@@ -121,14 +121,14 @@ def test_grid_is_bounded_by_the_core_budget() -> None:
 @pytest.mark.accelerator
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (SM count)")
 def test_cuda_grid_is_the_sm_count() -> None:
-    from cp_compile.ops.kernels._common import max_programs
+    from cp_compile.ops.core.triton_common import max_programs
 
     device = torch.device("cuda", 0)
     assert max_programs(device) == torch.cuda.get_device_properties(0).multi_processor_count
 
 
 def test_launcher_refuses_offsets_past_int32() -> None:
-    from cp_compile.ops.kernels import paged_attention_with_lse_triton
+    from cp_compile.ops.paged.triton_decode import paged_attention_with_lse_triton
 
     q = torch.empty(2, 4, 128, device="meta")
     # A cache view whose page stride spans 2**31 elements (e.g. all layers in one tensor).
@@ -139,8 +139,8 @@ def test_launcher_refuses_offsets_past_int32() -> None:
 
 
 def test_capture_records_the_launchers_constexprs() -> None:
-    from cp_compile.ops.kernels import paged_attention_with_lse_triton
-    from cp_compile.ops.kernels._common import CPU_MAX_PROGRAMS, capture_launches
+    from cp_compile.ops.paged.triton_decode import paged_attention_with_lse_triton
+    from cp_compile.ops.core.triton_common import CPU_MAX_PROGRAMS, capture_launches
 
     q = torch.empty(3, 8, 128, dtype=torch.bfloat16)
     cache = torch.empty(2, 16, 1, 128, dtype=torch.bfloat16)

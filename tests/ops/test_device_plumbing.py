@@ -20,8 +20,8 @@ import pytest
 import torch
 
 import cp_compile.ops  # noqa: F401  (defines and registers the ops)
-from cp_compile.ops.kernels import registry
-from cp_compile.ops.spec import Absent
+from cp_compile.ops.core import registry
+from cp_compile.ops.core.spec import Absent
 from cp_compile.parallel_state import bind_device
 from cp_compile.testing.device_modes import FACTORIES, FactoryDeviceMode
 
@@ -33,7 +33,7 @@ REPO = Path(__file__).resolve().parents[2]
 # Python lists on the host, then `.to(device)` once, by design), hf/tp.py (load-time
 # weight indices, moved to the weight's device where used), tools/ge_check.py (CPU-only
 # GE conversion cases), and `_lowering_examples` (CPU tensors for launch capture).
-# ops/cpu_attention.py is left out: its kernels are registered for the cpu dispatch key only
+# ops/paged/cpu.py is left out: its kernels are registered for the cpu dispatch key only
 # (OpDecl.cpu), so a factory there can only ever make a tensor on the device it runs on.
 STEP_PATH = [*sorted(p for p in (REPO / "ops").glob("*.py") if p.name != "cpu_attention.py"), *sorted((REPO / "ops" / "kernels").glob("*.py")),
              *sorted((REPO / "ops" / "parallel").glob("*.py")), *sorted((REPO / "passes").glob("*.py")),

@@ -39,7 +39,7 @@ import cp_compile
 from cp_compile.config import AttentionSpec, CPConfig
 from cp_compile.passes.context import CompileContext
 from cp_compile.metadata import BlockAllocator, batch_kind, build_attention_metadata
-from cp_compile.ops.layout import causal_lens
+from cp_compile.ops.core.layout import causal_lens
 from cp_compile.passes.dsa_cp import DSACPPass
 from cp_compile.testing.multirank import run_on_ranks
 from cp_compile.testing.topk import assert_same_topk, scores_for_step

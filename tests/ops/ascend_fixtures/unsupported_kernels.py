@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from cp_compile.ops.kernels._common import CPU_MAX_PROGRAMS, LoweringDeclaration, kernel_for
+from cp_compile.ops.core.triton_common import CPU_MAX_PROGRAMS, LoweringDeclaration, kernel_for
 
 BLOCK = 16
 
