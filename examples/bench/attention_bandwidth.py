@@ -17,7 +17,7 @@ see the same machine load; a figure is the median over rounds with min / max:
   kernel can beat on this core; at this shape its `% read-once` is the compute ceiling;
 - `op in place`: `cp::paged_attention_lse` over the paged cache, block table as a fresh
   allocator hands it out (each request's pages consecutive); on CPU with AVX2 this is
-  the C decode kernel of `ops/cpu_decode.c`;
+  the C decode kernel of `ops/paged/cpu_decode.c`;
 - `op gathered`: the same op with the pages shuffled over the cache;
 - `torch in place` / `torch gathered`: the op's pure-torch kernel (`CP_COMPILE_CPU_DECODE=torch`:
   flash chunks over a strided view / over gathered chunks), what ran before the C kernel;

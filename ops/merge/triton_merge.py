@@ -254,7 +254,7 @@ def lse_rescale_triton(
 
 
 def _lowering_examples():
-    # The registered kernels (kernels/launch.py) are what device runs launch.
+    # The registered kernels (launch.py) are what device runs launch.
     # The row count picks BLOCK_R (_row_block): every power of two until it stops
     # growing; Dv 128 (GQA) and 512 (MLA latent); partials in bf16 and fp32.
     for dv in (128, 512):

@@ -23,7 +23,7 @@ where the shapes fit and the cache is split. Here: MatMulV2 (float linears; the
 W8A8 ones reuse the W8A8 converter), RMSNorm as Cast / Mul / ReduceMeanD / Add /
 Rsqrt, rope by GatherV2 of the pair halves and one GatherV2 to the output layout,
 the absorption as BatchMatMulV2 per head, the cache write as ScatterNdUpdate.
-Structure checked by `ops/ge/check.py`; numbers only by the torch reference.
+Structure checked by `tools/ge_check.py`; numbers only by the torch reference.
 """
 
 from __future__ import annotations

@@ -31,7 +31,7 @@ fp32 natural-log LSE, a query with no keys gets out 0 and lse -inf) as follows:
   (`_flash_per_request`, one call per request, still views); the chunks every row sees
   in full go through one batched call, unmasked.
 - **Decode and verify in C.** A group with few query rows per KV head (<= 64: decode,
-  spec-decode verify) in fp32 goes to `cpu_decode` (ops/cpu_decode.c): one pass over each
+  spec-decode verify) in fp32 goes to `cpu_decode` (ops/paged/cpu_decode.c): one pass over each
   request's keys through the block table, in place whatever the table; what it does not
   cover (prefill tiles, bf16, odd head dims, no compiler / AVX2) takes the path below.
 - **O(T) memory in prefill.** Query rows are tiled (a few thousand rows per tile),

@@ -1,6 +1,6 @@
 /* Paged decode attention on CPU, fp32, each KV row read once in place (issue 26).
 
-   Called by ops/cpu_decode.py through ctypes (built at first use with `cc -O2`, no -march:
+   Called by ops/paged/cpu_decode.py through ctypes (built at first use with `cc -O2`, no -march:
    the AVX2 + FMA code is selected at run time by __builtin_cpu_supports; on a CPU without
    them the entry point returns 1 and the caller uses the pure-torch kernel).
 

@@ -99,7 +99,7 @@ def convert_mla_partial_attention(q_nope: Tensor, q_pe: Tensor, kv_cache: Tensor
 
 
 def causal_lens(query_start_loc: Tensor, seq_lens: Tensor, like: Tensor) -> Tensor:
-    """ops/layout.causal_lens: pos + 1, 0 for padding (int64)."""
+    """core/layout.causal_lens: pos + 1, 0 for padding (int64)."""
     pos, _, valid, _ = token_positions(query_start_loc, seq_lens, like)
     return where(valid, ge.Add(pos, const(1, I64)), const(0, I64))
 

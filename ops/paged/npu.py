@@ -44,7 +44,7 @@ from cp_compile.ops.core.npu import torch_npu as _torch_npu
 
 
 class NpuCaptureUnsupported(RuntimeError):
-    """An npu_fused kernel that needs a host value was called inside an aclgraph capture."""
+    """An NPU fused kernel that needs a host value was called inside an aclgraph capture."""
 
 
 def route_invalid_slots(slots: torch.Tensor, num_slots: int) -> torch.Tensor:

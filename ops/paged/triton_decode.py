@@ -212,7 +212,7 @@ _MLA_HEADS = (1, 16, 128)
 
 
 def _lowering_examples():
-    # The registered kernels (kernels/launch.py) are what device runs launch.
+    # The registered kernels (launch.py) are what device runs launch.
     bt = torch.zeros(1, 2, dtype=torch.int32)
     qsl = torch.tensor([0, 2], dtype=torch.int32)
     kv_lens = torch.ones(2, dtype=torch.int32)

@@ -85,7 +85,7 @@ def local_slot_mapping_triton(
 
 
 def _lowering_examples():
-    # The registered kernels (kernels/launch.py) are what device runs launch.
+    # The registered kernels (launch.py) are what device runs launch.
     # BLOCK = next_pow2(T) up to _MAX_BLOCK: every power of two a batch can produce.
     for i in range(_MAX_BLOCK.bit_length()):
         T = 1 << i

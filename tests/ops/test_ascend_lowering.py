@@ -2,7 +2,7 @@
 
 The check runs in its own environment (.venv-ascend: CPU torch + triton-ascend, which
 owns the `triton` module name) as a subprocess: every @triton.jit kernel of
-cp_compile.ops.kernels, for every launch its module declares, lowers TTIR -> linalg
+the op families (ops/<family>/triton_*.py), for every launch its module declares, lowers TTIR -> linalg
 through triton-ascend's NPU adapter and keeps the §8 rules. A fixture module of
 unsupported constructs shows the check can fail. The launch-side rules (grid budget,
 int32 guard, capture) are checked here in the main environment too.
@@ -24,7 +24,8 @@ import pytest
 import torch
 
 REPO = Path(__file__).resolve().parents[2]
-KERNELS = REPO / "ops" / "kernels"
+# the Triton kernel modules of the op families (tools/ascend_check.py finds them by import)
+KERNELS = sorted((REPO / "ops").glob("*/triton_*.py"))
 FIXTURE = Path(__file__).parent / "ascend_fixtures" / "unsupported_kernels.py"
 SETUP = "bash tools/bootstrap.sh --with-ascend"
 
@@ -47,12 +48,12 @@ def run_check(python: str, out: Path, *modules: str) -> tuple[int, dict, str]:
 
 
 def jitted_in_source() -> set[str]:
-    """Launched @triton.jit kernels in ops/kernels/*.py, read from the source text: an
+    """Launched @triton.jit kernels in ops/<family>/triton_*.py, read from the source text: an
     independent count, so the check's import-based discovery cannot miss one. Helpers
     a module lists in `LOWERING.helpers` are inlined into their callers (lowered with
     them), never launched, so they are not counted."""
     names, helpers = set(), set()
-    for path in KERNELS.glob("*.py"):
+    for path in KERNELS:
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.FunctionDef) and any("jit" in ast.unparse(d) for d in node.decorator_list):
                 names.add(node.name)

@@ -1,6 +1,6 @@
-"""Single-device attention ops (`cp::*`, ops/attention.py) against independent dense math.
+"""Single-device attention ops (`cp::*`, ops/paged/ops.py, ops/sparse/ops.py) against independent dense math.
 
-The oracles here do not use the paged-cache helpers of ops/reference.py: every
+The oracles here do not use the paged-cache helpers of ops/core/paged_cache.py: every
 request's full K/V is built from scratch as a dense tensor (the cached prefix plus
 this step's tokens) and attention is computed in fp64 with explicit loops, so a bug
 shared by the op and reference.py cannot hide.

@@ -7,7 +7,7 @@ and tile boundaries (forced small), masks cut inside a chunk, padded tokens, a c
 dtype other than q's, Dv != D, and MLA's values read from the key pages. A broken merge
 must be caught (test_a_broken_merge_is_caught).
 Decode and verify groups (few query rows per KV head, fp32, head dims a multiple of 8) run
-the C kernel of ops/cpu_decode.c; the `kernel` parameter runs a case through it (asserted to
+the C kernel of ops/paged/cpu_decode.c; the `kernel` parameter runs a case through it (asserted to
 have run) and through the pure-torch kernel (`CP_COMPILE_CPU_DECODE=torch`).
 The second half poisons every slot no request may read with NaN / inf (what a rolled-back
 draft or a torch.empty cache holds): nothing outside [0, kv_len) may reach a result

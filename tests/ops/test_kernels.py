@@ -1,4 +1,4 @@
-"""Triton kernels (cp_compile.ops.kernels) against the torch references, on CPU.
+"""Triton kernels (ops/<family>/triton_*.py) against the torch references, on CPU.
 
 The kernels run under Triton's interpreter (docs/architecture.md §8). TRITON_INTERPRET is read
 when `@triton.jit` decorates a function, i.e. when triton.language (whose tl.sum,

@@ -1,4 +1,4 @@
-"""The npu_fused kernels (ops/kernels/npu_fused.py) are aclgraph-safe: no host read, -1 slots
+"""The torch_npu fused kernels (ops/paged/npu.py, ops/merge/npu.py) are aclgraph-safe: no host read, -1 slots
 routed explicitly, and the kernels that need host lengths refuse a capture.
 
 torch_npu cannot import here (it needs CANN), so the kernels run against a STAND-IN
