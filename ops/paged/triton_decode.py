@@ -14,6 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
+from cp_compile.ops.core.attention_tile import lse_epilogue, online_softmax_step, paged_location
 from cp_compile.ops.paged import launch as paged_launch
 from cp_compile.ops.core.triton_common import (
     LoweringDeclaration,
@@ -80,8 +81,7 @@ def _paged_attention_lse_kernel(
         for start in range(0, n_kv, BLOCK_N):
             j = start + offs_n  # request-local key positions [BLOCK_N]
             j_mask = j < n_kv
-            page = tl.load(bt_ptr + req * s_bt + j // block_size, mask=j_mask, other=0)
-            in_page = j % block_size
+            page, in_page = paged_location(bt_ptr, req, s_bt, j, j_mask, block_size)
             k_row = page * s_kb + in_page * s_ks + g * s_kh  # [BLOCK_N]
             v_row = page * s_vb + in_page * s_vs + g * s_vh
             k = tl.load(k_ptr + k_row[:, None] + offs_d[None, :] * s_kd,
@@ -97,23 +97,16 @@ def _paged_attention_lse_kernel(
                 # groups are small) and runs everywhere, including the interpreter.
                 s = tl.sum(q[:, None, :] * k.to(tl.float32)[None, :, :], axis=2)
             s = tl.where(j_mask[None, :], s, float("-inf"))
-            # The tile holds >= 1 valid key (start < n_kv), so m_new is finite.
-            m_new = tl.maximum(m_i, tl.max(s, axis=1))
-            alpha = tl.exp(m_i - m_new)  # exp(-inf) = 0 on the first tile
-            p = tl.exp(s - m_new[:, None])  # masked keys -> 0
-            l_i = l_i * alpha + tl.sum(p, axis=1)
+            # The tile holds >= 1 valid key (start < n_kv), so the new max is finite.
+            p, alpha, m_i, l_i = online_softmax_step(s, m_i, l_i)
             if USE_DOT:
                 pv = tl.dot(p.to(v.dtype), v)  # fp32 accumulator
             else:
                 pv = tl.sum(p[:, :, None] * v.to(tl.float32)[None, :, :], axis=1)  # [BLOCK_H, DV_PAD]
             acc = acc * alpha[:, None] + pv
-            m_i = m_new
 
         # No keys: l_i = 0 -> out 0, lse -inf (the merge weighs it 0).
-        has = l_i > 0.0
-        l_safe = tl.where(has, l_i, 1.0)
-        out = tl.where(has[:, None], acc / l_safe[:, None], 0.0)
-        lse = tl.where(has, m_i + tl.log(l_safe), float("-inf"))
+        out, lse = lse_epilogue(acc, l_i, m_i)
         tl.store(out_ptr + t * s_ot + h[:, None] * s_oh + offs_dv[None, :] * s_od,
                  out.to(out_ptr.dtype.element_ty), mask=h_mask[:, None] & dv_mask[None, :])
         tl.store(lse_ptr + t * s_lt + h * s_lh, lse, mask=h_mask)

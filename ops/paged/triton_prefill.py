@@ -19,6 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
+from cp_compile.ops.core.attention_tile import lse_epilogue, online_softmax_step, paged_location
 from cp_compile.ops.core.triton_common import (
     LoweringDeclaration,
     grid_size,
@@ -70,25 +71,17 @@ def _paged_prefill_kernel(
         for start in range(0, hi, BLOCK_N):
             j = start + offs_n
             j_mask = j < hi
-            page = tl.load(bt_ptr + req * s_bt + j // block_size, mask=j_mask, other=0)
-            in_page = j % block_size
+            page, in_page = paged_location(bt_ptr, req, s_bt, j, j_mask, block_size)
             k = tl.load(k_ptr + (page * s_kb + in_page * s_ks + g * s_kh)[:, None] + offs_d[None, :] * s_kd,
                         mask=j_mask[:, None] & d_mask[None, :], other=0.0)
             v = tl.load(v_ptr + (page * s_vb + in_page * s_vs + g * s_vh)[:, None] + offs_dv[None, :] * s_vd,
                         mask=j_mask[:, None] & dv_mask[None, :], other=0.0)
             s = tl.dot(q, tl.trans(k)) * scale
             s = tl.where(j[None, :] < kvl[:, None], s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, axis=1))
-            m_safe = tl.where(m_new > float("-inf"), m_new, 0.0)  # rows with fewer keys than the tile's
-            alpha = tl.exp(m_i - m_safe)
-            p = tl.exp(s - m_safe[:, None])
-            l_i = l_i * alpha + tl.sum(p, axis=1)
+            # rows with fewer keys than the tile's: an all-masked row stays 0 (the helper's shift)
+            p, alpha, m_i, l_i = online_softmax_step(s, m_i, l_i)
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-            m_i = m_new
-        has = l_i > 0.0
-        l_safe = tl.where(has, l_i, 1.0)
-        out = tl.where(has[:, None], acc / l_safe[:, None], 0.0)
-        lse = tl.where(has, m_i + tl.log(l_safe), float("-inf"))
+        out, lse = lse_epilogue(acc, l_i, m_i)
         tl.store(out_ptr + rows[:, None] * s_ot + h * s_oh + offs_dv[None, :] * s_od,
                  out.to(out_ptr.dtype.element_ty), mask=r_mask[:, None] & dv_mask[None, :])
         tl.store(lse_ptr + rows * s_lt + h * s_lh, lse, mask=r_mask)

@@ -18,6 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
+from cp_compile.ops.core.attention_tile import paged_location
 from cp_compile.ops.core import layout
 from cp_compile.ops.core.triton_cache_write import cache_write_triton
 from cp_compile.ops.core.triton_common import (
@@ -59,8 +60,8 @@ def _index_scores_kernel(
         n_kv = tl.where(req >= 0, n_kv, 0)
         req = tl.maximum(req, 0)
         valid = j < n_kv
-        page = tl.load(bt_ptr + req * s_bt + j // block_size, mask=valid, other=0)
-        k = tl.load(k_ptr + (page * s_kb + (j % block_size) * s_ks)[:, None] + offs_d[None, :] * s_kd,
+        page, in_page = paged_location(bt_ptr, req, s_bt, j, valid, block_size)
+        k = tl.load(k_ptr + (page * s_kb + in_page * s_ks)[:, None] + offs_d[None, :] * s_kd,
                     mask=valid[:, None] & d_mask[None, :], other=0.0)  # [BLOCK_N, D_PAD]
         q = tl.load(q_ptr + t * s_qt + offs_h[:, None] * s_qh + offs_d[None, :] * s_qd,
                     mask=h_mask[:, None] & d_mask[None, :], other=0.0)  # [HI_PAD, D_PAD]

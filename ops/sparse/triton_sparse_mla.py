@@ -18,6 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
+from cp_compile.ops.core.attention_tile import lse_epilogue, online_softmax_step, paged_location
 from cp_compile.ops.core import layout
 from cp_compile.ops.core.triton_cache_write import cache_write_triton
 from cp_compile.ops.core.triton_common import (
@@ -77,8 +78,8 @@ def _sparse_mla_kernel(
             j = tl.load(idx_ptr + t * s_it + kk * s_ik, mask=kk < n_idx, other=-1)
             valid = j >= 0
             j = tl.where(valid, j, 0)
-            page = tl.load(bt_ptr + req * s_bt + j // block_size, mask=valid, other=0)
-            row = page * s_kb + (j % block_size) * s_ks  # [BLOCK_N]
+            page, in_page = paged_location(bt_ptr, req, s_bt, j, valid, block_size)
+            row = page * s_kb + in_page * s_ks  # [BLOCK_N]
             kc = tl.load(kv_ptr + row[:, None] + offs_l[None, :] * s_kd,
                          mask=valid[:, None] & l_mask[None, :], other=0.0)  # [BLOCK_N, L_PAD]: keys and values
             kp = tl.load(kv_ptr + row[:, None] + (L + offs_r[None, :]) * s_kd,
@@ -89,21 +90,14 @@ def _sparse_mla_kernel(
                 s = (tl.sum(qn[:, None, :] * kc.to(tl.float32)[None, :, :], axis=2)
                      + tl.sum(qp[:, None, :] * kp.to(tl.float32)[None, :, :], axis=2))
             s = tl.where(valid[None, :], s * scale, float("-inf"))  # [BLOCK_H, BLOCK_N]
-            m_new = tl.maximum(m_i, tl.max(s, axis=1))
-            m_safe = tl.where(m_new > float("-inf"), m_new, 0.0)  # a tile of skipped indices only
-            alpha = tl.exp(m_i - m_safe)
-            p = tl.exp(s - m_safe[:, None])
-            l_i = l_i * alpha + tl.sum(p, axis=1)
+            # a tile of skipped indices only leaves the row at 0 (the helper's shift)
+            p, alpha, m_i, l_i = online_softmax_step(s, m_i, l_i)
             if USE_DOT:
                 pv = tl.dot(p.to(kc.dtype), kc)
             else:
                 pv = tl.sum(p[:, :, None] * kc.to(tl.float32)[None, :, :], axis=1)
             acc = acc * alpha[:, None] + pv
-            m_i = m_new
-        has = l_i > 0.0
-        l_safe = tl.where(has, l_i, 1.0)
-        out = tl.where(has[:, None], acc / l_safe[:, None], 0.0)
-        lse = tl.where(has, m_i + tl.log(l_safe), float("-inf"))
+        out, lse = lse_epilogue(acc, l_i, m_i)
         tl.store(out_ptr + t * s_ot + h[:, None] * s_oh + offs_l[None, :] * s_od,
                  out.to(out_ptr.dtype.element_ty), mask=h_mask[:, None] & l_mask[None, :])
         tl.store(lse_ptr + t * s_lt + h * s_lh, lse, mask=h_mask)
