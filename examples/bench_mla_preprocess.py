@@ -28,8 +28,8 @@ import cp_compile
 from cp_compile.runtime.metadata_build import BlockAllocator, build_attention_metadata
 from examples.bench.shapes import PRESETS
 from examples.models.deepseek_mla import DeepseekMLAModel
-from cp_compile.ops import mla_preprocess_reference as mla_preprocess_ref
-from cp_compile.ops.mla_preprocess import OPS as MLA_OPS
+from cp_compile.ops.mla_preprocess import reference as mla_preprocess_ref
+from cp_compile.ops.mla_preprocess.ops import OPS as MLA_OPS
 
 LAYERS = 2
 

@@ -32,7 +32,7 @@ import warnings
 import torch
 import torch.fx as fx
 
-import cp_compile.ops.mla_preprocess  # noqa: F401  (registers cp::mla_preprocess)
+import cp_compile.ops.mla_preprocess.ops  # noqa: F401  (registers cp::mla_preprocess)
 from cp_compile.passes.context import CompileContext
 from cp_compile.passes.base import CPPass
 from cp_compile.passes.mla_preprocess_match import (LayerMatch, Linear, NoMatch, cat_pair, is_call, is_method,

@@ -9,7 +9,7 @@ What the graph looks like when it gets here. At pcp > 1 the compiled entry
 (`decorator.CompiledForward`) compiles prefill steps through a wrapper that takes this
 rank's token indices as an extra argument ([T_loc] int64, ascending, -1 padded: row
 `pcp_rank` of `ops.pcp_layout.pcp_token_table`, computed on the host once per step),
-marks them with `cp::pcp_token_index` (ops/pcp.py) and slices the model's token-dim
+marks them with `cp::pcp_token_index` (ops/pcp/ops.py) and slices the model's token-dim
 arguments (input_ids, positions) to those rows *inside the graph*, before calling the
 model. So the model is traced on T_loc tokens while its metadata stays global (T
 tokens). The pass finds the token indices as the argument of the marker's one call
@@ -43,7 +43,7 @@ import torch.fx as fx
 
 from cp_compile.base.config import ConfigError
 from cp_compile.passes.context import CompileContext
-from cp_compile.ops import pcp as pcp_ops
+from cp_compile.ops.pcp import ops as pcp_ops
 from cp_compile.ops.parallel import pcp as pcp_compose
 from cp_compile.passes.base import CPPass
 from cp_compile.passes.dcp_attention import AttentionPattern, rewrite_attention_nodes

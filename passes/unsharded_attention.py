@@ -14,7 +14,7 @@ import torch.fx as fx
 
 from cp_compile.base.config import ConfigError
 from cp_compile.passes.context import CompileContext
-from cp_compile.ops.attention import SINGLE_DEVICE_ATTENTION_OPS
+from cp_compile.ops.core.catalog import SINGLE_DEVICE_ATTENTION_OPS
 from cp_compile.passes.base import CPPass
 from cp_compile.passes.fx_utils import CLAIMED_KEY, op_nodes
 from cp_compile.passes.rewrites import REWRITES

@@ -160,7 +160,7 @@ def run(archs: tuple[int, ...], modules: list[str] | None = None, subset: bool =
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("modules", nargs="*", help="kernel module names (default: every module of cp_compile.ops.kernels)")
+    p.add_argument("modules", nargs="*", help="kernel module names (default: every ops/<family>/triton_*.py)")
     p.add_argument("--arch", type=int, action="append", help="CUDA compute capability (default: 80 and 90)")
     p.add_argument("--subset", action="store_true", help="one specialisation per kernel")
     p.add_argument("--json", type=Path)

@@ -1,6 +1,7 @@
 """Triton-Ascend lowering check: every kernel, every launch, no NPU needed (docs/architecture.md §8).
 
-For each module of `cp_compile.ops.kernels` (or the modules named on the command
+For each Triton kernel module of the op families (`ops/<family>/triton_*.py`, found by
+`cp_compile.ops.core.launcher.kernel_module_names`; or the modules named on the command
 line) it
 1. finds every `@triton.jit` kernel defined there (discovered, not listed);
 2. runs the module's `LOWERING.examples` - calls to its launchers the way the project
@@ -32,7 +33,6 @@ import importlib
 import importlib.util
 import inspect
 import json
-import pkgutil
 import re
 import shutil
 import sys
@@ -44,8 +44,8 @@ from typing import Any
 
 import torch
 
-import cp_compile.ops.kernels as kernels_package
-from cp_compile.ops.kernels._common import CPU_MAX_PROGRAMS, Launch, LoweringDeclaration, capture_launches
+from cp_compile.ops.core.launcher import kernel_module_names
+from cp_compile.ops.core.triton_common import CPU_MAX_PROGRAMS, Launch, LoweringDeclaration, capture_launches
 
 _TRITON_DTYPES = {
     torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16", torch.float64: "fp64",
@@ -88,11 +88,10 @@ class _Spec:
 
 
 def kernel_modules(targets: list[str] | None = None) -> list[ModuleType]:
-    """The kernels package's modules, or the given module names / .py paths."""
+    """Every family's Triton kernel modules, or the given module names / .py paths."""
     if not targets:
-        # Every module of the package: a module without kernels contributes nothing.
-        names = [m.name for m in pkgutil.iter_modules(kernels_package.__path__)]
-        return [importlib.import_module(f"{kernels_package.__name__}.{n}") for n in sorted(names)]
+        # Every triton_*.py of the family folders (and core's shared ones).
+        return [importlib.import_module(name) for name in kernel_module_names()]
     modules = []
     for target in targets:
         path = Path(target)
@@ -171,7 +170,7 @@ def collect(module: ModuleType) -> tuple[list[_Spec], list[Result]]:
     if not isinstance(decl, LoweringDeclaration):
         return [], [Result(mod, k, "failed", "declare",
                            "module has @triton.jit kernels but no LOWERING = LoweringDeclaration(...) "
-                           "(cp_compile.ops.kernels._common): declare launches next to the kernel")
+                           "(cp_compile.ops.core.triton_common): declare launches next to the kernel")
                     for k in kernels]
     failures = [Result(mod, k, "failed", "declare", f"LOWERING.int64 names {k!r}, not a kernel of this module")
                 for k in decl.int64 if k not in kernels]
@@ -362,7 +361,7 @@ def report(results: list[Result], arch: str, stage: str) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("modules", nargs="*", help="module names or .py files (default: cp_compile.ops.kernels)")
+    parser.add_argument("modules", nargs="*", help="module names or .py files (default: every ops/<family>/triton_*.py)")
     parser.add_argument("--arch", default="Ascend910B3")
     parser.add_argument("--npubin", action="store_true", help="also run bishengir-compile (needs CANN)")
     parser.add_argument("--json", type=Path, help="write the results here")

@@ -104,7 +104,7 @@ def step_kernels(dry: bool) -> list[dict]:
     import torch
 
     import cp_compile.ops  # noqa: F401
-    from cp_compile.ops.kernels import registry
+    from cp_compile.ops.core import registry
     from cp_compile.testing.op_cases import clone_args, flat_outputs, op_cases
 
     rows = []
@@ -165,7 +165,7 @@ def step_decode_bandwidth(dry: bool) -> list[dict]:
         if dry:
             rows.append({"context": ctx, **s, "kv_bytes": kv_bytes, "status": "dry run"})
             continue
-        from cp_compile.ops.kernels import paged_attention_with_lse_triton
+        from cp_compile.ops.paged.triton_decode import paged_attention_with_lse_triton
 
         q, k, v, bt, qsl, kv_lens = _decode_inputs(ctx, torch.bfloat16)
         row = {"context": ctx, **s, "kv_bytes": kv_bytes}

@@ -21,7 +21,7 @@ def main() -> int:
 
     standin.install()
     import cp_compile
-    from cp_compile.ops.ge import register_converters
+    from cp_compile.ops.core.ge_registry import register_converters
     from tools.ge_check.reading import FxRecorder, compile_and_load
     from examples.models.deepseek_mla import DeepseekMLAConfig, DeepseekMLAModel
 

@@ -38,8 +38,8 @@ from cp_compile.passes.context import RoleBinding, resolve_roles
 from cp_compile.compiler.lowering import Lowering, TorchairMode
 from cp_compile.runtime.metadata import AttentionMetadata, BatchKind, batch_kind, is_fresh
 from cp_compile.runtime.metadata_checks import validate_forward_args
-from cp_compile.ops.pcp import pcp_token_index
-from cp_compile.ops.pcp_layout import pcp_token_table
+from cp_compile.ops.pcp.ops import pcp_token_index
+from cp_compile.ops.core.pcp_layout import pcp_token_table
 from cp_compile.runtime.parallel_state import ParallelState, parallel_state_or_none
 
 M = TypeVar("M", bound=type[nn.Module])

@@ -2,9 +2,9 @@
 
 The torchair path is imported lazily. `reduce-overhead` (aclgraph capture and
 replay, the default torchair mode) runs each op's registered NPU kernel (declared
-with the op, registered at `import cp_compile.ops`: ops/kernels/registry.py). `max-autotune` (GE graph
+with the op, registered at `import cp_compile.ops`: ops/core/registry.py). `max-autotune` (GE graph
 mode) converts every FX node to GE operators: the `cp::*` converters live in
-`cp_compile/ops/ge/` and are registered here; a `cp::*` op without one is a loud
+the op families' `ge*.py` (`cp_compile/ops/<family>/`) and are registered here; a `cp::*` op without one is a loud
 error. Neither mode has run on an NPU. The FX -> GE conversion of the DCP graphs
 is checked in CI on CPU (`python -m tools.ge_check`, docs/torchair.md),
 with only torchair's C++ extension stood in.
@@ -19,8 +19,8 @@ import torch
 import torch.fx as fx
 
 from cp_compile.base.errors import ConfigError
-from cp_compile.ops.ge import register_converters
-from cp_compile.ops.scratch_block import has_scratch_block
+from cp_compile.ops.core.ge_registry import register_converters
+from cp_compile.ops.core.scratch_block import has_scratch_block
 from cp_compile.compiler.step_check import written_caches
 
 Lowering = Literal["auto", "inductor", "aot_eager", "eager", "torchair"]
@@ -89,7 +89,7 @@ def missing_ge_converters(gm: fx.GraphModule) -> list[str]:
 
 def _refuse_caches_without_scratch(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> None:
     """GE graphs write the tokens of slot -1 into each cache's scratch block (its last
-    page; ops/ge/cache.py, issue 21): a cache without one would have a page of real
+    page; ops/paged/ge_cache.py, issue 21): a cache without one would have a page of real
     tokens overwritten. Checked once, at compile time, on the caches the graph writes."""
     for op, i in written_caches(gm):
         t = example_inputs[i] if i < len(example_inputs) else None
@@ -111,11 +111,11 @@ def _lower_torchair(gm: fx.GraphModule, example_inputs: Sequence[Any], mode: Tor
     config = torchair.CompilerConfig()
     config.mode = mode
     if mode == "max-autotune":
-        register_converters()  # GE converters for every cp:: op (cp_compile/ops/ge/)
+        register_converters()  # GE converters for every cp:: op (cp_compile/ops/<family>/ge*.py)
         missing = missing_ge_converters(gm)
         if missing:
             raise RuntimeError(f"torchair max-autotune (GE graph) needs GE converters for {missing}. Fix: register "
-                               f"one with torchair.register_fx_node_ge_converter (see cp_compile/ops/ge/), or use "
+                               f"one with torchair.register_fx_node_ge_converter (see cp_compile/ops/<family>/ge*.py), or use "
                                f"torchair_mode='reduce-overhead'")
         _refuse_caches_without_scratch(gm, example_inputs)
         dump = os.environ.get("CP_COMPILE_GE_DUMP")  # GE graphs (original and optimised) as pbtxt

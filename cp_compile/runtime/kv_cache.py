@@ -19,8 +19,8 @@ import torch
 import torch.distributed as dist
 
 from cp_compile.base.config import AttentionSpec, ConfigError, CPConfig
-from cp_compile.ops.scratch_block import mark_scratch_block
-from cp_compile.ops.sharded_cache import mark_sharded
+from cp_compile.ops.core.scratch_block import mark_scratch_block
+from cp_compile.ops.core.sharded_cache import mark_sharded
 from cp_compile.runtime.parallel_state import ParallelState, parallel_state_or_none
 
 
@@ -128,7 +128,7 @@ def allocate_kv_cache(cfg: CPConfig, spec: KVCacheSpec, num_blocks: int,
 
     `scratch_block=True` (needed by torchair's GE graph mode, `torchair_mode="max-autotune"`):
     every cache tensor gets one more page, block `num_blocks`, where the GE graphs write
-    the tokens that write nothing (slot -1; `ops/scratch_block.py`, issue 21). Block ids
+    the tokens that write nothing (slot -1; `ops/core/scratch_block.py`, issue 21). Block ids
     stay `[0, num_blocks)`: use `BlockAllocator(num_blocks, ...)`; a block table naming
     the scratch block is refused by the step check.
 
@@ -180,7 +180,7 @@ def allocate_kv_cache(cfg: CPConfig, spec: KVCacheSpec, num_blocks: int,
         # The cache knows its layout (issue 19): a single-device attention op run over
         # it would read and write global slots in a 1/N shard. The storage is marked,
         # so views keep the mark; every single-device op and validate_step(...,
-        # single_device_ops=True) refuse it (ops/sharded_cache.py).
+        # single_device_ops=True) refuse it (ops/core/sharded_cache.py).
         for layer in layers:
             for t in layer:
                 mark_sharded(t, cfg.context_parallel_size)

@@ -19,8 +19,8 @@ from typing import Any, Mapping, Sequence
 import torch
 
 from cp_compile.base.errors import MetadataError
-from cp_compile.ops.scratch_block import has_scratch_block
-from cp_compile.ops.sharded_cache import refuse_sharded
+from cp_compile.ops.core.scratch_block import has_scratch_block
+from cp_compile.ops.core.sharded_cache import refuse_sharded
 from cp_compile.runtime.metadata import AttentionMetadata
 from cp_compile.runtime.parallel_state import ParallelState, parallel_state_or_none
 
@@ -213,7 +213,7 @@ def _cache_geometry(kv_caches: Sequence[Sequence[torch.Tensor]]) -> tuple[int, i
                             "allocate every layer's cache with one allocate_kv_cache call")
     (num_blocks, device), = geo
     # A cache allocated with scratch_block=True ends with the GE graphs' scratch block
-    # (ops/scratch_block.py, issue 21): no block table may name it.
+    # (ops/core/scratch_block.py, issue 21): no block table may name it.
     num_blocks -= int(any(has_scratch_block(c) for c in tensors))
     return num_blocks, pages.pop(), device
 

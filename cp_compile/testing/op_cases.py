@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from cp_compile.ops import layout
+from cp_compile.ops.core import layout
 
 BS, NB = 4, 8  # page size, pages
 QSL, SEQ = [0, 3, 5], [9, 6]  # request 0: 6 cached + 3 new, request 1: 4 cached + 2 new

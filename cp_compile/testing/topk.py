@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import torch
 
-from cp_compile.ops.reference import gather_request_pages, request_index
+from cp_compile.ops.core.layout import request_index
+from cp_compile.ops.core.paged_cache import gather_request_pages
 
 
 def index_scores(q_i: torch.Tensor, index_cache: torch.Tensor, w: torch.Tensor, block_table: torch.Tensor,

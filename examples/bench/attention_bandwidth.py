@@ -17,11 +17,11 @@ see the same machine load; a figure is the median over rounds with min / max:
   kernel can beat on this core; at this shape its `% read-once` is the compute ceiling;
 - `op in place`: `cp::paged_attention_lse` over the paged cache, block table as a fresh
   allocator hands it out (each request's pages consecutive); on CPU with AVX2 this is
-  the C decode kernel of `ops/cpu_decode.c`;
+  the C decode kernel of `ops/paged/cpu_decode.c`;
 - `op gathered`: the same op with the pages shuffled over the cache;
 - `torch in place` / `torch gathered`: the op's pure-torch kernel (`CP_COMPILE_CPU_DECODE=torch`:
   flash chunks over a strided view / over gathered chunks), what ran before the C kernel;
-- `reference`: `reference.paged_attention_with_lse`, the oracle the op replaced on CPU.
+- `reference`: `paged_reference.paged_attention_with_lse`, the oracle the op replaced on CPU.
 
 GB/s is the KV bytes of the batch over the time. `x sdpa` is the method's time over
 sdpa's in the same round. The load average and commit are printed with the table
@@ -42,7 +42,9 @@ from typing import Callable
 import torch
 
 import cp_compile.ops  # noqa: F401  (registers torch.ops.cp.*)
-from cp_compile.ops import cpu_decode, reference
+from cp_compile.ops.paged import cpu_decode
+from cp_compile.ops.core import paged_cache
+from cp_compile.ops.paged import reference as paged_reference
 
 _flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 
@@ -83,8 +85,8 @@ def decode_methods(context: int, batch: int, hq: int, hkv: int, d: int, bs: int,
     kv_lens = torch.full((batch,), context, dtype=torch.int32)
     scale = d ** -0.5
     # The same KV, contiguous per request: [B, Hkv, S, D]; GQA heads folded into the rows.
-    k_flat = reference.gather_request_pages(k_cache, in_place.flatten(), batch * context).view(batch, context, hkv, d)
-    v_flat = reference.gather_request_pages(v_cache, in_place.flatten(), batch * context).view(batch, context, hkv, d)
+    k_flat = paged_cache.gather_request_pages(k_cache, in_place.flatten(), batch * context).view(batch, context, hkv, d)
+    v_flat = paged_cache.gather_request_pages(v_cache, in_place.flatten(), batch * context).view(batch, context, hkv, d)
     k_bhsd, v_bhsd = k_flat.transpose(1, 2).contiguous(), v_flat.transpose(1, 2).contiguous()
     q_fold = q.view(batch, hkv, hq // hkv, d)
     op = torch.ops.cp.paged_attention_lse
@@ -99,7 +101,7 @@ def decode_methods(context: int, batch: int, hq: int, hkv: int, d: int, bs: int,
         "torch gathered": lambda: _torch_kernel(op, q, k_cache, v_cache, shuffled, qsl, kv_lens, scale),
     }
     if with_reference:
-        methods["reference"] = lambda: reference.paged_attention_with_lse(q, k_cache, v_cache, in_place, qsl,
+        methods["reference"] = lambda: paged_reference.paged_attention_with_lse(q, k_cache, v_cache, in_place, qsl,
                                                                           kv_lens, scale)
     return methods, 2 * batch * context * hkv * d * k_cache.element_size()
 

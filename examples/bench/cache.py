@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import torch
 
 import cp_compile
-from cp_compile.ops import layout
+from cp_compile.ops.core import layout
 
 
 @dataclass(frozen=True)

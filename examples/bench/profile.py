@@ -28,11 +28,11 @@ from typing import Any, Iterator
 
 import torch
 
-from cp_compile.ops.catalog import profile_buckets
+from cp_compile.ops.core.catalog import profile_buckets
 
 CATEGORIES = ("attention", "dcp_local", "dcp_comm", "tp_comm", "other")
 STEP = "bench::step"
-# Each op's bucket is declared with the op (OpDecl.profile, ops/spec.py).
+# Each op's bucket is declared with the op (OpDecl.profile, ops/core/spec.py).
 ATTENTION_OPS = {op for op, bucket in profile_buckets().items() if bucket == "attention"}
 DCP_LOCAL_OPS = {op for op, bucket in profile_buckets().items() if bucket == "dcp_local"}
 _COLL = "_c10d_functional::"

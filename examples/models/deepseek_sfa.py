@@ -40,7 +40,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-import cp_compile.ops.attention  # noqa: F401  (registers torch.ops.cp.*)
+import cp_compile.ops  # noqa: F401  (registers torch.ops.cp.*)
 from cp_compile.base.config import AttentionSpec
 from cp_compile.runtime.kv_cache import KVCacheSpec
 from cp_compile.runtime.metadata import AttentionMetadata

@@ -16,7 +16,7 @@ set for W8A8 static.
 
 The module is a drop-in for `common.RowParallelLinear` (same constructor
 arguments, `load_full`, all-reduce over the TP group, bias added after it) and runs
-`cp::w8a8_dynamic_linear` / `cp::w8a8_static_linear` (`ops/quant.py`) on its shard.
+`cp::w8a8_dynamic_linear` / `cp::w8a8_static_linear` (`ops/quant/ops.py`) on its shard.
 Parameters are `nn.Parameter(requires_grad=False)` so that `@cp_module(o_proj=...)`
 roles name them like the float weight.
 """
@@ -30,8 +30,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-import cp_compile.ops.quant  # noqa: F401  (registers cp::w8a8_*_linear)
-from cp_compile.ops.quant_reference import QMAX
+import cp_compile.ops.quant.ops  # noqa: F401  (registers cp::w8a8_*_linear)
+from cp_compile.ops.quant.reference import QMAX
 
 from examples.models.common import _copy_param, shard, tp_all_reduce
 

@@ -37,7 +37,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 import cp_compile.ops  # noqa: F401  (registers the cp::* building blocks)
-from cp_compile.ops import layout
+from cp_compile.ops.core import layout
 from cp_compile.base.parallel_layout import Group
 
 _c10d = torch.ops._c10d_functional

@@ -21,7 +21,7 @@ which replaces the partial matmul + all-reduce. Per-output-channel parameters
 (dynamic W8A8 weight scale / offset) are the same on every rank and are not
 gathered. Quantised linears keep the TP arithmetic exactly: activations are
 quantised per input group with groups = tp (each group is one former shard), so
-every int32 accumulator equals the rank's (ops/quant_reference.py).
+every int32 accumulator equals the rank's (ops/quant/reference.py).
 
 Traceable like `parallel/dsa_cp.py` (functional collectives, each followed by
 `wait_tensor`, no data-dependent control flow); the graph pass
@@ -36,7 +36,7 @@ from typing import Literal
 import torch
 from torch import Tensor
 
-import cp_compile.ops.quant  # noqa: F401  (registers cp::w8a8_*_linear)
+import cp_compile.ops.quant.ops  # noqa: F401  (registers cp::w8a8_*_linear)
 from cp_compile.ops.parallel.dsa_cp import DSACPContext, pad_tokens, shard_rows
 
 _c10d = torch.ops._c10d_functional
@@ -116,7 +116,7 @@ def o_proj_full_weight(kind: LinearKind, x: Tensor, params: dict[str, Tensor], c
 
     x [T, in/tp]: this rank's input features of every token (the TP layout);
     params: the rank's TP parameters as the row-parallel linear takes them
-    (F.linear: weight [out, in/tp]; W8A8: see `ops/quant.py`); groups: the rank's
+    (F.linear: weight [out, in/tp]; W8A8: see `ops/quant/ops.py`); groups: the rank's
     own activation groups (quantised linears).
     """
     full = dict(params)

@@ -1,6 +1,6 @@
 """PCP (prefill context parallel) attention compositions (docs/pcp.md).
 
-Each PCP rank holds a head-tail share of the step's new tokens (`ops/pcp_layout.py`)
+Each PCP rank holds a head-tail share of the step's new tokens (`ops/core/pcp_layout.py`)
 and its TP heads. A composition has the semantics of the single-device op
 (`cp::gqa_paged_attention` / `cp::mla_attention`) restricted to this rank's query
 tokens: inputs are this rank's tokens' q / k / v (or latents), padded to the common
@@ -40,7 +40,7 @@ from torch import Tensor
 
 import cp_compile.ops  # noqa: F401  (registers the cp::* building blocks)
 from cp_compile.base.errors import ConfigError
-from cp_compile.ops import layout, pcp_layout
+from cp_compile.ops.core import layout, pcp_layout
 from cp_compile.ops.parallel.dcp import (DCPContext, all_gather_heads, dense, kv_major_heads, localize, merge_heads,
                                           rank_major_heads)
 from cp_compile.base.parallel_layout import Group

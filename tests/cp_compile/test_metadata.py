@@ -5,7 +5,7 @@ import torch
 
 import cp_compile
 from cp_compile.runtime.metadata_checks import validate_metadata
-from cp_compile.ops import layout
+from cp_compile.ops.core import layout
 
 
 def test_metadata_for_mixed_batch_with_padding():

@@ -28,7 +28,7 @@ import torch.distributed as dist
 import cp_compile
 import cp_compile.ops  # noqa: F401
 from cp_compile.passes.context import CompileContext
-from cp_compile.ops import pcp_layout
+from cp_compile.ops.core import pcp_layout
 from cp_compile.ops.parallel import dcp as D
 from cp_compile.ops.parallel import pcp as P
 from cp_compile.base.parallel_layout import Group

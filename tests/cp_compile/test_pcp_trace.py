@@ -15,7 +15,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 import cp_compile
 import cp_compile.ops  # noqa: F401
-from cp_compile.ops import pcp_layout
+from cp_compile.ops.core import pcp_layout
 from cp_compile.ops.parallel import pcp as P
 from cp_compile.base.parallel_layout import Layout
 

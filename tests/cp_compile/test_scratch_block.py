@@ -1,4 +1,4 @@
-"""The scratch block of a paged cache (issue 21, ops/scratch_block.py).
+"""The scratch block of a paged cache (issue 21, ops/core/scratch_block.py).
 
 GE graphs (torchair max-autotune) write the tokens of slot -1 (padding, another DCP
 rank's tokens) into each cache's last page instead of block -1, which CANN's
@@ -22,7 +22,7 @@ from cp_compile.runtime.kv_cache import KVCacheSpec
 from cp_compile.compiler.lowering import _refuse_caches_without_scratch
 from cp_compile.runtime.metadata_build import BlockAllocator
 from cp_compile.runtime.metadata_checks import validate_step
-from cp_compile.ops.scratch_block import has_scratch_block, usable_blocks
+from cp_compile.ops.core.scratch_block import has_scratch_block, usable_blocks
 
 CFG = cp_compile.CPConfig(block_size=4)
 SPEC = KVCacheSpec(num_layers=2, kind="gqa", head_dim=8, num_kv_heads_per_rank=1)

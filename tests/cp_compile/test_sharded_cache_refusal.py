@@ -6,7 +6,7 @@ sparse op wrote and read the sharded latent cache by global slots: logits off by
 no error. A user's own uncompiled module calling the op (it never calls
 `validate_step`), or any model handed a view of the cache (the tag on the tensor
 object was lost), still ran. Now `allocate_kv_cache` marks the cache's storage
-(`ops/sharded_cache.py`) and every single-device attention op refuses it before
+(`ops/core/sharded_cache.py`) and every single-device attention op refuses it before
 writing, on every rank; a copy is a plain cache; the compiled entry of the same model
 on the same cache still runs.
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from cp_compile.ops import cpu_decode
+from cp_compile.ops.paged import cpu_decode
 from examples.bench import attention_bandwidth as ab
 
 ATTENTION = ("sdpa", "op in place", "op gathered", "torch in place", "torch gathered", "reference")

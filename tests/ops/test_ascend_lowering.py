@@ -2,7 +2,7 @@
 
 The check runs in its own environment (.venv-ascend: CPU torch + triton-ascend, which
 owns the `triton` module name) as a subprocess: every @triton.jit kernel of
-cp_compile.ops.kernels, for every launch its module declares, lowers TTIR -> linalg
+the op families (ops/<family>/triton_*.py), for every launch its module declares, lowers TTIR -> linalg
 through triton-ascend's NPU adapter and keeps the §8 rules. A fixture module of
 unsupported constructs shows the check can fail. The launch-side rules (grid budget,
 int32 guard, capture) are checked here in the main environment too.
@@ -24,7 +24,8 @@ import pytest
 import torch
 
 REPO = Path(__file__).resolve().parents[2]
-KERNELS = REPO / "ops" / "kernels"
+# the Triton kernel modules of the op families (tools/ascend_check.py finds them by import)
+KERNELS = sorted((REPO / "ops").glob("*/triton_*.py"))
 FIXTURE = Path(__file__).parent / "ascend_fixtures" / "unsupported_kernels.py"
 SETUP = "bash tools/bootstrap.sh --with-ascend"
 
@@ -47,12 +48,12 @@ def run_check(python: str, out: Path, *modules: str) -> tuple[int, dict, str]:
 
 
 def jitted_in_source() -> set[str]:
-    """Launched @triton.jit kernels in ops/kernels/*.py, read from the source text: an
+    """Launched @triton.jit kernels in ops/<family>/triton_*.py, read from the source text: an
     independent count, so the check's import-based discovery cannot miss one. Helpers
     a module lists in `LOWERING.helpers` are inlined into their callers (lowered with
     them), never launched, so they are not counted."""
     names, helpers = set(), set()
-    for path in KERNELS.glob("*.py"):
+    for path in KERNELS:
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.FunctionDef) and any("jit" in ast.unparse(d) for d in node.decorator_list):
                 names.add(node.name)
@@ -106,7 +107,7 @@ def test_unsupported_constructs_fail_the_check(ascend_python: str, tmp_path: Pat
 
 
 def test_grid_is_bounded_by_the_core_budget() -> None:
-    from cp_compile.ops.kernels._common import CPU_MAX_PROGRAMS, grid_size, max_programs
+    from cp_compile.ops.core.triton_common import CPU_MAX_PROGRAMS, grid_size, max_programs
 
     cpu = torch.device("cpu")
     assert max_programs(cpu) == max_programs(cpu, uses_cube=True) == CPU_MAX_PROGRAMS
@@ -121,14 +122,14 @@ def test_grid_is_bounded_by_the_core_budget() -> None:
 @pytest.mark.accelerator
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (SM count)")
 def test_cuda_grid_is_the_sm_count() -> None:
-    from cp_compile.ops.kernels._common import max_programs
+    from cp_compile.ops.core.triton_common import max_programs
 
     device = torch.device("cuda", 0)
     assert max_programs(device) == torch.cuda.get_device_properties(0).multi_processor_count
 
 
 def test_launcher_refuses_offsets_past_int32() -> None:
-    from cp_compile.ops.kernels import paged_attention_with_lse_triton
+    from cp_compile.ops.paged.triton_decode import paged_attention_with_lse_triton
 
     q = torch.empty(2, 4, 128, device="meta")
     # A cache view whose page stride spans 2**31 elements (e.g. all layers in one tensor).
@@ -139,8 +140,8 @@ def test_launcher_refuses_offsets_past_int32() -> None:
 
 
 def test_capture_records_the_launchers_constexprs() -> None:
-    from cp_compile.ops.kernels import paged_attention_with_lse_triton
-    from cp_compile.ops.kernels._common import CPU_MAX_PROGRAMS, capture_launches
+    from cp_compile.ops.paged.triton_decode import paged_attention_with_lse_triton
+    from cp_compile.ops.core.triton_common import CPU_MAX_PROGRAMS, capture_launches
 
     q = torch.empty(3, 8, 128, dtype=torch.bfloat16)
     cache = torch.empty(2, 16, 1, 128, dtype=torch.bfloat16)

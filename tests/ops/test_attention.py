@@ -1,6 +1,6 @@
-"""Single-device attention ops (`cp::*`, ops/attention.py) against independent dense math.
+"""Single-device attention ops (`cp::*`, ops/paged/ops.py, ops/sparse/ops.py) against independent dense math.
 
-The oracles here do not use the paged-cache helpers of ops/reference.py: every
+The oracles here do not use the paged-cache helpers of ops/core/paged_cache.py: every
 request's full K/V is built from scratch as a dense tensor (the cached prefix plus
 this step's tokens) and attention is computed in fp64 with explicit loops, so a bug
 shared by the op and reference.py cannot hide.
@@ -14,8 +14,9 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-import cp_compile.ops.attention  # noqa: F401  (registers torch.ops.cp.*)
-from cp_compile.ops import reference
+import cp_compile.ops  # noqa: F401  (registers torch.ops.cp.*)
+from cp_compile.ops.core import paged_cache
+from cp_compile.ops.sparse import reference as sparse_reference
 from cp_compile.testing.topk import assert_same_topk
 
 cp = torch.ops.cp
@@ -353,13 +354,13 @@ def test_sparse_mla_random_subset(dtype: torch.dtype) -> None:
 def test_sparse_attention_with_lse_reference() -> None:
     """The reusable helper (also used for SFA DCP with local indices): lse and empty rows."""
     gen, batch, kv_c, k_pe, kv_cache, q_pe, C, P = mla_case("padding", 4, torch.float32, seed=6)
-    reference.write_cache(kv_cache, torch.cat([kv_c, k_pe], -1), batch.slot_mapping)
+    paged_cache.write_cache(kv_cache, torch.cat([kv_c, k_pe], -1), batch.slot_mapping)
     H, L = q_pe.shape[1], C[0].shape[-1]
     q = torch.randn(batch.num_tokens, H, L + q_pe.shape[-1], generator=gen)
     indices = torch.full((batch.num_tokens, 3), -1, dtype=torch.int32)
     indices[1:, 0] = 0
     indices[1:, 2] = 1  # every request holds >= 2 tokens; padding rows must still be ignored
-    out, lse = reference.sparse_attention_with_lse(q, kv_cache, batch.block_table, batch.query_start_loc,
+    out, lse = sparse_reference.sparse_attention_with_lse(q, kv_cache, batch.block_table, batch.query_start_loc,
                                                    indices, L, 0.5)
     assert out.shape == (batch.num_tokens, H, L) and lse.dtype == torch.float32
     assert torch.all(out[0] == 0) and torch.all(lse[0] == float("-inf"))  # all -1 row

@@ -1,13 +1,13 @@
-"""The CPU kernels of the paged attention ops (ops/cpu_attention.py) against their references.
+"""The CPU kernels of the paged attention ops (ops/paged/cpu.py) against their references.
 
 The op tests (test_attention.py, test_dcp_ops.py) check the ops against independent
-dense math; here the kernel is held to `reference.paged_attention_with_lse` on what
+dense math; here the kernel is held to `paged_reference.paged_attention_with_lse` on what
 only the kernel has: the in-place (strided view) path and the gathered path, chunk
 and tile boundaries (forced small), masks cut inside a chunk, padded tokens, a cache
 dtype other than q's, Dv != D, and MLA's values read from the key pages. A broken merge
 must be caught (test_a_broken_merge_is_caught).
 Decode and verify groups (few query rows per KV head, fp32, head dims a multiple of 8) run
-the C kernel of ops/cpu_decode.c; the `kernel` parameter runs a case through it (asserted to
+the C kernel of ops/paged/cpu_decode.c; the `kernel` parameter runs a case through it (asserted to
 have run) and through the pure-torch kernel (`CP_COMPILE_CPU_DECODE=torch`).
 The second half poisons every slot no request may read with NaN / inf (what a rolled-back
 draft or a torch.empty cache holds): nothing outside [0, kv_len) may reach a result
@@ -20,9 +20,11 @@ import pytest
 import torch
 
 import cp_compile.ops  # noqa: F401  (registers torch.ops.cp.* and the CPU kernels)
-from cp_compile.ops import cpu_attention, cpu_decode, reference
-from cp_compile.ops.kernels import registry
-from cp_compile.ops.layout import request_index
+from cp_compile.ops.paged import cpu as cpu_attention, cpu_decode
+from cp_compile.ops.core import paged_cache
+from cp_compile.ops.paged import reference as paged_reference
+from cp_compile.ops.core import registry
+from cp_compile.ops.core.layout import request_index
 
 SCALE = 0.3
 KERNELS = ["c", "torch"]
@@ -70,7 +72,7 @@ def make_case(ctx: list[int], new: list[int], *, bs: int = 4, hq: int = 4, hkv: 
 
 
 def assert_close_to_reference(args, tol: float = 1e-5, lse_tol: float = 1e-5) -> None:
-    out_r, lse_r = reference.paged_attention_with_lse(*args, SCALE)
+    out_r, lse_r = paged_reference.paged_attention_with_lse(*args, SCALE)
     out, lse = cpu_attention.paged_attention_lse(*args, SCALE)
     assert out.dtype == out_r.dtype and lse.dtype == torch.float32
     assert torch.equal(torch.isfinite(lse), torch.isfinite(lse_r)), "empty rows (lse -inf) differ"
@@ -126,7 +128,7 @@ def test_in_place_path_is_taken_only_for_an_affine_table() -> None:
     need = torch.full((3,), 6)
     view = cpu_attention._strided_view(k_cache, table.long(), need)
     assert view is not None and view.data_ptr() == k_cache[table[0, 0]].data_ptr()
-    torch.testing.assert_close(view[1, :24], reference.gather_request_pages(k_cache, table[1], 24), rtol=0, atol=0)
+    torch.testing.assert_close(view[1, :24], paged_cache.gather_request_pages(k_cache, table[1], 24), rtol=0, atol=0)
     shuffled = table.clone()
     shuffled[1, 2], shuffled[1, 3] = table[1, 3], table[1, 2]
     assert cpu_attention._strided_view(k_cache, shuffled.long(), need) is None
@@ -152,7 +154,7 @@ def test_mla_values_are_read_from_the_key_pages() -> None:
     kv_cache = kv_cache[:, :, 0]  # [NB, BS, L+R], L = 8, R = 4
     q_nope, q_pe = q[..., :8].contiguous(), torch.randn(q.shape[0], 4, 4, generator=g)
     assert cpu_attention._v_is_k_prefix(kv_cache.unsqueeze(2), kv_cache[..., :8].unsqueeze(2))
-    ref = reference.mla_attention_with_lse(q_nope, q_pe, kv_cache, table, qsl, kv_lens, SCALE)
+    ref = paged_reference.mla_attention_with_lse(q_nope, q_pe, kv_cache, table, qsl, kv_lens, SCALE)
     got = cpu_attention.mla_attention_lse(q_nope, q_pe, kv_cache, table, qsl, kv_lens, SCALE)
     torch.testing.assert_close(got[0], ref[0], atol=1e-5, rtol=1e-5)
     fin = torch.isfinite(ref[1])
@@ -180,7 +182,7 @@ def test_gqa_op_on_a_poisoned_cache_after_rollback(monkeypatch) -> None:
     """The whole op (cache write, then attention) as spec decoding drives it: a verify step writes
     its 4 draft tokens into slots that held rejected drafts (NaN), and every slot past seq_len is
     NaN. The dispatched CPU kernel equals the op's body on a clean cache."""
-    from cp_compile.ops.attention import _gqa_step
+    from cp_compile.ops.paged.ops import _gqa_step
     calls = []
     group = cpu_attention._attend_group
     monkeypatch.setattr(cpu_attention, "_attend_group", lambda *a, **kw: calls.append(1) or group(*a, **kw))
@@ -199,7 +201,7 @@ def test_gqa_op_on_a_poisoned_cache_after_rollback(monkeypatch) -> None:
     meta = (slots, table, seq_lens, qsl, SCALE)
     got = torch.ops.cp.gqa_paged_attention(q, k, v, bad_k, bad_v, *meta)
     assert calls, "gqa_paged_attention did not run the CPU kernel"
-    ref = _gqa_step(reference.paged_attention_with_lse, q, k, v, k_cache, v_cache, *meta)  # the body, not dispatched
+    ref = _gqa_step(paged_reference.paged_attention_with_lse, q, k, v, k_cache, v_cache, *meta)  # the body, not dispatched
     torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
 
 
@@ -263,9 +265,9 @@ def poisoned(args, value: float):
 
 def assert_garbage_is_harmless(args, value: float, tol: float = 1e-5) -> None:
     """Kernel and reference on the poisoned cache == the reference on the clean one."""
-    out_c, lse_c = reference.paged_attention_with_lse(*args, SCALE)
+    out_c, lse_c = paged_reference.paged_attention_with_lse(*args, SCALE)
     bad = poisoned(args, value)
-    for name, fn in (("reference", reference.paged_attention_with_lse), ("kernel", cpu_attention.paged_attention_lse)):
+    for name, fn in (("reference", paged_reference.paged_attention_with_lse), ("kernel", cpu_attention.paged_attention_lse)):
         out, lse = fn(*bad, SCALE)
         assert torch.equal(torch.isfinite(lse), torch.isfinite(lse_c)), f"{name}: empty rows (lse -inf) differ"
         fin = torch.isfinite(lse_c)
@@ -336,10 +338,10 @@ def test_mla_garbage_past_kv_lens_is_never_read(affine: bool, kernel: str, monke
     q, kv_cache, _, table, qsl, kv_lens = make_case([9, 0, 30], [1, 5, 2], hq=4, hkv=1, d=L + R, affine=affine)
     kv_cache = kv_cache[:, :, 0]  # [NB, BS, L+R]
     q_nope, q_pe = q[..., :L].contiguous(), torch.randn(q.shape[0], 4, R, generator=g)
-    clean = reference.mla_attention_with_lse(q_nope, q_pe, kv_cache, table, qsl, kv_lens, SCALE)
+    clean = paged_reference.mla_attention_with_lse(q_nope, q_pe, kv_cache, table, qsl, kv_lens, SCALE)
     _, bad, _, bad_table, _, _ = poisoned((q, kv_cache.unsqueeze(2), kv_cache.unsqueeze(2), table, qsl, kv_lens),
                                           float("nan"))
-    for fn in (reference.mla_attention_with_lse, cpu_attention.mla_attention_lse):
+    for fn in (paged_reference.mla_attention_with_lse, cpu_attention.mla_attention_lse):
         out, lse = fn(q_nope, q_pe, bad[:, :, 0], bad_table, qsl, kv_lens, SCALE)
         torch.testing.assert_close(out, clean[0], atol=1e-5, rtol=1e-5)
         assert torch.equal(torch.isfinite(lse), torch.isfinite(clean[1]))

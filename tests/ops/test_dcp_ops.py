@@ -4,8 +4,9 @@ import pytest
 import torch
 
 import cp_compile.ops  # noqa: F401
-from cp_compile.ops import kernels, layout
-from cp_compile.ops.kernels.registry import DEVICE_KERNELS, register_device_kernels
+from cp_compile.ops.core import layout
+from cp_compile.ops.core import launcher
+from cp_compile.ops.core.registry import DEVICE_KERNELS, register_device_kernels
 
 cp = torch.ops.cp
 
@@ -94,7 +95,7 @@ def test_merge_an_invalid_partial_is_loud_not_empty(poison: float):
 
 
 def test_triton_kernels_registered_for_cuda():
-    if not kernels.triton_available():
+    if not launcher.triton_available():
         pytest.fail("triton is part of the test extra; install it (pip install -e '.[test]')")
     regs = register_device_kernels()
     for op in DEVICE_KERNELS:

@@ -31,11 +31,11 @@ def _env() -> dict[str, str]:
 
 
 def _jitted_kernels() -> set[str]:
-    """Every launched @triton.jit kernel in ops/kernels/: the jit functions minus the
+    """Every launched @triton.jit kernel in ops/<family>/triton_*.py: the jit functions minus the
     helpers a module declares in `LOWERING.helpers` (inlined into a kernel, never
     launched, so the AOT check compiles them only as part of their callers)."""
     names, helpers = set(), set()
-    for path in (REPO / "ops" / "kernels").glob("*.py"):
+    for path in sorted((REPO / "ops").glob("*/triton_*.py")):
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.FunctionDef) and any("jit" in ast.unparse(d) for d in node.decorator_list):
                 names.add(node.name)

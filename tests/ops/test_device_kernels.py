@@ -27,14 +27,20 @@ from pathlib import Path  # noqa: E402
 import pytest  # noqa: E402
 
 import cp_compile.ops  # noqa: E402,F401
-from cp_compile.ops import layout, quant_reference, reference  # noqa: E402
-from cp_compile.ops.kernels import launch, registry, triton_available  # noqa: E402
+from cp_compile.ops.core import layout  # noqa: E402
+from cp_compile.ops.quant import reference as quant_reference  # noqa: E402
+from cp_compile.ops.core import paged_cache  # noqa: E402
+from cp_compile.ops.paged import reference as paged_reference  # noqa: E402
+from cp_compile.ops.sparse import reference as sparse_reference  # noqa: E402
+from cp_compile.ops.core import registry  # noqa: E402
+from cp_compile.ops.core.launcher import triton_available  # noqa: E402
+from cp_compile.ops.paged import launch as paged_launch  # noqa: E402
 from cp_compile.testing.device_modes import FactoryDeviceMode, HostRead, HostReadMode  # noqa: E402
 from cp_compile.testing.op_cases import clone_args, flat_outputs, op_cases  # noqa: E402
 
 assert triton_available(), "triton is not installed: pip install -e '.[test]'"
 
-from cp_compile.ops.kernels._common import capture_launches, interpreter_active  # noqa: E402
+from cp_compile.ops.core.triton_common import capture_launches, interpreter_active  # noqa: E402
 
 IN_PROCESS = interpreter_active()
 interp = pytest.mark.skipif(not IN_PROCESS, reason="triton imported without TRITON_INTERPRET=1: "
@@ -90,7 +96,7 @@ def test_paged_prefill_tiles_per_request(block_m: int) -> None:
     """Chunked prefill over a paged context: 4 requests (1 .. 20 new tokens over 0 .. 30
     cached), GQA group 3, padded head dims, two padding tokens, through the registry's
     paged-attention kernel (T >= 4 B takes the query-tiled kernel) and directly."""
-    from cp_compile.ops.kernels import paged_prefill_attention_lse_triton
+    from cp_compile.ops.paged.triton_prefill import paged_prefill_attention_lse_triton
 
     g = torch.Generator().manual_seed(7)
     lens, ctx = [1, 20, 3, 17], [5, 0, 30, 9]
@@ -101,8 +107,8 @@ def test_paged_prefill_tiles_per_request(block_m: int) -> None:
     bt = torch.randperm(NB, generator=g)[:44].view(4, 11).to(torch.int32)
     q = torch.randn(T, Hq, D, generator=g)
     kv = layout.causal_lens(qsl, seq, T)
-    want = reference.paged_attention_with_lse(q, k_cache, v_cache, bt, qsl, kv, 0.3)
-    assert T >= launch.PREFILL_TOKENS_PER_REQUEST * 4
+    want = paged_reference.paged_attention_with_lse(q, k_cache, v_cache, bt, qsl, kv, 0.3)
+    assert T >= paged_launch.PREFILL_TOKENS_PER_REQUEST * 4
     _assert_same("registry", registry.DEVICE_KERNELS["cp::paged_attention_lse"](q, k_cache, v_cache, bt, qsl, kv, 0.3),
                  want)
     got = paged_prefill_attention_lse_triton(q, k_cache, v_cache, bt, qsl, kv, 0.3, block_m=block_m, block_n=16,
@@ -115,7 +121,7 @@ def test_paged_prefill_tiles_per_request(block_m: int) -> None:
 def test_sparse_mla_paths_and_empty_rows(use_dot: bool) -> None:
     """Both product paths; a row whose indices are all -1, a padding row, an index
     tile that is all -1 after valid ones (the online softmax must not NaN)."""
-    from cp_compile.ops.kernels import sparse_mla_rows_triton
+    from cp_compile.ops.sparse.triton_sparse_mla import sparse_mla_rows_triton
 
     g = torch.Generator().manual_seed(3)
     T, H, L, R, BS, NB, K = 5, 3, 24, 8, 4, 10, 40
@@ -128,7 +134,7 @@ def test_sparse_mla_paths_and_empty_rows(use_dot: bool) -> None:
     idx[2] = -1  # no index at all
     kw = dict(block_h=16, block_n=16) if use_dot else {}
     out, lse = sparse_mla_rows_triton(qn, qp, cache, bt, req, idx, 0.2, use_dot=use_dot, **kw)
-    want = reference.sparse_attention_rows_with_lse(torch.cat([qn, qp], -1), cache, bt, req, idx, L, 0.2)
+    want = sparse_reference.sparse_attention_rows_with_lse(torch.cat([qn, qp], -1), cache, bt, req, idx, L, 0.2)
     _assert_same("sparse_mla", (out, lse), want)
     assert torch.isneginf(lse[2]).all() and torch.isneginf(lse[4]).all()
 
@@ -139,7 +145,7 @@ def test_indexer_topk_exact_with_ties(use_dot: bool) -> None:
     """Integer-valued inputs: scores are exact, many tie; the top-k must equal the
     reference's stable order index for index, with -1 past each row's keys and for
     padding rows; topk wider than the cache width pads with -1."""
-    from cp_compile.ops.kernels import indexer_topk_rows
+    from cp_compile.ops.sparse.triton_indexer import indexer_topk_rows
 
     g = torch.Generator().manual_seed(4)
     T, Hi, Di, BS, NB = 7, 4, 16, 4, 12
@@ -151,13 +157,13 @@ def test_indexer_topk_exact_with_ties(use_dot: bool) -> None:
     req, kv = layout.request_index(qsl, T), layout.causal_lens(qsl, seq, T)
     for topk in (5, 20):
         got = indexer_topk_rows(q, cache, w, bt, req, kv, topk, use_dot=use_dot)
-        assert torch.equal(got, reference.lightning_indexer_topk_rows(q, cache, w, bt, req, kv, topk))
+        assert torch.equal(got, sparse_reference.lightning_indexer_topk_rows(q, cache, w, bt, req, kv, topk))
 
 
 @interp
 @pytest.mark.parametrize("M,K,N,G", [(1, 40, 24, 1), (37, 100, 40, 2)])
 def test_int8_matmul_exact(M: int, K: int, N: int, G: int) -> None:
-    from cp_compile.ops.kernels import int8_matmul_triton
+    from cp_compile.ops.quant.triton_int8_matmul import int8_matmul_triton
 
     g = torch.Generator().manual_seed(5)
     a = torch.randint(-127, 128, (G, M, K), generator=g, dtype=torch.int8)
@@ -168,14 +174,14 @@ def test_int8_matmul_exact(M: int, K: int, N: int, G: int) -> None:
 
 @interp
 def test_cache_write_dtype_and_skips() -> None:
-    from cp_compile.ops.kernels import cache_write_triton
+    from cp_compile.ops.core.triton_cache_write import cache_write_triton
 
     g = torch.Generator().manual_seed(6)
     cache = torch.zeros(3, 4, 40, dtype=torch.bfloat16)
     new = torch.randn(7, 40, generator=g)  # fp32 rows into a bf16 cache; one row more than slots
     slots = torch.tensor([11, -1, 0, 5, -1, 6])
     want = cache.clone()
-    reference.write_cache(want, new, slots)
+    paged_cache.write_cache(want, new, slots)
     cache_write_triton(new, cache, slots, block=16, num_programs=2)
     assert torch.equal(cache, want)
 
@@ -218,7 +224,7 @@ def test_references_do_host_reads() -> None:
     args, _ = op_cases()["cp::paged_attention_lse"]
     with pytest.raises(HostRead):
         with HostReadMode():
-            reference.paged_attention_with_lse(*clone_args(args))
+            paged_reference.paged_attention_with_lse(*clone_args(args))
 
 
 # ----------------------------------------------------------------------------- fallback

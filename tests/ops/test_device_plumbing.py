@@ -20,8 +20,8 @@ import pytest
 import torch
 
 import cp_compile.ops  # noqa: F401  (defines and registers the ops)
-from cp_compile.ops.kernels import registry
-from cp_compile.ops.spec import Absent
+from cp_compile.ops.core import registry
+from cp_compile.ops.core.spec import Absent
 from cp_compile.runtime.parallel_state import bind_device
 from cp_compile.testing.device_modes import FACTORIES, FactoryDeviceMode
 
@@ -33,9 +33,12 @@ REPO = Path(__file__).resolve().parents[2]
 # Python lists on the host, then `.to(device)` once, by design), serving/hf/tp.py (load-time
 # weight indices, moved to the weight's device where used), tools/ge_check/ (CPU-only
 # GE conversion cases), and `_lowering_examples` (CPU tensors for launch capture).
-# ops/cpu_attention.py is left out: its kernels are registered for the cpu dispatch key only
+# ops/paged/cpu.py is left out: its kernels are registered for the cpu dispatch key only
 # (OpDecl.cpu), so a factory there can only ever make a tensor on the device it runs on.
-STEP_PATH = [*sorted(p for p in (REPO / "ops").glob("*.py") if p.name != "cpu_attention.py"), *sorted((REPO / "ops" / "kernels").glob("*.py")),
+# Every op module but the GE converters (ge*.py: GE graph builders, no torch tensors) and
+# the paged family's CPU kernel (CPU only), then the compositions.
+STEP_PATH = [*sorted(p for p in (REPO / "ops").rglob("*.py") if "parallel" not in p.relative_to(REPO / "ops").parts
+                     and not p.name.startswith("ge") and p.relative_to(REPO / "ops").as_posix() != "paged/cpu.py"),
              *sorted((REPO / "ops" / "parallel").glob("*.py")), *sorted((REPO / "passes").glob("*.py")),
              *(REPO / "cp_compile" / "serving" / "hf" / name for name in ("engine.py", "attention.py", "cache.py")),
              REPO / "cp_compile" / "runtime" / "kv_cache.py"]
@@ -70,12 +73,12 @@ def test_every_step_path_factory_names_its_device() -> None:
 
 
 def test_factory_scan_fails_on_an_injected_arange() -> None:
-    src = (REPO / "ops" / "dcp.py").read_text()
+    src = (REPO / "ops" / "merge" / "ops.py").read_text()
     assert factories_without_device(src) == []
     anchor = "    merged = reference.merge_partials(outs, lses)\n"  # a line of cp::lse_combine's body
     injected = src.replace(anchor, "    pad = torch.arange(outs.shape[0])\n" + anchor, 1)
     assert injected != src
-    hits = factories_without_device(injected, "ops/dcp.py")
+    hits = factories_without_device(injected, "ops/merge/ops.py")
     assert len(hits) == 1 and "torch.arange(outs.shape[0])" in hits[0], hits
     # device=... (or **kwargs carrying it) passes; the lowering examples are exempt.
     assert factories_without_device("torch.arange(3, device=x.device)\ntorch.zeros(2, **kw)") == []

@@ -25,7 +25,7 @@ from cp_compile.base.config import AttentionSpec
 from cp_compile.passes.context import CompileContext
 from cp_compile.runtime.metadata import AttentionMetadata
 from cp_compile.runtime.metadata_build import BlockAllocator, build_attention_metadata
-from cp_compile.ops import layout
+from cp_compile.ops.core import layout
 from cp_compile.ops.parallel import dsa_cp as S
 from cp_compile.testing.batches import STEP_B, meta_args
 from cp_compile.testing.multirank import run_on_ranks

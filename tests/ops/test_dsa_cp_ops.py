@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cp_compile.ops import layout
+from cp_compile.ops.core import layout
 from cp_compile.testing.topk import assert_same_topk, scores_for_step
 
 L, R, HI, DI, TOPK = 16, 8, 2, 8, 5
@@ -88,9 +88,9 @@ def test_row_ops_equal_single_device_rows(tp: int) -> None:
     q_nope, q_pe = torch.randn(T, 4, L, generator=g), torch.randn(T, 4, R, generator=g)
     kv_lens = layout.causal_lens(qsl, seq, T)
     ref_topk = torch.ops.cp.lightning_indexer_topk_rows(q_i, index_cache, w, bt, seq, qsl, 1, 0, TOPK)
-    from cp_compile.ops import reference
-    assert torch.equal(ref_topk, reference.lightning_indexer_topk(q_i, index_cache, w, bt, qsl, kv_lens, TOPK))
-    ref_out = reference.sparse_attention_with_lse(torch.cat([q_nope, q_pe], -1), latent, bt, qsl, ref_topk, L,
+    from cp_compile.ops.sparse import reference as sparse_reference
+    assert torch.equal(ref_topk, sparse_reference.lightning_indexer_topk(q_i, index_cache, w, bt, qsl, kv_lens, TOPK))
+    ref_out = sparse_reference.sparse_attention_with_lse(torch.cat([q_nope, q_pe], -1), latent, bt, qsl, ref_topk, L,
                                                   0.3)[0]
     rows = layout.token_shard_rows(T, tp=tp)
     pad = rows * tp - T

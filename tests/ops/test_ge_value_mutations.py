@@ -6,7 +6,7 @@ place of the library's, every converter module importing it seeing the mutated c
 (one check process runs every case in turn, `--mutations`, tools/ge_check/converters.py,
 and the library's converters last, which must pass): the check must fail and name the
 op. The first three are the mutations that passed the structure-only check before the
-value check existed; the three "helper" rows mutate a function another converter
+value check existed; the "helper" rows mutate a function another converter
 module imports, which passed before the harness imported every converter afresh.
 """
 
@@ -19,58 +19,59 @@ import pytest
 
 from tests.ops.conftest import run_check
 
-# The converter package (tools.ge_check.converters.converter_modules() lists its modules).
-GE = "cp_compile.ops.ge"
+# The converter modules (tools.ge_check.converters.converter_modules() lists them): each
+# op family's ge*.py, and the helpers they share in ops/core.
+OPS = "cp_compile.ops"
 
 # (id, converter module, text, replacement, op graph that must fail)
 MUTATIONS = [
-    ("lse_rescale weights exp(total - mine)", f"{GE}.merge", "ge.Exp(ge.Sub(mine, total))",
+    ("lse_rescale weights exp(total - mine)", f"{OPS}.merge.ge", "ge.Exp(ge.Sub(mine, total))",
      "ge.Exp(ge.Sub(total, mine))", "cp::lse_rescale"),
-    ("k and v caches swapped in the GQA partial's FIA", f"{GE}.attention", "query, [k_cache], [v_cache], None",
+    ("k and v caches swapped in the GQA partial's FIA", f"{OPS}.paged.ge", "query, [k_cache], [v_cache], None",
      "query, [v_cache], [k_cache], None", "cp::paged_attention_lse"),
-    ("localisation compares the owner with 0, not the rank", f"{GE}.cache", "ge.Equal(owner, const(rank, I64))",
+    ("localisation compares the owner with 0, not the rank", f"{OPS}.paged.ge_cache", "ge.Equal(owner, const(rank, I64))",
      "ge.Equal(owner, const(0, I64))", "cp::dcp_localize_metadata"),
     # lengths: the single-device causal length one short
-    ("causal length pos instead of pos + 1", f"{GE}.attention",
+    ("causal length pos instead of pos + 1", f"{OPS}.paged.ge",
      "return where(valid, ge.Add(pos, const(1, I64)), const(0, I64))", "return where(valid, pos, const(0, I64))",
      "cp::gqa_paged_attention"),
     # head counts: FIA told one kv head for a two-kv-head cache
-    ("num_key_value_heads 1 for Hkv = 2", f"{GE}.attention", "heads=int(H), kv_heads=Hkv,",
+    ("num_key_value_heads 1 for Hkv = 2", f"{OPS}.paged.ge", "heads=int(H), kv_heads=Hkv,",
      "heads=int(H), kv_heads=1,", "cp::paged_attention_lse"),
     # ranks: the DSA-CP row shard computed for rank 0 on rank 1
-    ("DSA-CP indexer shard of rank 0", f"{GE}.dsa_cp",
+    ("DSA-CP indexer shard of rank 0", f"{OPS}.sparse.ge_dsa_cp",
      "cum, k, real = _shard_tnd(q_i, query_start_loc, seq_lens, rank)",
      "cum, k, real = _shard_tnd(q_i, query_start_loc, seq_lens, 0)", "cp::lightning_indexer_topk_rows"),
     # groups: the A2A merge pairs rank i's LSE with rank N-1-i's output
-    ("AttentionUpdate partials out of order", f"{GE}.merge",
+    ("AttentionUpdate partials out of order", f"{OPS}.merge.ge",
      "go = [reshape(x, [-1, dv]) for x in ge.SplitD(outs, split_dim=0, num_split=n)]",
      "go = [reshape(x, [-1, dv]) for x in ge.SplitD(outs, split_dim=0, num_split=n)][::-1]", "cp::lse_combine"),
     # groups: one activation scale for every W8A8 input group
-    ("W8A8 static scale of group 0 for all groups", f"{GE}.quant",
+    ("W8A8 static scale of group 0 for all groups", f"{OPS}.quant.ge",
      "s = reshape(cast(input_scale, F32), [1, groups, 1])",
      "s = ge.ReduceMaxD(reshape(cast(input_scale, F32), [1, groups, 1]), axes=[1], keep_dims=True)",
      "cp::w8a8_static_linear"),
     # cache slots: the GE cache write before issue 21's scratch block, slot -1 -> block -1
     # (CANN: out-of-range ScatterNdUpdate indices unsupported; the evaluator refuses them)
-    ("slot -1 written as block -1 (no scratch block)", f"{GE}.cache",
+    ("slot -1 written as block -1 (no scratch block)", f"{OPS}.core.ge_util",
      "s = where(ge.GreaterEqual(s, const(0, I64)), s, scratch_slot(cache))", "s = s", "cp::cache_write"),
     # layouts: PadV3's paddings in torch's order (last dim first), the DSA-CP token pad's converter
-    ("PadV3 paddings not reordered to dim-0-first", f"{GE}.aten_pad",
+    ("PadV3 paddings not reordered to dim-0-first", f"{OPS}.core.ge_aten_pad",
      "const(padv3_order(self.rank, int(pad_len)), I64)", "const(padv3_order(self.rank, int(pad_len))[::-1], I64)",
      "aten::constant_pad_nd"),
     # cache slots: the block offset taken as the block
-    ("cache write offset slot // BS", f"{GE}.cache",
+    ("cache write offset slot // BS", f"{OPS}.core.ge_util",
      "ge.Pack([ge.FloorDiv(s, bs), ge.FloorMod(s, bs)], N=2, axis=1)",
      "ge.Pack([ge.FloorDiv(s, bs), ge.FloorDiv(s, bs)], N=2, axis=1)", "cp::cache_write"),
-    # helpers another converter module imports (sparse -> dsa_cp, cache -> attention,
-    # merge -> attention): each op graph below runs the importer's converter
-    ("helper: DSA-CP indexer's LightningIndexer keeps topk - 1", f"{GE}.sparse",
+    # helpers another converter module imports (sparse.ge -> sparse.ge_dsa_cp,
+    # core.ge_util -> paged.ge): each op graph below runs the importer's converter
+    ("helper: DSA-CP indexer's LightningIndexer keeps topk - 1", f"{OPS}.sparse.ge",
      '"sparse_count": attr.Int(int(topk)),', '"sparse_count": attr.Int(int(topk) - 1),',
      "cp::lightning_indexer_topk_rows"),
-    ("helper: GQA cache write offset slot // BS", f"{GE}.cache",
+    ("helper: GQA cache write offset slot // BS", f"{OPS}.core.ge_util",
      "ge.Pack([ge.FloorDiv(s, bs), ge.FloorMod(s, bs)], N=2, axis=1)",
      "ge.Pack([ge.FloorDiv(s, bs), ge.FloorDiv(s, bs)], N=2, axis=1)", "cp::gqa_paged_attention"),
-    ("helper: FIA's +inf empty-row LSE kept", f"{GE}.merge",
+    ("FIA's +inf empty-row LSE kept (fia_lse, in paged/ge.py since the family move)", f"{OPS}.paged.ge",
      'return where(ge.Equal(lse, const(float("inf"), F32)), const(float("-inf"), F32), lse)', "return lse",
      "cp::paged_attention_lse"),
 ]
@@ -86,7 +87,7 @@ def mutated_checks(torchair_python: str, tmp_path_factory) -> dict:
     own and not left over from the ones before it. The check applies the rows and
     reports those whose text is not in their module exactly once."""
     root = tmp_path_factory.mktemp("mutations")
-    spec = [list(m) for m in MUTATIONS] + [[CONTROL, f"{GE}.cache", "", "", "cp::cache_write"]]
+    spec = [list(m) for m in MUTATIONS] + [[CONTROL, f"{OPS}.paged.ge_cache", "", "", "cp::cache_write"]]
     (root / "spec.json").write_text(json.dumps(spec))
     rc, data, output = run_check(torchair_python, root / "m.json", "--mutations", str(root / "spec.json"))
     missing = data.get("summary", {}).get("mutations_not_applied", {})

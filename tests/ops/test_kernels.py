@@ -1,4 +1,4 @@
-"""Triton kernels (cp_compile.ops.kernels) against the torch references, on CPU.
+"""Triton kernels (ops/<family>/triton_*.py) against the torch references, on CPU.
 
 The kernels run under Triton's interpreter (docs/architecture.md §8). TRITON_INTERPRET is read
 when `@triton.jit` decorates a function, i.e. when triton.language (whose tl.sum,
@@ -28,19 +28,18 @@ from pathlib import Path  # noqa: E402
 
 import pytest  # noqa: E402
 
-from cp_compile.ops import layout, reference  # noqa: E402
-from cp_compile.ops.kernels import triton_available  # noqa: E402
+from cp_compile.ops.core import layout  # noqa: E402
+from cp_compile.ops.merge import reference as merge_reference  # noqa: E402
+from cp_compile.ops.paged import reference as paged_reference  # noqa: E402
+from cp_compile.ops.core.launcher import triton_available  # noqa: E402
 
 # triton is part of the test extra: a missing install must fail, not skip.
 assert triton_available(), "triton is not installed: pip install -e '.[test]'"
 
-from cp_compile.ops.kernels import (  # noqa: E402
-    local_slot_mapping_triton,
-    lse_rescale_triton,
-    merge_partials_triton,
-    paged_attention_with_lse_triton,
-)
-from cp_compile.ops.kernels._common import interpreter_active  # noqa: E402
+from cp_compile.ops.merge.triton_merge import lse_rescale_triton, merge_partials_triton
+from cp_compile.ops.paged.triton_decode import paged_attention_with_lse_triton
+from cp_compile.ops.paged.triton_localize import local_slot_mapping_triton
+from cp_compile.ops.core.triton_common import interpreter_active  # noqa: E402
 
 IN_PROCESS = interpreter_active()
 interp = pytest.mark.skipif(not IN_PROCESS, reason="triton imported without TRITON_INTERPRET=1: "
@@ -66,11 +65,11 @@ def lse_rescale_ref(out: torch.Tensor, lse: torch.Tensor, lse_all: torch.Tensor)
 
 def merge_ref(outs: torch.Tensor, lses: torch.Tensor) -> torch.Tensor:
     """The torch oracle: empty (-inf) partials weigh 0, all-empty rows 0, NaN / +inf rows NaN."""
-    return reference.merge_partials(outs, lses)
+    return merge_reference.merge_partials(outs, lses)
 
 
 def clean_logsumexp(lses: torch.Tensor) -> torch.Tensor:
-    return reference.merged_lse(lses)
+    return merge_reference.merged_lse(lses)
 
 
 # ----------------------------------------------------------------------------- batch builders
@@ -123,7 +122,7 @@ def test_paged_gqa_decode_mixed(num_programs: int | None) -> None:
     v = torch.randn(NB, BS, Hkv, Dv, generator=gen)
     args = (q, k, v, batch["block_table"], batch["query_start_loc"], kv_lens, D ** -0.5)
     out, lse = paged_attention_with_lse_triton(*args, num_programs=num_programs, block_n=8)
-    ref_out, ref_lse = reference.paged_attention_with_lse(*args)
+    ref_out, ref_lse = paged_reference.paged_attention_with_lse(*args)
     assert_close_report("gqa out", out, ref_out, atol=2e-6, rtol=1e-5)
     assert_close_report("gqa lse", lse, ref_lse, atol=2e-6, rtol=1e-5)
     assert bool((out[3] == 0).all()) and bool(torch.isneginf(lse[3]).all())
@@ -144,7 +143,7 @@ def test_paged_shape_sweep(Hq: int, Hkv: int, BS: int, D: int) -> None:
     v = torch.randn(NB, BS, Hkv, D, generator=gen)
     args = (q, k, v, batch["block_table"], batch["query_start_loc"], batch["kv_lens"], 0.5)
     out, lse = paged_attention_with_lse_triton(*args, block_n=8)
-    ref_out, ref_lse = reference.paged_attention_with_lse(*args)
+    ref_out, ref_lse = paged_reference.paged_attention_with_lse(*args)
     assert_close_report(f"sweep out {Hq}/{Hkv}/{BS}/{D}", out, ref_out, atol=2e-6, rtol=1e-5)
     assert_close_report(f"sweep lse {Hq}/{Hkv}/{BS}/{D}", lse, ref_lse, atol=2e-6, rtol=1e-5)
 
@@ -163,7 +162,7 @@ def test_paged_head_blocks_and_strided_q_fp16() -> None:
     v = torch.randn(NB, BS, Hkv, D, generator=gen).half()
     args = (q, k, v, batch["block_table"], batch["query_start_loc"], batch["kv_lens"], 0.25)
     out, lse = paged_attention_with_lse_triton(*args, block_h=4, block_n=4, num_programs=2)
-    ref_out, ref_lse = reference.paged_attention_with_lse(*args)
+    ref_out, ref_lse = paged_reference.paged_attention_with_lse(*args)
     assert out.dtype == torch.float16 and lse.dtype == torch.float32
     assert_close_report("fp16 out", out, ref_out, atol=2e-3, rtol=2e-3)
     assert_close_report("fp16 lse", lse, ref_lse, atol=1e-5, rtol=1e-5)
@@ -184,7 +183,7 @@ def test_paged_mla_view_layout() -> None:
     q = torch.randn(T, H, L + R, generator=gen)  # [q_nope_absorbed; q_pe]
     args = (q, k_cache, v_cache, batch["block_table"], batch["query_start_loc"], batch["kv_lens"], 0.3)
     out, lse = paged_attention_with_lse_triton(*args)
-    ref_out, ref_lse = reference.paged_attention_with_lse(*args)
+    ref_out, ref_lse = paged_reference.paged_attention_with_lse(*args)
     assert out.shape == (T, H, L)
     assert_close_report("mla out", out, ref_out, atol=2e-6, rtol=1e-5)
     assert_close_report("mla lse", lse, ref_lse, atol=2e-6, rtol=1e-5)
@@ -205,7 +204,7 @@ def test_paged_mla_tl_dot_path(dtype: torch.dtype) -> None:
     args = (q, kv_cache.unsqueeze(2), kv_cache[..., :L].unsqueeze(2), batch["block_table"],
             batch["query_start_loc"], batch["kv_lens"], 0.2)
     out, lse = paged_attention_with_lse_triton(*args, block_h=16, block_n=16, use_dot=True)
-    ref_out, ref_lse = reference.paged_attention_with_lse(*args)
+    ref_out, ref_lse = paged_reference.paged_attention_with_lse(*args)
     tol = 1e-5 if dtype == torch.float32 else 5e-3
     assert_close_report("dot out", out.float(), ref_out.float(), atol=tol, rtol=tol)
     assert_close_report("dot lse", lse, ref_lse, atol=tol, rtol=tol)
@@ -227,7 +226,7 @@ def test_dcp_decode_end_to_end() -> None:
     v_glob = torch.randn(NB, Bk * N, Hkv, D, generator=gen)
     q = torch.randn(T, Hq, D, generator=gen)
     scale = D ** -0.5
-    ref_out, _ = reference.paged_attention_with_lse(
+    ref_out, _ = paged_reference.paged_attention_with_lse(
         q, k_glob, v_glob, block_table, qsl, layout.causal_lens(qsl, seq_lens, T), scale)
 
     outs, lses = [], []

@@ -1,4 +1,4 @@
-"""Property tests of the DCP KV-cache layout math (docs/architecture.md §5, cp_compile.ops.layout).
+"""Property tests of the DCP KV-cache layout math (docs/architecture.md §5, cp_compile.ops.core.layout).
 
 Every function is checked against brute force over request-local positions:
 every token is stored on exactly one rank, local slots pack with no holes, local
@@ -11,7 +11,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from cp_compile.ops import layout
+from cp_compile.ops.core import layout
 
 DCPS = [1, 2, 3, 4, 8]
 BLOCK_SIZES = [16, 32]

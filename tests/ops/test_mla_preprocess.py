@@ -1,4 +1,4 @@
-"""`cp::mla_preprocess` (ops/mla_preprocess.py): opcheck, and the op against the
+"""`cp::mla_preprocess` (ops/mla_preprocess/ops.py): opcheck, and the op against the
 example model's own unfused MLA projections (`MLAAttention.project`), bit for bit on
 CPU (the reference runs the model's steps in the model's order), float and W8A8,
 with and without q-LoRA, in every rope layout; the cache write; bad arguments refused."""
@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import cp_compile.ops  # noqa: F401
-from cp_compile.ops import mla_preprocess_reference as ref
+from cp_compile.ops.mla_preprocess import reference as ref
 from examples.models.common import RotaryEmbedding
 from examples.models.deepseek_mla import DeepseekMLAConfig, MLAAttention
 
@@ -101,9 +101,9 @@ def test_cache_write_and_padding_slot():
 @pytest.mark.parametrize("q_lora,interleave,quant", CASES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_cpu_kernel_equals_the_reference_bitwise(q_lora, interleave, quant, dtype):
-    """The CPU kernel (ops/mla_preprocess_cpu.py, what cp.mla_preprocess runs on CPU) gives the
+    """The CPU kernel (ops/mla_preprocess/cpu.py, what cp.mla_preprocess runs on CPU) gives the
     reference's values bit for bit in every rope layout, with a cache write skipping a -1 slot."""
-    from cp_compile.ops.mla_preprocess_cpu import mla_preprocess_cpu
+    from cp_compile.ops.mla_preprocess.cpu import mla_preprocess_cpu
 
     attn = _layer(q_lora, interleave, quant)
     if dtype != torch.float32 and not quant:
@@ -187,15 +187,15 @@ def test_bad_arguments_are_refused_before_the_write():
 _TAIL_CHECK = r"""
 import torch, sys
 sys.path.insert(0, ".")
-from cp_compile.ops.kernels import mla_preprocess_tail_triton
-from cp_compile.ops.kernels._common import interpreter_active
+from cp_compile.ops.mla_preprocess.triton_tail import mla_preprocess_tail_triton
+from cp_compile.ops.core.triton_common import interpreter_active
 assert interpreter_active()
 # The tail alone in every rope layout, several tokens per program (persistent grid), no cache.
 g = torch.Generator().manual_seed(5)
 kv, q = torch.randn(7, 20, generator=g), torch.randn(7, 3, 10, generator=g)
 w = torch.rand(16, generator=g) + 0.5
 cos, sin = torch.rand(7, 2, generator=g), torch.rand(7, 2, generator=g)
-from cp_compile.ops import mla_preprocess_reference as ref
+from cp_compile.ops.mla_preprocess import reference as ref
 for mode in ref.ROPE_MODES:
     kv_c, k_pe, q_pe = mla_preprocess_tail_triton(kv, q, w, cos, sin, 1e-2, mode, 6, num_programs=2)
     torch.testing.assert_close(kv_c, ref.rms_norm(kv[:, :16], w, 1e-2), rtol=1e-6, atol=1e-6)

@@ -1,4 +1,4 @@
-"""The npu_fused kernels (ops/kernels/npu_fused.py) are aclgraph-safe: no host read, -1 slots
+"""The torch_npu fused kernels (ops/paged/npu.py, ops/merge/npu.py) are aclgraph-safe: no host read, -1 slots
 routed explicitly, and the kernels that need host lengths refuse a capture.
 
 torch_npu cannot import here (it needs CANN), so the kernels run against a STAND-IN
@@ -18,8 +18,10 @@ import types
 import pytest
 import torch
 
-from cp_compile.ops import reference
-from cp_compile.ops.kernels import npu_fused
+from cp_compile.ops.merge import reference as merge_reference
+from cp_compile.ops.core import paged_cache
+from cp_compile.ops.merge import npu as merge_npu
+from cp_compile.ops.paged import npu as paged_npu
 from cp_compile.testing.device_modes import HostRead, HostReadMode
 
 
@@ -74,9 +76,9 @@ def test_cache_write_routes_minus_one_slots_without_host_read(npu: FakeTorchNpu)
     new = torch.randn(7, 2, 8)
     slots = torch.tensor([0, -1, 5, -1, 3, -1, 15])  # slot 0 is taken: -1 rows must go elsewhere
     want = cache.clone()
-    reference.write_cache(want, new, slots)
+    paged_cache.write_cache(want, new, slots)
     with HostReadMode():
-        npu_fused._cache_write(new, cache, slots)
+        paged_npu._cache_write(new, cache, slots)
     npu.check_scatters()  # every index in range and distinct
     torch.testing.assert_close(cache, want, rtol=0, atol=0)
     assert [name for name, _ in npu.calls] == ["npu_scatter_nd_update_"]
@@ -90,7 +92,7 @@ def test_route_invalid_slots_gives_distinct_free_slots() -> None:
         slots = torch.randperm(n_slots, generator=g)[:T]
         slots[torch.rand(T, generator=g) < 0.4] = -1
         with HostReadMode():
-            target = npu_fused.route_invalid_slots(slots, n_slots)
+            target = paged_npu.route_invalid_slots(slots, n_slots)
         valid = slots >= 0
         assert torch.equal(target[valid], slots[valid])
         assert bool(((target >= 0) & (target < n_slots)).all()) and target.unique().numel() == T
@@ -104,8 +106,8 @@ def test_lse_combine_empty_rows_without_host_read(npu: FakeTorchNpu) -> None:
     lses[:, 2, 1] = float("-inf")  # no rank holds a key: the formula alone gives NaN
     lses[1, 3, 2] = float("nan")  # an invalid partial: its row is NaN, not empty (decision 47)
     with HostReadMode():
-        merged, total = npu_fused._lse_combine(outs, lses)
-    torch.testing.assert_close(merged, reference.merge_partials(outs, lses), atol=2e-2, rtol=2e-2, equal_nan=True)
+        merged, total = merge_npu._lse_combine(outs, lses)
+    torch.testing.assert_close(merged, merge_reference.merge_partials(outs, lses), atol=2e-2, rtol=2e-2, equal_nan=True)
     assert merged[2, 1].abs().max() == 0 and total[2, 1] == float("-inf")
     assert bool(torch.isnan(merged[3, 2]).all()) and bool(torch.isnan(total[3, 2]))
     rest = torch.ones(4, 3, dtype=torch.bool)
@@ -124,18 +126,18 @@ def _fia_args():
 
 def test_fia_kernels_refuse_capture_before_any_host_read(npu: FakeTorchNpu) -> None:
     npu.capturing = True
-    with HostReadMode(), pytest.raises(npu_fused.NpuCaptureUnsupported, match="max-autotune"):
-        npu_fused._paged_attention_lse(*_fia_args())
+    with HostReadMode(), pytest.raises(paged_npu.NpuCaptureUnsupported, match="max-autotune"):
+        paged_npu._paged_attention_lse(*_fia_args())
     q, kc, _, table, qsl, kv_lens, scale = _fia_args()
-    with HostReadMode(), pytest.raises(npu_fused.NpuCaptureUnsupported, match="host list"):
-        npu_fused._mla_partial_attention(q, q[..., :4], kc.flatten(2)[..., :12], table, qsl, kv_lens, scale)
+    with HostReadMode(), pytest.raises(paged_npu.NpuCaptureUnsupported, match="host list"):
+        paged_npu._mla_partial_attention(q, q[..., :4], kc.flatten(2)[..., :12], table, qsl, kv_lens, scale)
     assert npu.calls == []
 
 
 def test_fia_kernels_read_lengths_on_the_host_only_outside_capture(npu: FakeTorchNpu) -> None:
     with HostReadMode(), pytest.raises(HostRead):  # the documented read, outside a capture
-        npu_fused._paged_attention_lse(*_fia_args())
-    out, lse = npu_fused._paged_attention_lse(*_fia_args())
+        paged_npu._paged_attention_lse(*_fia_args())
+    out, lse = paged_npu._paged_attention_lse(*_fia_args())
     (name, kw), = npu.calls
     assert kw["actual_seq_lengths_kv"] == [5, 0, 7] and kw["num_key_value_heads"] == 2
     assert kw["block_table"].tolist() == [[0, 1], [0, 1], [2, 3]]  # each token's request row

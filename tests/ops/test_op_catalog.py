@@ -1,4 +1,4 @@
-"""One op, one place: every `cp::` op is declared in its family module (ops/spec.py).
+"""One op, one place: every `cp::` op is declared in its family folder (ops/core/spec.py).
 
 Walks every op of the `cp` namespace: it has a schema (the custom op), a fake, a
 declaration with every piece present or `Absent` with a reason, a GE converter where
@@ -20,9 +20,9 @@ import torch
 from torch._library import simple_registry
 
 import cp_compile.ops  # noqa: F401  (defines and registers the ops)
-from cp_compile.ops import catalog
-from cp_compile.ops.kernels import registry
-from cp_compile.ops.spec import GE, TRITON_ASCEND, Absent, OpDecl, TritonAscend
+from cp_compile.ops.core import catalog
+from cp_compile.ops.core import registry
+from cp_compile.ops.core.spec import Absent, GE, OpDecl, TRITON_ASCEND, TritonAscend
 from tools import op_table
 
 REPO = Path(__file__).resolve().parents[2]
@@ -42,7 +42,7 @@ def problems(decl: OpDecl) -> list[str]:
             if not isinstance(value, GE) or not value.emits:
                 out.append(f"{name}: ge is neither GE(module, *emitted GE ops) nor Absent(why)")
             else:
-                out.extend(f"{name}: {e}" for e in ge_converter_problems(name, value))
+                out.extend(f"{name}: {e}" for e in ge_converter_problems(decl, value))
         elif piece == "npu" and isinstance(value, TritonAscend):
             if not callable(decl.cuda):
                 out.append(f"{name}: npu is TRITON_ASCEND but there is no cuda kernel")
@@ -53,13 +53,15 @@ def problems(decl: OpDecl) -> list[str]:
     return out
 
 
-def ge_converter_problems(name: str, ge: GE) -> list[str]:
-    path = REPO / "ops" / "ge" / f"{ge.module}.py"
+def ge_converter_problems(decl: OpDecl, ge: GE) -> list[str]:
+    # the converter module sits in the op's family folder (OpDecl.ge_module)
+    rel = catalog.module_path(f"{decl.family}.{ge.module}")
+    path = REPO / "ops" / rel
     if not path.exists():
-        return [f"GE converter module ops/ge/{ge.module}.py does not exist"]
+        return [f"GE converter module ops/{rel} does not exist"]
     defined = {n.name for n in ast.walk(ast.parse(path.read_text())) if isinstance(n, ast.FunctionDef)}
-    if ge.converter(name) not in defined:
-        return [f"ops/ge/{ge.module}.py defines no {ge.converter(name)}"]
+    if ge.converter(decl.name) not in defined:
+        return [f"ops/{rel} defines no {ge.converter(decl.name)}"]
     return []
 
 
@@ -78,10 +80,10 @@ def test_the_walk_fails_on_a_broken_declaration() -> None:
     decl = catalog.BY_NAME["cp::lse_combine"]
     assert problems(decl) == []
     assert problems(dataclasses.replace(decl, cuda=None)) == ["cp::lse_combine: cuda is neither a kernel nor Absent(why)"]
-    assert problems(dataclasses.replace(decl, ge=GE("cache", "AttentionUpdate"))) == [
-        "cp::lse_combine: ops/ge/cache.py defines no convert_lse_combine"]
+    assert problems(dataclasses.replace(decl, ge=GE("launch", "AttentionUpdate"))) == [
+        "cp::lse_combine: ops/merge/launch.py defines no convert_lse_combine"]
     assert problems(dataclasses.replace(decl, ge=GE("nowhere", "AttentionUpdate"))) == [
-        "cp::lse_combine: GE converter module ops/ge/nowhere.py does not exist"]
+        "cp::lse_combine: GE converter module ops/merge/nowhere.py does not exist"]
     assert problems(dataclasses.replace(decl, cuda=Absent("not written"), npu=TRITON_ASCEND)) == [
         "cp::lse_combine: npu is TRITON_ASCEND but there is no cuda kernel"]
     assert problems(dataclasses.replace(decl, profile="elsewhere")) == [

@@ -1,4 +1,4 @@
-"""Property tests of the PCP token split and layout helpers (cp_compile.ops.pcp_layout).
+"""Property tests of the PCP token split and layout helpers (cp_compile.ops.core.pcp_layout).
 
 Checked against brute force: every real token on exactly one PCP rank, padding on
 none, each rank's tokens a head chunk plus the mirrored tail chunk of every request,
@@ -12,7 +12,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from cp_compile.ops import pcp_layout as P
+from cp_compile.ops.core import pcp_layout as P
 
 SETTINGS = settings(max_examples=150, deadline=None)
 

@@ -1,4 +1,4 @@
-"""W8A8 linear ops (ops/quant.py): opcheck, the int32 reference against an independent
+"""W8A8 linear ops (ops/quant/ops.py): opcheck, the int32 reference against an independent
 int64 computation, and the identity the DSA-CP full-weight o_proj rests on: the
 full weight run with groups = tp gives every TP shard's int32 accumulator bit for
 bit, and the fp32 output equals the sum of the shards' outputs (bitwise at tp = 2)."""
@@ -8,8 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-import cp_compile.ops.quant  # noqa: F401
-from cp_compile.ops import quant_reference as ref
+import cp_compile.ops.quant.ops  # noqa: F401
+from cp_compile.ops.quant import reference as ref
 from examples.models.quant import W8A8Config, W8A8RowParallelLinear, quantize_weight
 
 cp = torch.ops.cp

@@ -1,4 +1,4 @@
-"""The W8A8 linears through torchair's FX -> GE conversion (ops/ge/quant.py), on CPU with
+"""The W8A8 linears through torchair's FX -> GE conversion (ops/quant/ge.py), on CPU with
 only torchair's C++ extension stood in (docs/torchair.md): int8 x int8 -> int32 in
 QuantBatchMatmulV3, per-group activation quantisation and fp32 dequantisation in GE
 primitives, the model dtype in and out; and, evaluated on CPU, equal to the FX graph.

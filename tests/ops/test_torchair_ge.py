@@ -36,7 +36,7 @@ def test_every_cp_op_converts_to_ge(check, summary_note) -> None:
     # Slot -1 goes to the caches' scratch block (the evaluator refuses out-of-range
     # indices), and its undefined content is the one part of a cache not compared.
     assert any("scratch block not compared" in v["what"] for v in ops["cp::cache_write"]["values"])
-    # The symbolic-pad converter of the DSA-CP token pad (ops/ge/aten_pad.py), by value.
+    # The symbolic-pad converter of the DSA-CP token pad (ops/core/ge_aten_pad.py), by value.
     assert ops["aten::constant_pad_nd"]["ge_ops"]["PadV3"] == 1 and s["aten_op_graphs"] == 1
     assert ops["cp::lightning_indexer"]["attrs"]["LightningIndexer"][0]["sparse_count"] == 4
     assert ops["cp::sparse_mla_attention"]["ge_ops"]["SparseFlashAttention"] == 1
@@ -99,7 +99,7 @@ def test_sfa_model_graph_keeps_the_indexer_and_attends_sparse(check) -> None:
 
 def test_dsa_cp_prefill_graph_lowers_without_recompiling(check) -> None:
     """The DSA-CP prefill graph (tp = 2, W8A8 o_proj pass): its symbolic token pad lowers
-    (PadV3, ops/ge/aten_pad.py), a second step of the other token-count parity reuses
+    (PadV3, ops/core/ge_aten_pad.py), a second step of the other token-count parity reuses
     the graph (error_on_recompile), and both steps' GE values equal FX on both ranks."""
     rc, data, output = check
     dsa = [r for r in data.get("results", []) if r["name"] == "sfa tp=2 dcp=1 dsa_cp"]

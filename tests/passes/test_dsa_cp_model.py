@@ -40,7 +40,7 @@ from cp_compile.base.config import AttentionSpec, CPConfig
 from cp_compile.passes.context import CompileContext
 from cp_compile.runtime.metadata import batch_kind
 from cp_compile.runtime.metadata_build import BlockAllocator, build_attention_metadata
-from cp_compile.ops.layout import causal_lens
+from cp_compile.ops.core.layout import causal_lens
 from cp_compile.passes.dsa_cp import DSACPPass
 from cp_compile.testing.multirank import run_on_ranks
 from cp_compile.testing.topk import assert_same_topk, scores_for_step

@@ -15,9 +15,9 @@ from torch import nn
 from cp_compile.base.config import AttentionSpec, ConfigError, CPConfig
 from cp_compile.passes.context import CompileContext
 from cp_compile.runtime.metadata_build import BlockAllocator, build_attention_metadata
-from cp_compile.ops import pcp_layout
+from cp_compile.ops.core import pcp_layout
 from cp_compile.passes.fx_utils import fake_value
-from cp_compile.ops.pcp import pcp_token_index
+from cp_compile.ops.pcp.ops import pcp_token_index
 from cp_compile.base.parallel_layout import Group
 from cp_compile.passes.pcp_attention import token_index_markers
 from cp_compile.passes.pass_manager import PassManager

@@ -48,7 +48,7 @@ import pytest
 import torch
 
 import cp_compile
-from cp_compile.ops.layout import local_slot_mapping
+from cp_compile.ops.core.layout import local_slot_mapping
 from cp_compile.serving.spec_decode import Rollback
 from cp_compile.testing.multirank import run_on_ranks
 from examples import spec

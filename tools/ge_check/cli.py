@@ -63,7 +63,7 @@ def main(argv: list[str] | None = None) -> int:
     start = time.perf_counter()
     try:
         standin.install()
-        from cp_compile.ops.ge import GE_OPS
+        from cp_compile.ops.core.ge_registry import GE_OPS
         from tools.ge_eval import probe
 
         folder = os.environ.get(CONVERTERS_ENV)
@@ -100,8 +100,8 @@ def main(argv: list[str] | None = None) -> int:
         results += models
     # Ops declared without a GE converter (`ge=Absent(why)`: cp::pcp_token_index, a marker the
     # PCP pass removes before any lowering) are not expected to convert.
-    from cp_compile.ops.catalog import OPS
-    from cp_compile.ops.spec import Absent
+    from cp_compile.ops.core.catalog import OPS
+    from cp_compile.ops.core.spec import Absent
 
     no_ge = {d.name for d in OPS if isinstance(d.ge, Absent)}
     defined = sorted(f"cp::{n}" for n in dir(torch.ops.cp) if not n.startswith("_") and

@@ -3,7 +3,7 @@
 The check can run the library's GE converters, a folder of copies of them
 (`CP_COMPILE_GE_CONVERTERS=DIR`), or, under `--mutations`, the library's with one
 piece of text replaced (tests/ops/test_ge_value_mutations.py). Converter modules
-import each other (`from cp_compile.ops.ge.cache import scatter_into`), so loading the
+import each other (`from cp_compile.ops.core.ge_util import scatter_into`), so loading the
 mutated module alone is not enough: a module that imported the function before would
 keep the unmutated copy, and the check would test code that is not the mutated code.
 So every load drops all converter modules from `sys.modules`, serves the replaced
@@ -35,16 +35,17 @@ from tools.ge_check.reading import FxRecorder, GraphResult
 REPO = Path(__file__).resolve().parents[2]
 
 # A folder holding (mutated) copies of the converter modules, laid out as below their
-# common folder (today ops/ge/*.py): loaded in place of the library's for a whole run.
+# common folder (today ops/: <family>/ge*.py, core/ge_*.py): loaded in place of the library's for a whole run.
 CONVERTERS_ENV = "CP_COMPILE_GE_CONVERTERS"
 
 
 def converter_modules() -> tuple[str, ...]:
     """Dotted names of every module holding GE converter code, helpers first (the
-    import order). The one place that knows where the converters are."""
-    from cp_compile.ops import ge as ge_pkg
+    import order): the ops catalog's list, the one place that knows where the
+    converters are (each family's ge*.py, the helpers in ops/core)."""
+    from cp_compile.ops.core.catalog import converter_modules as catalog_converter_modules
 
-    return tuple(f"{ge_pkg.__name__}.{name}" for name in ("_util",) + ge_pkg.MODULES + ge_pkg.ATEN_MODULES)
+    return tuple(catalog_converter_modules())
 
 
 def register_converters() -> None:
@@ -52,10 +53,10 @@ def register_converters() -> None:
     again: `register_converters` is idempotent, so its memo is cleared first. torchair's
     registry is keyed by op, so registering again replaces the previous converter
     (`check_registered` verifies that)."""
-    from cp_compile.ops import ge as ge_pkg
+    from cp_compile.ops.core import ge_registry
 
-    ge_pkg._registered.clear()
-    ge_pkg.register_converters()
+    ge_registry._registered.clear()
+    ge_registry.register_converters()
 
 
 def module_file(module: str) -> Path:
@@ -100,7 +101,7 @@ def mutated_sources(target: str, old: str, new: str) -> dict[str, str]:
 
 def folder_sources(folder: str | os.PathLike) -> dict[str, str]:
     """{module: source} of every converter module from copies in `folder`, each at its
-    path below the converter modules' common folder (today ops/ge/<module>.py)."""
+    path below the converter modules' common folder (today ops/<family>/ge*.py)."""
     files = {module: module_file(module) for module in converter_modules()}
     common = Path(os.path.commonpath([f.parent for f in files.values()]))
     return {module: (Path(folder) / f.relative_to(common)).read_text() for module, f in files.items()}
@@ -178,8 +179,8 @@ def check_registered() -> None:
     import torch
     from torchair._ge_concrete_graph.fx2ge_converter import _get_converter
 
-    from cp_compile.ops.catalog import OPS
-    from cp_compile.ops.spec import GE
+    from cp_compile.ops.core.catalog import OPS
+    from cp_compile.ops.core.spec import GE
 
     modules = converter_modules()
     for decl in OPS:

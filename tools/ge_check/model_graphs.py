@@ -28,7 +28,7 @@ BUILDING_RANKS = (0, 1, 2, 3)  # all: the value check runs the TP all-reduce, wh
 # of 2 ranks (both build; the DCP group is the TP group).
 # The DSA-CP prefill graph (tp = 2, W8A8 o_proj through the o_proj pass). Its token pad is
 # `F.pad` by a symbolic amount -> aten.constant_pad_nd with a tensor pad, which torchair's own
-# converter refuses: ops/ge/aten_pad.py converts it (PadV3); the check runs a second step of
+# converter refuses: ops/core/ge_aten_pad.py converts it (PadV3); the check runs a second step of
 # another token-count parity with error_on_recompile (a torch.cat of zero rows instead of the
 # pad would guard on the pad being 0: a recompile per parity).
 SFA_CONFIGS = [("sfa", 2, "ag_rs"), ("sfa", 1, "dsa_cp")]
@@ -103,7 +103,7 @@ def _rank_main(rank: int, world: int, configs: list[tuple[str, int, str]], dump:
                     compiled(ids, meta.positions, layers, meta)
                     if dsa:
                         # DSA-CP pads the token dim to tp * ceil(T / tp) (aten.constant_pad_nd of
-                        # a symbolic amount, ops/ge/aten_pad.py): a second chunk of the same
+                        # a symbolic amount, ops/core/ge_aten_pad.py): a second chunk of the same
                         # requests with an odd T (7: pad 1, the first step's 10: pad 0) must
                         # reuse the graph. A recompile raises here, and a second GE graph fails
                         # compile_and_load ("expected one GE graph").

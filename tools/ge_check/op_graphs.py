@@ -25,12 +25,12 @@ def op_cases() -> dict[str, tuple[Callable[..., Any], tuple]]:
     mine[4:] = float("-inf")
     other[5] = float("-inf")
     cp = torch.ops.cp
-    from cp_compile.ops.scratch_block import mark_scratch_block
+    from cp_compile.ops.core.scratch_block import mark_scratch_block
 
     def cache(make: Callable[..., torch.Tensor], *shape: int, dtype: torch.dtype) -> torch.Tensor:
         # A paged cache as allocate_kv_cache(..., scratch_block=True) makes it: its last
         # page (block NB - 1, named by no table and no slot here) is the scratch block
-        # the GE cache writes send slot -1 to (ops/scratch_block.py).
+        # the GE cache writes send slot -1 to (ops/core/scratch_block.py).
         t = make(*shape, dtype=dtype)
         mark_scratch_block(t)
         return t
@@ -86,7 +86,7 @@ def op_cases() -> dict[str, tuple[Callable[..., Any], tuple]]:
             lambda qn, qp, c, t, sl, qs, i: cp.sparse_mla_rows_attention(qn, qp, c, t, sl, qs, i, 2, 1, 0.1),
             (torch.randn(3, H, L, dtype=bf), torch.randn(3, H, R, dtype=bf),
              cache(torch.randn, NB, BS, L + R, dtype=bf), table, seq, qsl, torch.zeros(3, 4, dtype=torch.int32))),
-        # W8A8 o_proj (ops/quant.py): int8 K-major weight [in, out], two activation groups
+        # W8A8 o_proj (ops/quant/ops.py): int8 K-major weight [in, out], two activation groups
         # (the DSA-CP full-weight o_proj at tp 2).
         "cp::w8a8_dynamic_linear": (
             lambda x, w, s, o: cp.w8a8_dynamic_linear(x, w, s, o, 2),
@@ -97,7 +97,7 @@ def op_cases() -> dict[str, tuple[Callable[..., Any], tuple]]:
             (torch.randn(T, 64, dtype=bf), torch.randint(-127, 128, (64, 32), dtype=torch.int8),
              torch.tensor([0.02, 0.03]), torch.tensor([1, -2], dtype=torch.int32),
              torch.zeros(2, 32, dtype=torch.int32), torch.rand(2, 32))),
-        # MLAPO (ops/mla_preprocess.py): q-LoRA 32, H heads of nope 16 + rope R, latent L, cache write;
+        # MLAPO (ops/mla_preprocess/ops.py): q-LoRA 32, H heads of nope 16 + rope R, latent L, cache write;
         # then into a second cache in HF DeepSeek-V2's bf16 rope (rotated in fp32, issue 27).
         "cp::mla_preprocess": (
             lambda x, qa, qan, qb, kva, kvn, wuk, c, s, kv, sl, kv2: cp.mla_preprocess(
@@ -110,7 +110,7 @@ def op_cases() -> dict[str, tuple[Callable[..., Any], tuple]]:
              torch.randn(H, 16, L, dtype=bf), torch.rand(T, R // 2), torch.rand(T, R // 2),
              cache(torch.zeros, NB, BS, L + R, dtype=bf), slots, cache(torch.zeros, NB, BS, L + R, dtype=bf))),
         # Not a cp op: torchair's aten.constant_pad_nd converter refuses a symbolic pad,
-        # ops/ge/aten_pad.py converts it (PadV3), as the DSA-CP prefill graph's token pad
+        # ops/core/ge_aten_pad.py converts it (PadV3), as the DSA-CP prefill graph's token pad
         # needs (ops/parallel/dsa_cp.pad_tokens). Compiled with dynamic shapes (DYNAMIC_CASES):
         # the token dim's pad (2 * ceil(T / 2) - T, pad_tokens' formula at tp 2) is a SymInt;
         # the other dims' pads are static.
@@ -173,13 +173,13 @@ def run_op_graphs(recorder: FxRecorder, dump: str | None, with_unconverted: bool
     return results
 
 
-# aten ops the project converts itself (ops/ge/aten_pad.py): the GE ops their op graph
+# aten ops the project converts itself (ops/core/ge_aten_pad.py): the GE ops their op graph
 # must hold (GatherV2 builds PadV3's paddings from the symbolic pad: not torchair's converter).
 ATEN_GE_OPS = {"aten::constant_pad_nd": ("PadV3", "GatherV2")}
 
 
 def expect_op(r: GraphResult, op: str) -> list[str]:
-    from cp_compile.ops.ge import GE_OPS
+    from cp_compile.ops.core.ge_registry import GE_OPS
 
     problems = [f"{op}: GE graph lacks {t}" for t in {**GE_OPS, **ATEN_GE_OPS}[op] if t not in r.ge_ops]
     if any("NO CONVERTER" in k for k in r.fx_targets):

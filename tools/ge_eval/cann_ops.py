@@ -14,7 +14,7 @@ tabulates which attribute rests on which page):
   x1 / x2 / scale / bias / out dtype table).
 
 A documented precondition the graph breaks raises `GEEvalError`; an undocumented case
-the values depend on is computed as the reference (ops/reference.py) does and recorded
+the values depend on is computed as the reference (ops/paged/reference.py) does and recorded
 with `Findings.assume`; a documented NPU tiling limit the small CI shapes do not meet
 (block sizes, head dims) is recorded with `Findings.note` and does not change values.
 

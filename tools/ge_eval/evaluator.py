@@ -642,7 +642,7 @@ def _scatter_nd_update(ctx, ins, a):
         raise ctx.fail(f"{int((~inside).sum())} of {idx.shape[0]} indices out of range of {tuple(var.shape[:k])}, "
                        f"e.g. row {row}: {idx[row].tolist()} (CANN's aclnnScatterNdUpdate page: out-of-range "
                        f"indices are unsupported; a cache write must route slot -1 in range, e.g. to the "
-                       f"scratch block, ops/scratch_block.py)")
+                       f"scratch block, ops/core/scratch_block.py)")
     uniq, counts = torch.unique(idx, dim=0, return_counts=True)
     var[tuple(idx[:, i] for i in range(k))] = upd.to(var.dtype)
     if bool((counts > 1).any()):

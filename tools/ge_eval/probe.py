@@ -136,7 +136,7 @@ def install(comm=None) -> None:
     original = GeConcreteGraph.__call__
 
     def call(self, *args, **kwargs):
-        from cp_compile.ops.scratch_block import has_scratch_block
+        from cp_compile.ops.core.scratch_block import has_scratch_block
 
         result = Comparison(graph=str(self.graph.name))
         RESULTS.append(result)

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-import cp_compile.ops.attention  # noqa: F401  (registers torch.ops.cp.*)
+import cp_compile.ops  # noqa: F401  (registers torch.ops.cp.*)
 from cp_compile.serving.hf.cache import MLA_NEW_KEY
 from cp_compile.ops.parallel.dcp import dense
 

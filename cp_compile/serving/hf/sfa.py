@@ -29,7 +29,7 @@ from typing import Any
 import torch
 from torch import nn
 
-import cp_compile.ops.attention  # noqa: F401  (registers torch.ops.cp.*)
+import cp_compile.ops  # noqa: F401  (registers torch.ops.cp.*)
 
 
 def _rope_fns(attn: nn.Module) -> tuple[Any, Any]:

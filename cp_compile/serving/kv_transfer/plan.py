@@ -4,7 +4,7 @@ Pure math over the two layouts (no transport, no state). For a request of n toke
 with P virtual block table `src_blocks` and D virtual block table `dst_blocks`:
 
 - sharded caches (GQA K/V, MLA / SFA latent): D rank d receives exactly the positions
-  its cp rank owns under D's layout (`ops/layout.py: token_owner`), each from a P
+  its cp rank owns under D's layout (`ops/core/layout.py: token_owner`), each from a P
   rank whose cp rank owns it under P's layout, at the slots both layouts give it
   (`block * block_size + local_offset`). GQA: the D rank's KV heads are cut into
   segments by the P TP ranks' head sets (each side's `tp_kv_head_ids`); a segment
@@ -31,7 +31,7 @@ from typing import NamedTuple, Sequence
 import torch
 
 from cp_compile.serving.kv_transfer.layout import KVGeometry, KVLayout
-from cp_compile.ops.layout import local_len, local_offset, token_owner
+from cp_compile.ops.core.layout import local_len, local_offset, token_owner
 
 
 class SlotRun(NamedTuple):  # a NamedTuple: a 16k-token request makes ~10^4 of them, a frozen dataclass is 3x slower

@@ -8,7 +8,7 @@ import torch
 import triton
 import triton.language as tl
 
-from cp_compile.ops.kernels._common import LoweringDeclaration, kernel_for
+from cp_compile.ops.core.triton_common import LoweringDeclaration, kernel_for
 
 
 @triton.jit

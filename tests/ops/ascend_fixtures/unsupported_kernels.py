@@ -1,6 +1,6 @@
 """Kernels the Triton-Ascend lowering check must reject (and one it must accept).
 
-Kept outside cp_compile/ops/kernels so the product check never sees them;
+Kept outside the op families' triton_*.py so the product check never sees them;
 tests/ops/test_ascend_lowering.py runs the check on this file and expects each
 kernel to fail at the stage named in EXPECTED.
 """
@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from cp_compile.ops.kernels._common import CPU_MAX_PROGRAMS, LoweringDeclaration, kernel_for
+from cp_compile.ops.core.triton_common import CPU_MAX_PROGRAMS, LoweringDeclaration, kernel_for
 
 BLOCK = 16
 

@@ -1,0 +1,78 @@
+"""The accelerator kernels of the paged ops, with each op's signature (their `OpDecl.cuda`).
+
+Thin adapters from an op's arguments to the family's Triton launchers
+(`triton_decode.py`, `triton_prefill.py`, `triton_localize.py`, and core's shared
+`triton_cache_write.py`), fetched, and triton imported, on first call
+(`core/launcher.lazy`): registration imports no triton. `ops.py` names these in its
+declarations; `core/registry.py` registers them.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from cp_compile.ops.core import layout
+from cp_compile.ops.core.launcher import lazy
+
+_decode = lazy("cp_compile.ops.paged.triton_decode", "paged_attention_with_lse_triton")
+_prefill = lazy("cp_compile.ops.paged.triton_prefill", "paged_prefill_attention_lse_triton")
+_local_slots = lazy("cp_compile.ops.paged.triton_localize", "local_slot_mapping_triton")
+_cache_write = lazy("cp_compile.ops.core.triton_cache_write", "cache_write_triton")
+
+# cp::cache_write's kernel: the cache-write launcher core/ shares with the sparse family.
+cache_write = lazy("cp_compile.ops.core.triton_cache_write", "cache_write_device")
+
+# Batches with at least this many tokens per request (prefill, chunked prefill) take the
+# query-tiled kernel, which reads each request's pages once per BLOCK_M tokens instead
+# of once per token; decode-like batches keep the per-token flash-decode kernel. A
+# choice on shapes only (T and B are sizes), so a captured graph keeps one kernel.
+PREFILL_TOKENS_PER_REQUEST = 4
+
+
+def _paged(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
+           query_start_loc: torch.Tensor, kv_lens: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    if q.shape[0] >= PREFILL_TOKENS_PER_REQUEST * max(query_start_loc.shape[0] - 1, 1):
+        return _prefill(q, k_cache, v_cache, block_table, query_start_loc, kv_lens, scale)
+    return _decode(q, k_cache, v_cache, block_table, query_start_loc, kv_lens, scale)
+
+
+def paged_attention_lse(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
+                        query_start_loc: torch.Tensor, kv_lens: torch.Tensor,
+                        scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    return _paged(q, k_cache, v_cache, block_table, query_start_loc, kv_lens, scale)
+
+
+def mla_partial_attention(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor,
+                          block_table: torch.Tensor, query_start_loc: torch.Tensor, kv_lens: torch.Tensor,
+                          scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    L = q_nope.shape[-1]
+    return _paged(torch.cat([q_nope, q_pe], -1), kv_cache.unsqueeze(2), kv_cache[..., :L].unsqueeze(2), block_table,
+                  query_start_loc, kv_lens, scale)
+
+
+def dcp_localize_metadata(slot_mapping: torch.Tensor, query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
+                          cp: int, rank: int, interleave: int,
+                          block_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    T = slot_mapping.shape[0]
+    lay = dict(cp=cp, rank=rank, interleave=interleave)
+    slots = _local_slots(slot_mapping.long(), **lay, block_size=block_size)
+    return (slots, layout.local_len(seq_lens, **lay).to(torch.int32),
+            layout.local_causal_lens(query_start_loc, seq_lens, T, **lay),
+            layout.local_context_lens(query_start_loc, seq_lens, T, **lay))
+
+
+def gqa_paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                        v_cache: torch.Tensor, slot_mapping: torch.Tensor, block_table: torch.Tensor,
+                        seq_lens: torch.Tensor, query_start_loc: torch.Tensor, scale: float) -> torch.Tensor:
+    _cache_write(k, k_cache, slot_mapping)
+    _cache_write(v, v_cache, slot_mapping)
+    kv_lens = layout.causal_lens(query_start_loc, seq_lens, q.shape[0])
+    return paged_attention_lse(q, k_cache, v_cache, block_table, query_start_loc, kv_lens, scale)[0]
+
+
+def mla_attention(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_c: torch.Tensor, k_pe: torch.Tensor,
+                  kv_cache: torch.Tensor, slot_mapping: torch.Tensor, block_table: torch.Tensor,
+                  seq_lens: torch.Tensor, query_start_loc: torch.Tensor, scale: float) -> torch.Tensor:
+    _cache_write(torch.cat([kv_c, k_pe], -1), kv_cache, slot_mapping)
+    kv_lens = layout.causal_lens(query_start_loc, seq_lens, q_nope.shape[0])
+    return mla_partial_attention(q_nope, q_pe, kv_cache, block_table, query_start_loc, kv_lens, scale)[0]

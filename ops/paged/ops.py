@@ -1,0 +1,235 @@
+"""The paged attention ops (docs/architecture.md §4, §5): the single-device attention
+custom ops that models call, and the DCP building blocks over a paged cache.
+
+Every op is a `torch.library` custom op in the `cp` namespace: dynamo keeps each one
+as a single graph node (which the DCP passes rewrite), `mutates_args` names exactly
+the caches the op writes (so functionalization and Inductor's reinplacing keep the
+cache update in place), and a fake implementation gives shapes under tracing.
+
+The implementation registered here is the torch reference (`reference.py`, the tests'
+oracle); the CPU kernels (`cpu.py`, declared as `cpu=`) and the device kernels
+(Triton, `launch.py`; torch_npu, `npu.py`) override it per device with `register_kernel`.
+Metadata is global and flattened (vLLM style): `T` tokens over `B` requests,
+`query_start_loc[B+1]`, `seq_lens[B]` (context + new), `block_table[B, nb]`,
+`slot_mapping[T]` (-1 = skip). Tokens at or past `query_start_loc[-1]` are padding
+and produce zeros.
+
+The DCP building blocks are small enough for a pass to place on its own: metadata
+localisation (once per forward), local cache write, partial attention over the local
+shard returning (out, lse). Collectives are *not* inside these ops: the compositions
+in `cp_compile.ops.parallel.dcp` issue them as `_c10d_functional` ops so they stay
+visible graph nodes; the LSE merges of the partials are the `merge` family.
+
+Callers use `torch.ops.cp.<name>`; there are no Python wrappers.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from cp_compile.ops.core import layout, paged_cache
+from cp_compile.ops.core.spec import GE, TRITON_ASCEND, OpDecl
+from cp_compile.ops.paged import cpu, launch, npu, reference
+
+
+# --------------------------------------------------------------------------- GQA
+
+
+@torch.library.custom_op("cp::gqa_paged_attention", mutates_args=("k_cache", "v_cache"))
+def gqa_paged_attention(
+    q: torch.Tensor,  # [T, Hq, D]
+    k: torch.Tensor,  # [T, Hkv, D]   new keys of this step
+    v: torch.Tensor,  # [T, Hkv, Dv]  new values of this step
+    k_cache: torch.Tensor,  # [NB, BS, Hkv, D]  written in place
+    v_cache: torch.Tensor,  # [NB, BS, Hkv, Dv] written in place
+    slot_mapping: torch.Tensor,  # [T] int64, -1 = skip
+    block_table: torch.Tensor,  # [B, nb] int32
+    seq_lens: torch.Tensor,  # [B] int32
+    query_start_loc: torch.Tensor,  # [B+1] int32
+    scale: float,
+) -> torch.Tensor:
+    """Write the new k/v into the paged caches, then causal GQA attention -> [T, Hq, Dv].
+
+    Token t at request-local position pos attends keys 0..pos of its request, read
+    back from the cache (so the new tokens are seen exactly as stored, in the cache
+    dtype). Query head h reads KV head h // (Hq // Hkv). Output in q's dtype.
+    """
+    return _gqa_step(reference.paged_attention_with_lse, q, k, v, k_cache, v_cache, slot_mapping, block_table,
+                     seq_lens, query_start_loc, scale)
+
+
+def _gqa_step(attend, q, k, v, k_cache, v_cache, slot_mapping, block_table, seq_lens, query_start_loc, scale):
+    """Check, write the caches, attend causally with `attend` (the reference, or the CPU kernel)."""
+    paged_cache.check_paged_step((k_cache, v_cache), slot_mapping, block_table, seq_lens, query_start_loc,
+                               op="cp::gqa_paged_attention")
+    paged_cache.write_cache(k_cache, k, slot_mapping)
+    paged_cache.write_cache(v_cache, v, slot_mapping)
+    kv_lens = layout.causal_lens(query_start_loc, seq_lens, q.shape[0])  # [T], 0 for padding
+    out, _ = attend(q, k_cache, v_cache, block_table, query_start_loc, kv_lens, scale)
+    return out  # fresh tensor (built with torch.zeros inside), never an alias of q
+
+
+def _gqa_paged_attention_cpu(q, k, v, k_cache, v_cache, slot_mapping, block_table, seq_lens, query_start_loc,
+                             scale):
+    return _gqa_step(cpu.paged_attention_lse, q, k, v, k_cache, v_cache, slot_mapping, block_table,
+                     seq_lens, query_start_loc, scale)
+
+
+@gqa_paged_attention.register_fake
+def _gqa_paged_attention_fake(q, k, v, k_cache, v_cache, slot_mapping, block_table, seq_lens,
+                              query_start_loc, scale):
+    # Dv comes from the value tensor: GQA may use a different value head dim.
+    return q.new_empty(q.shape[0], q.shape[1], v.shape[-1])
+
+
+# --------------------------------------------------------------------------- MLA
+
+
+
+@torch.library.custom_op("cp::mla_attention", mutates_args=("kv_cache",))
+def mla_attention(
+    q_nope: torch.Tensor,  # [T, H, L]  already absorbed (q_nope @ W_UK)
+    q_pe: torch.Tensor,  # [T, H, R]
+    kv_c: torch.Tensor,  # [T, L]  new latent of this step
+    k_pe: torch.Tensor,  # [T, R]  new rope key of this step
+    kv_cache: torch.Tensor,  # [NB, BS, L+R] written in place
+    slot_mapping: torch.Tensor,  # [T] int64
+    block_table: torch.Tensor,  # [B, nb] int32
+    seq_lens: torch.Tensor,  # [B] int32
+    query_start_loc: torch.Tensor,  # [B+1] int32
+    scale: float,
+) -> torch.Tensor:
+    """Absorbed MLA: causal MQA over the cached [c; k_pe] with V = c -> latent out [T, H, L].
+
+    With W_UK absorbed into the query and W_UV applied by the model after this op,
+    every head shares one key ([L+R]) and one value (the first L columns) per token.
+    """
+    return _mla_step(reference.mla_attention_with_lse, q_nope, q_pe, kv_c, k_pe, kv_cache, slot_mapping,
+                     block_table, seq_lens, query_start_loc, scale)
+
+
+def _mla_step(attend, q_nope, q_pe, kv_c, k_pe, kv_cache, slot_mapping, block_table, seq_lens, query_start_loc,
+              scale):
+    """Check, write the latent cache, attend causally with `attend` (the reference, or the CPU kernel)."""
+    paged_cache.check_paged_step((kv_cache,), slot_mapping, block_table, seq_lens, query_start_loc,
+                               op="cp::mla_attention")
+    paged_cache.write_latent(kv_cache, kv_c, k_pe, slot_mapping)
+    kv_lens = layout.causal_lens(query_start_loc, seq_lens, q_nope.shape[0])
+    return attend(q_nope, q_pe, kv_cache, block_table, query_start_loc, kv_lens, scale)[0]
+
+
+def _mla_attention_cpu(q_nope, q_pe, kv_c, k_pe, kv_cache, slot_mapping, block_table, seq_lens, query_start_loc,
+                       scale):
+    return _mla_step(cpu.mla_attention_lse, q_nope, q_pe, kv_c, k_pe, kv_cache, slot_mapping,
+                     block_table, seq_lens, query_start_loc, scale)
+
+
+@mla_attention.register_fake
+def _mla_attention_fake(q_nope, q_pe, kv_c, k_pe, kv_cache, slot_mapping, block_table, seq_lens,
+                        query_start_loc, scale):
+    return torch.empty_like(q_nope, memory_format=torch.contiguous_format)
+
+
+
+# --------------------------------------------------------------------------- DCP building blocks
+
+
+@torch.library.custom_op("cp::dcp_localize_metadata", mutates_args=())
+def dcp_localize_metadata(slot_mapping: Tensor, query_start_loc: Tensor, seq_lens: Tensor, cp: int, rank: int,
+                          interleave: int, block_size: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Global metadata -> this rank's view, computed once per forward for all layers.
+
+    Returns (local_slot_mapping [T] int64, local_seq_lens [B] int32,
+    local_causal_lens [T] int32, local_context_lens [T] int32). `block_size` is the
+    per-rank page size (virtual blocks hold block_size * cp tokens; cp: the cache's
+    context-parallel group size, pcp * dcp).
+    """
+    T = slot_mapping.shape[0]
+    lay = dict(cp=cp, rank=rank, interleave=interleave)
+    slots = layout.local_slot_mapping(slot_mapping.long(), **lay, block_size=block_size)
+    seq = layout.local_len(seq_lens, **lay).to(torch.int32)
+    causal = layout.local_causal_lens(query_start_loc, seq_lens, T, **lay)
+    ctx = layout.local_context_lens(query_start_loc, seq_lens, T, **lay)
+    return slots, seq, causal, ctx
+
+
+@dcp_localize_metadata.register_fake
+def _(slot_mapping, query_start_loc, seq_lens, cp, rank, interleave, block_size):
+    T = slot_mapping.shape[0]
+    return (slot_mapping.new_empty(T, dtype=torch.int64), seq_lens.new_empty(seq_lens.shape, dtype=torch.int32),
+            slot_mapping.new_empty(T, dtype=torch.int32), slot_mapping.new_empty(T, dtype=torch.int32))
+
+
+@torch.library.custom_op("cp::cache_write", mutates_args=("cache",))
+def cache_write(new: Tensor, cache: Tensor, slot_mapping: Tensor) -> None:
+    """cache[slot] = new[t] for tokens with slot >= 0; with a local slot mapping this
+    stores only this rank's tokens. new [T, ...], cache [NB, BS, ...]."""
+    paged_cache.write_cache(cache, new, slot_mapping)
+
+
+@cache_write.register_fake
+def _(new, cache, slot_mapping):
+    return None
+
+
+@torch.library.custom_op("cp::paged_attention_lse", mutates_args=())
+def paged_attention_lse(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_table: Tensor, query_start_loc: Tensor,
+                        kv_lens: Tensor, scale: float) -> tuple[Tensor, Tensor]:
+    """Partial GQA attention over the local shard: token t attends local positions
+    0..kv_lens[t]-1 of its request. q [T,Hq,D] (may be a gathered, strided view),
+    caches [NB,BS,Hkv,D|Dv] -> out [T,Hq,Dv] (q dtype), lse [T,Hq] fp32 (-inf if empty)."""
+    return reference.paged_attention_with_lse(q, k_cache, v_cache, block_table, query_start_loc, kv_lens, scale)
+
+
+@paged_attention_lse.register_fake
+def _(q, k_cache, v_cache, block_table, query_start_loc, kv_lens, scale):
+    T, H = q.shape[0], q.shape[1]
+    return q.new_empty(T, H, v_cache.shape[-1]), q.new_empty(T, H, dtype=torch.float32)
+
+
+@torch.library.custom_op("cp::mla_partial_attention", mutates_args=())
+def mla_partial_attention(q_nope: Tensor, q_pe: Tensor, kv_cache: Tensor, block_table: Tensor,
+                          query_start_loc: Tensor, kv_lens: Tensor, scale: float) -> tuple[Tensor, Tensor]:
+    """Partial absorbed-MLA attention over the local latent shard.
+    q_nope [T,H,L], q_pe [T,H,R], kv_cache [NB,BS,L+R] -> out [T,H,L], lse [T,H] fp32."""
+    return reference.mla_attention_with_lse(q_nope, q_pe, kv_cache, block_table, query_start_loc, kv_lens, scale)
+
+
+@mla_partial_attention.register_fake
+def _(q_nope, q_pe, kv_cache, block_table, query_start_loc, kv_lens, scale):
+    T, H, L = q_nope.shape
+    return q_nope.new_empty(T, H, L), q_nope.new_empty(T, H, dtype=torch.float32)
+
+
+
+# Every op above with a single-device cache assumes its layout. Under DCP or PCP the
+# caches are laid out differently (sharded latents and K/V), so a pass must replace or
+# claim each of these nodes; the pipeline's final check (passes/unsharded_attention.py)
+# refuses a graph that still holds one. A new single-device attention op goes in this
+# list (the sparse family has its own; `core/catalog.py` joins them).
+SINGLE_DEVICE_ATTENTION_OPS: tuple[torch._ops.OpOverloadPacket, ...] = (
+    torch.ops.cp.gqa_paged_attention,
+    torch.ops.cp.mla_attention,
+)
+
+
+# ----------------------------------------------------------------------------- declarations (core/spec.py)
+# Every piece of every op above: kernels per device, GE converter, profile bucket.
+OPS = (
+    OpDecl(gqa_paged_attention, cuda=launch.gqa_paged_attention, npu=TRITON_ASCEND,
+           ge=GE("ge", "ScatterNdUpdate", "FusedInferAttentionScore"), profile="attention",
+           cpu=_gqa_paged_attention_cpu),
+    OpDecl(mla_attention, cuda=launch.mla_attention, npu=TRITON_ASCEND,
+           ge=GE("ge", "ScatterNdUpdate", "FusedInferAttentionScore"), profile="attention",
+           cpu=_mla_attention_cpu),
+    OpDecl(dcp_localize_metadata, cuda=launch.dcp_localize_metadata, npu=TRITON_ASCEND,
+           ge=GE("ge_cache", "FloorDiv", "FloorMod", "SelectV2"), profile="dcp_local"),
+    OpDecl(cache_write, cuda=launch.cache_write, npu=npu._cache_write,
+           ge=GE("ge_cache", "ScatterNdUpdate"), profile="attention"),
+    OpDecl(paged_attention_lse, cuda=launch.paged_attention_lse, npu=npu._paged_attention_lse,
+           ge=GE("ge", "FusedInferAttentionScore"), profile="attention",
+           cpu=cpu.paged_attention_lse),
+    OpDecl(mla_partial_attention, cuda=launch.mla_partial_attention, npu=npu._mla_partial_attention,
+           ge=GE("ge", "FusedInferAttentionScore"), profile="attention", cpu=cpu.mla_attention_lse),
+)
