@@ -49,10 +49,16 @@ _EXPORTS: dict[str, str] = {
     "RequestOutput": "cp_compile.serving.entrypoints.llm",
 }
 
+# the subpackages: `cp_compile.passes.context` works after a bare `import cp_compile`,
+# as it did when this module imported everything
+_SUBPACKAGES = frozenset({"base", "runtime", "compiler", "serving", "testing", "ops", "passes"})
+
 __all__ = sorted(_EXPORTS)
 
 
 def __getattr__(name: str) -> Any:
+    if name in _SUBPACKAGES:
+        return importlib.import_module(f"cp_compile.{name}")  # sets the attribute itself
     module = _EXPORTS.get(name)
     if module is None:
         raise AttributeError(f"module 'cp_compile' has no attribute {name!r}")
@@ -62,4 +68,4 @@ def __getattr__(name: str) -> Any:
 
 
 def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_EXPORTS))
+    return sorted(set(globals()) | set(_EXPORTS) | _SUBPACKAGES)

@@ -28,7 +28,7 @@ READS = {"parallel_state_or_none", "get_parallel_state"}
 FRONT_DOORS = {
     ("cp_compile/compiler/backend.py", "backend"), ("cp_compile/compiler/backend.py", "cp_ascend"),
     ("cp_compile/compiler/decorator.py", "CompiledForward._setup"), ("cp_compile/runtime/kv_cache.py", "allocate_kv_cache"),
-    ("cp_compile/runtime/metadata.py", "validate_step"), ("cp_compile/serving/hf/engine.py", "Engine.__init__"),
+    ("cp_compile/runtime/metadata_checks.py", "validate_step"), ("cp_compile/serving/hf/engine.py", "Engine.__init__"),
 }
 
 
@@ -67,8 +67,8 @@ def test_only_front_doors_read_the_parallel_global() -> None:
 
 def test_the_scan_finds_an_injected_read(tmp_path: Path) -> None:
     """The scan is not vacuous: a global read added to check_dcp_layout (off the front door) is found."""
-    for d in ("cp_compile", "ops", "passes"):
-        (tmp_path / d).mkdir()
+    for d in ("cp_compile/runtime", "ops", "passes"):
+        (tmp_path / d).mkdir(parents=True)
     src = (REPO / "cp_compile/runtime/kv_cache.py").read_text()
     anchor = "    n = cfg.context_parallel_size\n    if parallel is None or n == 1:\n"
     assert src.count(anchor) == 1
@@ -84,8 +84,8 @@ def test_runtime_path_uses_the_state_it_was_given(monkeypatch) -> None:
     def no_global():
         raise AssertionError("the runtime path read the parallel-state global")
 
-    kv_cache, metadata = (importlib.import_module(f"cp_compile.{m}") for m in ("kv_cache", "metadata"))
-    for module in (kv_cache, metadata, cp_compile.runtime.parallel_state):
+    kv_cache, checks = (importlib.import_module(f"cp_compile.runtime.{m}") for m in ("kv_cache", "metadata_checks"))
+    for module in (kv_cache, checks, cp_compile.runtime.parallel_state):
         monkeypatch.setattr(module, "parallel_state_or_none", no_global)
     cfg = cp_compile.CPConfig(tensor_parallel_size=4, decode_context_parallel_size=2, block_size=4)
     cp_group = object()  # stands for the live process group: the all-gather below is recorded, not run

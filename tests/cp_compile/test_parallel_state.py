@@ -7,6 +7,7 @@ import torch
 import torch.distributed as dist
 
 import cp_compile
+from cp_compile.passes.context import CompileContext
 from cp_compile.testing.multirank import RankFailed, run_on_ranks
 
 
@@ -22,7 +23,7 @@ def _groups(rank: int, world: int, cfgs: list[cp_compile.CPConfig]) -> list[dict
                         pcp=dist.get_process_group_ranks(st.pcp_group),
                         cp=dist.get_process_group_ranks(st.cp_group), cp_rank=st.layout.cp.rank,
                         cp_group_rank=dist.get_rank(st.cp_group),
-                        ctx_cp=cp_compile.passes.context.CompileContext.from_state(st).cp,
+                        ctx_cp=CompileContext.from_state(st).cp,
                         tp_rank=st.layout.tp.rank, dcp_rank=st.layout.dcp.rank, pcp_rank=st.layout.pcp.rank,
                         dcp_sum=t.item(), backend=st.backend))
         cp_compile.destroy_parallel()
