@@ -74,6 +74,23 @@ MUTATIONS = [
     ("FIA's +inf empty-row LSE kept (fia_lse, in paged/ge.py since the family move)", f"{OPS}.paged.ge",
      'return where(ge.Equal(lse, const(float("inf"), F32)), const(float("-inf"), F32), lse)', "return lse",
      "cp::paged_attention_lse"),
+    # inputs (issue 35 item 8): these passed while the op graphs' block table and sparse
+    # indices were all zero; the shuffled table and distinct top-k indices catch them.
+    ("block table gathered transposed (token reads column req)", f"{OPS}.paged.ge",
+     "ge.GatherV2(cast(block_table, I32), req, const(0, I64))",
+     "ge.GatherV2(ge.TransposeD(cast(block_table, I32), perm=[1, 0]), req, const(0, I64))",
+     "cp::paged_attention_lse"),
+    ("every request reads block-table row 0", f"{OPS}.paged.ge",
+     "ge.GatherV2(cast(block_table, I32), req, const(0, I64))",
+     "ge.GatherV2(cast(block_table, I32), ge.ZerosLike(req), const(0, I64))", "cp::paged_attention_lse"),
+    ("sparse MLA's SparseFlashAttention drops the last top-k index", f"{OPS}.sparse.ge",
+     '"sparse_indices": reshape(cast(indices, I32), [T, 1, K]),',
+     '"sparse_indices": reshape(cast(ge.Slice(indices, const([0, 0], I64), const([-1, K - 1], I64)), I32), '
+     '[T, 1, K - 1]),', "cp::sparse_mla_attention"),
+    ("DSA-CP rows attention's SparseFlashAttention drops the last top-k index", f"{OPS}.sparse.ge_dsa_cp",
+     '"sparse_indices": reshape(cast(indices, I32), [T, 1, K]),',
+     '"sparse_indices": reshape(cast(ge.Slice(indices, const([0, 0], I64), const([-1, K - 1], I64)), I32), '
+     '[T, 1, K - 1]),', "cp::sparse_mla_rows_attention"),
 ]
 
 

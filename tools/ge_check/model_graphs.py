@@ -33,6 +33,25 @@ BUILDING_RANKS = (0, 1, 2, 3)  # all: the value check runs the TP all-reduce, wh
 # pad would guard on the pad being 0: a recompile per parity).
 SFA_CONFIGS = [("sfa", 2, "ag_rs"), ("sfa", 1, "dsa_cp")]
 SFA_WORLD = 2
+# Seed of the model graphs' token ids and page order: the same on every rank (the ranks
+# of a TP / DCP group must see one batch), so a failure reproduces.
+INPUT_SEED = 35
+
+
+def token_ids(count: int, vocab: int, generator: torch.Generator) -> torch.Tensor:
+    """[count] int64 distinct token ids: all-zero ids embed every token alike, which
+    hides a converter that mixes tokens up (issue 35 item 8)."""
+    return torch.randperm(vocab, generator=generator)[:count]
+
+
+def shuffle_free_pages(allocator: Any, generator: torch.Generator) -> None:
+    """Make `allocator` (a fresh runtime BlockAllocator) hand out its pages in a seeded
+    random order instead of 0, 1, 2, ...: its pop() order is its free list's, so the
+    block tables it builds are distinct per request (it never hands out a live page)
+    and not the identity, which a converter gathering the wrong table row or column
+    would still read right; the metadata's slots come from the same tables."""
+    free = list(allocator._free)
+    allocator._free = [free[i] for i in torch.randperm(len(free), generator=generator).tolist()]
 
 
 def _model(kind: str, tp: int, tp_rank: int, tp_group: Any, w8a8: bool = False) -> torch.nn.Module:
@@ -91,10 +110,12 @@ def _rank_main(rank: int, world: int, configs: list[tuple[str, int, str]], dump:
             compiled = cp_compile.compile_model(model, lowering="torchair", torchair_mode="max-autotune")
             layers = cache.layers if not cache.replicated else \
                 [layer + (index,) for layer, index in zip(cache.layers, cache.replicated)]
+            gen = torch.Generator().manual_seed(INPUT_SEED)
             alloc = BlockAllocator(16, cfg.virtual_block_size)
+            shuffle_free_pages(alloc, gen)
             meta = cp_compile.build_attention_metadata([(0, 5), (0, 3)], alloc, num_padding_tokens=2,
                                                        max_blocks_per_req=4)
-            ids = torch.zeros(10, dtype=torch.long)
+            ids = token_ids(10, 128, gen)  # the example models' vocab_size (_model)
             name = f"{kind} tp={world} dcp={dcp}" + (f" {merge}" if dcp > 1 or dsa else "")
 
             def step() -> None:
@@ -109,7 +130,7 @@ def _rank_main(rank: int, world: int, configs: list[tuple[str, int, str]], dump:
                         # compile_and_load ("expected one GE graph").
                         second = cp_compile.build_attention_metadata([(5, 4), (3, 3)], alloc, max_blocks_per_req=4)
                         with torch._dynamo.config.patch(error_on_recompile=True):
-                            compiled(torch.zeros(7, dtype=torch.long), second.positions, layers, second)
+                            compiled(token_ids(7, 128, gen), second.positions, layers, second)
 
             # A bf16 model: every layer's activations are bf16 on both paths, rounded at
             # different points (GE's decompositions vs the FX kernels).

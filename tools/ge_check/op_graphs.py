@@ -10,17 +10,77 @@ import torch
 
 from tools.ge_check.reading import FxRecorder, GraphResult, compile_and_load
 
+# Seed of the op graphs' block table and sparse indices (the activations stay
+# torch.randn): a failure by index reproduces. That data must not be degenerate
+# (issue 35 item 8): with an all-zero block table a converter that gathers the wrong
+# table row or the table transposed reads the same page, and with all-zero sparse
+# indices one that drops an index attends the same key one time fewer.
+INPUT_SEED = 35
+
+
+def shuffled_block_table(requests: int, blocks_per_request: int, pages: int,
+                         generator: torch.Generator) -> torch.Tensor:
+    """[requests, blocks_per_request] int32: the first requests * blocks_per_request
+    pages of a seeded permutation of 0..pages-1, so no two entries (within a request or
+    across requests) name the same page and the order is not 0, 1, 2, ..."""
+    need = requests * blocks_per_request
+    if need > pages:
+        raise ValueError(f"{need} distinct pages wanted of {pages}")
+    return torch.randperm(pages, generator=generator)[:need].reshape(requests, blocks_per_request).to(torch.int32)
+
+
+def token_positions(query_start_loc: torch.Tensor, seq_lens: torch.Tensor, tokens: int) -> list[tuple[int, int]]:
+    """(request, position) of each of `tokens` query tokens, (-1, -1) for padding past
+    the last request: a request's queries are the last positions of its sequence."""
+    out = []
+    qsl, seq = query_start_loc.tolist(), seq_lens.tolist()
+    for t in range(tokens):
+        req = next((b for b in range(len(seq)) if qsl[b] <= t < qsl[b + 1]), -1)
+        out.append((req, seq[req] - (qsl[req + 1] - t)) if req >= 0 else (-1, -1))
+    return out
+
+
+def slots_of(table: torch.Tensor, positions: list[tuple[int, int]], block_size: int) -> torch.Tensor:
+    """[T] int64 cache slots page * block_size + offset, the page read from `table` (the
+    slots the attention then reads through the same table); -1 for padding tokens."""
+    return torch.tensor([int(table[r, p // block_size]) * block_size + p % block_size if r >= 0 else -1
+                         for r, p in positions])
+
+
+def distinct_sparse_indices(lengths: list[int], topk: int, generator: torch.Generator,
+                            short_rows: tuple[int, ...] = ()) -> torch.Tensor:
+    """[len(lengths), topk] int32: per row, distinct random positions below its length
+    (its causal key count) in random order, valid ones first and -1 after (the padding
+    SparseFlashAttention and the reference skip). Rows in `short_rows` keep one index
+    fewer, so -1 padding also appears inside a real row."""
+    out = torch.full((len(lengths), topk), -1, dtype=torch.int32)
+    for t, n in enumerate(lengths):
+        k = min(topk - (t in short_rows), n)
+        out[t, :k] = torch.randperm(n, generator=generator)[:k].to(torch.int32)
+    return out
+
+
 def op_cases() -> dict[str, tuple[Callable[..., Any], tuple]]:
     """One small call per cp:: op: bf16 activations, fp32 LSEs, the example models' head layouts."""
     bf = torch.bfloat16
-    T, B, NB, BS, nb = 6, 2, 8, 4, 4
+    # nb = 3 blocks per request (2 are read: 5 and 7 keys at BS 4), 6 distinct of the
+    # NB - 1 = 7 pages that are not the scratch block.
+    T, B, NB, BS, nb = 6, 2, 8, 4, 3
     Hq, Hkv, D = 8, 2, 64
     H, L, R = 8, 64, 16
+    gen = torch.Generator().manual_seed(INPUT_SEED)
     qsl = torch.tensor([0, 2, 5], dtype=torch.int32)
     seq = torch.tensor([5, 7], dtype=torch.int32)
-    slots = torch.tensor([3, 4, 9, 10, 11, -1])
-    table = torch.zeros(B, nb, dtype=torch.int32)
-    kv_lens = torch.tensor([4, 5, 5, 6, 7, 0], dtype=torch.int32)
+    table = shuffled_block_table(B, nb, NB - 1, gen)
+    positions = token_positions(qsl, seq, T)  # req 0 at 3, 4; req 1 at 4, 5, 6; token 5 padding
+    slots = slots_of(table, positions, BS)  # where the attention then reads each new token
+    kv_lens = torch.tensor([p + 1 if r >= 0 else 0 for r, p in positions], dtype=torch.int32)  # causal
+    # Top-k positions within each token's causal length ([4, 5, 5, 6, 7, 0]); the DSA-CP
+    # rows attention's 3 rows (rank 1's rows 3..5: tokens 3, 4 and the padding token 5)
+    # take those tokens' lengths.
+    topk = distinct_sparse_indices(kv_lens.tolist(), 4, gen, short_rows=(1,))
+    partial_topk = distinct_sparse_indices(kv_lens.tolist(), 4, gen, short_rows=(2,))
+    rows_topk = distinct_sparse_indices(kv_lens[3:].tolist(), 4, gen, short_rows=(0,))
     mine, other = torch.randn(T, 2 * Hq), torch.randn(T, 2 * Hq)  # per-token LSEs of two DCP ranks
     mine[4:] = float("-inf")
     other[5] = float("-inf")
@@ -70,11 +130,11 @@ def op_cases() -> dict[str, tuple[Callable[..., Any], tuple]]:
                                                                                 0.1),
             (torch.randn(T, H, L, dtype=bf), torch.randn(T, H, R, dtype=bf), torch.randn(T, L, dtype=bf),
              torch.randn(T, R, dtype=bf), cache(torch.zeros, NB, BS, L + R, dtype=bf), slots, table, seq, qsl,
-             torch.zeros(T, 4, dtype=torch.int32))),
+             topk)),
         "cp::sparse_mla_partial_attention": (
             lambda qn, qp, c, t, qs, i: cp.sparse_mla_partial_attention(qn, qp, c, t, qs, i, 0.1),
             (torch.randn(T, 2 * H, L, dtype=bf), torch.randn(T, 2 * H, R, dtype=bf),
-             cache(torch.randn, NB, BS, L + R, dtype=bf), table, qsl, torch.zeros(T, 4, dtype=torch.int32))),
+             cache(torch.randn, NB, BS, L + R, dtype=bf), table, qsl, partial_topk)),
         "cp::dcp_sparse_indices": (lambda i: cp.dcp_sparse_indices(i, 2, 1, 1, BS),
                                    (torch.tensor([[0, 5, 2, -1]] * T, dtype=torch.int32),)),
         # DSA-CP: rank 1's 3 rows of the 6 tokens at tp 2 (rows 3..5, the last one padding).
@@ -85,7 +145,7 @@ def op_cases() -> dict[str, tuple[Callable[..., Any], tuple]]:
         "cp::sparse_mla_rows_attention": (
             lambda qn, qp, c, t, sl, qs, i: cp.sparse_mla_rows_attention(qn, qp, c, t, sl, qs, i, 2, 1, 0.1),
             (torch.randn(3, H, L, dtype=bf), torch.randn(3, H, R, dtype=bf),
-             cache(torch.randn, NB, BS, L + R, dtype=bf), table, seq, qsl, torch.zeros(3, 4, dtype=torch.int32))),
+             cache(torch.randn, NB, BS, L + R, dtype=bf), table, seq, qsl, rows_topk)),
         # W8A8 o_proj (ops/quant/ops.py): int8 K-major weight [in, out], two activation groups
         # (the DSA-CP full-weight o_proj at tp 2).
         "cp::w8a8_dynamic_linear": (

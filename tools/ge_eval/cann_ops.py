@@ -76,10 +76,29 @@ def _pages(cache, table_row, n, ctx, what):
 def _lengths(t, B, ctx, what):
     vals = _ints(t)
     if len(vals) == 1 and B > 1:
-        return vals * B  # documented: a single length applies to every batch
+        vals = vals * B  # documented: a single length applies to every batch
     if len(vals) < B:
         raise ctx.fail(f"{what} has {len(vals)} entries for B = {B} (documented: 1 or >= B)")
+    _non_negative(vals[:B], ctx, what)
     return vals[:B]
+
+
+def _non_negative(vals: list[int], ctx: Ctx, what: str) -> None:
+    """A negative length is a wrong graph, not a case to evaluate (torch.arange of it
+    would raise an error that names no op): refused with the op, the batch and the value."""
+    bad = [(b, v) for b, v in enumerate(vals) if v < 0]
+    if bad:
+        raise ctx.fail(f"{what}: negative length {bad[0][1]} at batch {bad[0][0]} (all: {vals}; "
+                       "a length counts tokens)")
+
+
+def _within(vals: list[int], capacity: int, ctx: Ctx, what: str) -> None:
+    """Each length in [0, capacity] (capacity: the keys the block-table row can hold)."""
+    _non_negative(vals, ctx, what)
+    bad = [(b, v) for b, v in enumerate(vals) if v > capacity]
+    if bad:
+        raise ctx.fail(f"{what}: length {bad[0][1]} at batch {bad[0][0]} is past the block table's "
+                       f"{capacity} keys (all: {vals}; documented: the table must hold the sequence)")
 
 
 @op("FusedInferAttentionScore")
@@ -148,6 +167,7 @@ def fused_infer_attention_score(ctx: Ctx, ins, a):
         kvl = _lengths(n["actual_seq_lengths_kv"], B, ctx, "actual_seq_lengths_kv")
         if layout == "TND":
             kvl = [e - s for s, e in zip([0] + kvl[:-1], kvl)]
+        _within(kvl, bt.shape[1] * BS, ctx, "actual_seq_lengths_kv")
         ks = [_pages(key, bt[b], kvl[b], ctx, "key").reshape(kvl[b], Hkv, Hk // Hkv) for b in range(B)]
         vs = [_pages(value, bt[b], kvl[b], ctx, "value").reshape(kvl[b], Hkv, value.shape[2] // Hkv)
               for b in range(B)]
@@ -301,6 +321,7 @@ def lightning_indexer(ctx: Ctx, ins, a):
     klen = _ints(n["actual_seq_lengths_key"])  # documented: per batch under PA_BSND
     if len(klen) != B or bt.shape[0] != B:
         raise ctx.fail(f"{len(klen)} key lengths / block_table {tuple(bt.shape)} for B = {B}")
+    _within(klen, bt.shape[1] * BS, ctx, "actual_seq_lengths_key")
     out = torch.full((T1, 1, k_top), -1, dtype=torch.int32)
     for b in range(B):
         S1, S2 = ends[b] - starts[b], klen[b]
@@ -361,6 +382,7 @@ def sparse_flash_attention(ctx: Ctx, ins, a):
     klen = _ints(n["actual_seq_lengths_kv"])
     if len(klen) != B or bt.shape[0] != B or ends[-1] > T1:
         raise ctx.fail(f"{len(klen)} kv lengths, block_table {tuple(bt.shape)}, prefix sums {ends} for T1 = {T1}")
+    _within(klen, bt.shape[1] * BS, ctx, "actual_seq_lengths_kv")
     K = idx.shape[-1]
     ind = idx.reshape(T1, K).long()
     valid = ind >= 0

@@ -220,7 +220,15 @@ class Evaluator:
                               "(tools/ge_eval): add it from the op's documentation")
         out_dtypes = [PROTO_DTYPE.get(d.dtype) for d in o.output_desc]
         ctx = Ctx(o.name, o.type, _input_names(o), self.findings, self.comm, self.variant, out_dtypes)
-        outs = fn(ctx, ins, a)
+        try:
+            outs = fn(ctx, ins, a)
+        except GEEvalError:
+            raise
+        except Exception as e:  # noqa: BLE001 - any op's crash is a failed graph that names the op
+            # An input the op function did not foresee (a shape, a length) must fail the
+            # graph with the op it reached, not escape as a bare torch error of the evaluator.
+            raise ctx.fail(f"the evaluator's {o.type} raised {type(e).__name__}: {e} (inputs "
+                           f"{[tuple(x.shape) if isinstance(x, torch.Tensor) else x for x in ins]})") from e
         return outs if isinstance(outs, list) else [outs]
 
 
