@@ -4,8 +4,10 @@ The server runs as its own process (`python -m cp_compile.serving.entrypoints.cl
 the console script's `main`), world 1, eager lowering. Checked: concurrent
 streaming requests (completions and chat) batched together, their tokens equal to
 the offline `LLM` on the same directory (greedy and seeded sampling); `/v1/models`
-names the directory; bad requests get HTTP 400 naming the field and the server
-keeps serving; a client that disconnects mid-stream has its KV blocks freed.
+names the directory; bad requests get HTTP 400 naming the field (an unknown model 404
+model_not_found) and the server keeps serving; a client that disconnects mid-stream has
+its KV blocks freed; a request whose client goes (streaming or not) stops within a few
+engine steps.
 """
 
 from __future__ import annotations
