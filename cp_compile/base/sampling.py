@@ -41,24 +41,70 @@ last bit between ranks cannot split the world.
 from __future__ import annotations
 
 import math
+import operator
 from dataclasses import dataclass, field, replace
+from typing import Mapping
 
 import torch
 import torch.distributed as dist
 
+# What torch.Generator.manual_seed takes (vLLM's server bounds `seed` the same way).
+SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1
+
 
 class RequestError(ValueError):
     """A request the engine cannot serve, refused before it joins: `field` names the
-    request field at fault (the server's HTTP 400 carries it)."""
+    request field at fault (the server's HTTP 400 carries it). The message is
+    `field=value: rule` unless `message` gives it whole."""
 
-    def __init__(self, field_name: str, value: object, rule: str) -> None:
+    def __init__(self, field_name: str, value: object, rule: str, message: str | None = None) -> None:
         shown = value if not isinstance(value, (list, tuple)) or len(value) <= 8 else f"[{len(value)} items]"
-        super().__init__(f"{field_name}={shown!r}: {rule}")
+        super().__init__(message if message is not None else f"{field_name}={shown!r}: {rule}")
         self.field = field_name
 
 
 class SamplingError(RequestError):
     """A bad sampling value."""
+
+
+def _is_int(x: object) -> bool:
+    """An integer, and not a bool (True is not a token id, a count or a seed)."""
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def is_list_like(x: object) -> bool:
+    """A list, tuple, array or 1-d tensor of values; not a string or a mapping."""
+    return (not isinstance(x, (str, bytes, Mapping)) and hasattr(x, "__len__") and hasattr(x, "__iter__")
+            and getattr(x, "ndim", 1) == 1)
+
+
+def token_ids(prompt: object, vocab_size: int | None, index: int | None = None) -> list[int]:
+    """One prompt's token ids as plain ints, or RequestError("prompt") naming the prompt
+    (`index`, when there are several), the position and the value. Integer types
+    (`operator.index`: int, numpy / 0-d tensor ints) pass; bool, float and str do not."""
+    where = "" if index is None else f"prompt {index}: "
+    if not is_list_like(prompt):
+        raise RequestError("prompt", prompt, "", f"{where}{prompt!r} is not a list of token ids. Fix: pass one list "
+                           "of token ids (ints) per prompt, e.g. [[1, 2, 3]] for one prompt")
+    if not prompt:
+        raise RequestError("prompt", list(prompt), "", f"{where}the prompt is empty. Fix: give at least one token")
+    out = []
+    for j, t in enumerate(prompt):
+        try:
+            if isinstance(t, bool) or getattr(t, "dtype", None) == torch.bool:
+                raise TypeError
+            v = operator.index(t)
+        except TypeError:
+            raise RequestError("prompt", t, "", f"{where}token {t!r} at position {j} is not an integer token id. "
+                               "Fix: pass token ids (ints), e.g. from this model's tokenizer") from None
+        if vocab_size is not None and not 0 <= v < vocab_size:
+            raise RequestError("prompt", v, "", f"{where}token {v} at position {j} is outside the vocabulary [0, "
+                               f"{vocab_size}). Fix: tokenize with this model's tokenizer")
+        if v < 0:
+            raise RequestError("prompt", v, "", f"{where}token {v} at position {j} is negative. Fix: pass token ids "
+                               ">= 0, e.g. from this model's tokenizer")
+        out.append(v)
+    return out
 
 
 @dataclass
@@ -79,39 +125,54 @@ class SamplingParams:
     logprobs: int | None = None
 
     def __post_init__(self) -> None:
+        self.validate()
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = list(self.stop or [])
-        self.validate()
+        self.stop_token_ids = list(self.stop_token_ids)
 
     def validate(self, vocab_size: int | None = None) -> None:
+        """Every field's type and range (SamplingError naming the field, the value and the
+        fix); `vocab_size` also bounds `stop_token_ids` and `logprobs`."""
         t = self.temperature
         if not isinstance(t, (int, float)) or isinstance(t, bool) or not math.isfinite(t) or t < 0:
-            raise SamplingError("temperature", t, "must be a finite number >= 0 (0 = greedy)")
+            raise SamplingError("temperature", t, "must be a finite number >= 0. Fix: 0 for greedy, e.g. 0.8 to "
+                                "sample")
         p = self.top_p
         if not isinstance(p, (int, float)) or isinstance(p, bool) or not (0 < p <= 1):
-            raise SamplingError("top_p", p, "must be in (0, 1] (1 = off)")
+            raise SamplingError("top_p", p, "must be a number in (0, 1]. Fix: e.g. 0.95, or 1 for off")
         k = self.top_k
-        if not isinstance(k, int) or isinstance(k, bool) or (k < 1 and k not in (0, -1)):
-            raise SamplingError("top_k", k, "must be -1 or 0 (off) or an integer >= 1")
-        if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool)
-                                            or self.max_tokens < 1):
-            raise SamplingError("max_tokens", self.max_tokens, "must be an integer >= 1")
-        if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)):
-            raise SamplingError("seed", self.seed, "must be an integer or None")
-        if not isinstance(self.n, int) or isinstance(self.n, bool) or self.n < 1:
-            raise SamplingError("n", self.n, "must be an integer >= 1 (samples per prompt)")
+        if not _is_int(k) or (k < 1 and k not in (0, -1)):
+            raise SamplingError("top_k", k, "must be -1 or 0 (off) or an integer >= 1. Fix: e.g. 50, or -1 for off")
+        if self.max_tokens is not None and (not _is_int(self.max_tokens) or self.max_tokens < 1):
+            raise SamplingError("max_tokens", self.max_tokens, "must be an integer >= 1 (or None: up to "
+                                "max_model_len). Fix: ask for at least one new token, as an int")
+        if not _is_int(self.n) or self.n < 1:
+            raise SamplingError("n", self.n, "must be an integer >= 1 (samples per prompt). Fix: e.g. 1")
+        seed = self.seed
+        if seed is not None and (not _is_int(seed) or not SEED_MIN <= seed <= SEED_MAX - (self.n - 1)):
+            # sample i of n is seeded seed + i (for_sample): every one must fit torch's 64-bit seed.
+            raise SamplingError("seed", seed, f"must be None or an integer in [{SEED_MIN}, {SEED_MAX}] (n={self.n} "
+                                "samples use seed .. seed + n - 1). Fix: a smaller integer seed, e.g. 0")
         lp = self.logprobs
-        if lp is not None and (not isinstance(lp, int) or isinstance(lp, bool) or lp < 0
-                               or (vocab_size is not None and lp > vocab_size)):
+        if lp is not None and (not _is_int(lp) or lp < 0 or (vocab_size is not None and lp > vocab_size)):
             raise SamplingError("logprobs", lp, "must be None (off) or an integer in [0, vocab_size] (the number of "
-                                "most likely tokens returned beside the sampled one)")
-        if any(not isinstance(s, str) or not s for s in self.stop):
-            raise SamplingError("stop", self.stop, "must be non-empty strings")
+                                "most likely tokens returned beside the sampled one). Fix: e.g. 5")
+        stop = [self.stop] if isinstance(self.stop, str) else self.stop
+        if stop is not None and (not isinstance(stop, (list, tuple))
+                                 or any(not isinstance(s, str) or not s for s in stop)):
+            raise SamplingError("stop", self.stop, "must be a non-empty string or a list of them. Fix: e.g. "
+                                "[\"\\n\"], or leave it out")
+        ids = self.stop_token_ids
+        if not isinstance(ids, (list, tuple)) or any(not _is_int(i) for i in ids):
+            raise SamplingError("stop_token_ids", ids, "must be a list of integer token ids. Fix: e.g. [2], or []")
         if vocab_size is not None:
-            bad = [i for i in self.stop_token_ids if not 0 <= i < vocab_size]
+            bad = [i for i in ids if not 0 <= i < vocab_size]
             if bad:
-                raise SamplingError("stop_token_ids", bad, f"ids must be in [0, {vocab_size})")
+                raise SamplingError("stop_token_ids", bad, f"ids must be in [0, {vocab_size}). Fix: ids of this "
+                                    "model's tokenizer")
+        if not isinstance(self.ignore_eos, bool):
+            raise SamplingError("ignore_eos", self.ignore_eos, "must be true or false. Fix: a bool")
 
     @property
     def greedy(self) -> bool:

@@ -73,11 +73,18 @@ def test_temperature_zero_is_the_greedy_argmax_and_seeds_repeat():
     (dict(top_p=0.0), "top_p"), (dict(top_p=1.5), "top_p"), (dict(top_k=-2), "top_k"),
     (dict(max_tokens=0), "max_tokens"), (dict(max_tokens=-3), "max_tokens"), (dict(seed="x"), "seed"),
     (dict(stop=[""]), "stop"),
+    # Issue 35: wrong types got through (or failed naming nothing) until a step or the server.
+    (dict(stop=5), "stop"), (dict(stop=["a", 5]), "stop"), (dict(seed=2**64), "seed"), (dict(seed=True), "seed"),
+    (dict(seed=2**63 - 1, n=2), "seed"), (dict(stop_token_ids=[1.5]), "stop_token_ids"),
+    (dict(stop_token_ids=5), "stop_token_ids"), (dict(stop_token_ids=[True]), "stop_token_ids"),
+    (dict(ignore_eos="no"), "ignore_eos"), (dict(temperature="0.5"), "temperature"), (dict(top_p=True), "top_p"),
+    (dict(max_tokens=2.0), "max_tokens"), (dict(n=2.0), "n"), (dict(logprobs=True), "logprobs"),
 ])
 def test_bad_sampling_values_refused_naming_the_field(kwargs, field):
     with pytest.raises(SamplingError) as e:
         SamplingParams(**kwargs)
     assert e.value.field == field and str(e.value).startswith(field)
+    assert "Fix:" in str(e.value), e.value  # the message says what to pass instead
     assert isinstance(e.value, RequestError) and isinstance(e.value, ValueError)
 
 

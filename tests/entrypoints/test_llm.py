@@ -110,6 +110,24 @@ def test_bad_requests_refused_before_any_step(llm, prompt, params, field):
     assert llm.driver.steps == steps and not llm.driver.has_work()
 
 
+@pytest.mark.parametrize("prompt,params,match,field", [
+    ([5, True, 9], SamplingParams(max_tokens=2), r"prompt 0: token True at position 1 is not an integer", "prompt"),
+    ([5, 3.7, 9], SamplingParams(max_tokens=2), r"prompt 0: token 3.7 at position 1 is not an integer", "prompt"),
+    ([5, "7", 9], SamplingParams(max_tokens=2), r"prompt 0: token '7' at position 1 is not an integer", "prompt"),
+    ([5, 9], {"temperature": 0}, r"sampling_params\[0\]=\{'temperature': 0\} is not a SamplingParams",
+     "sampling_params"),
+])
+def test_token_ids_and_params_typed_at_the_door(llm, prompt, params, match, field):
+    """Issue 35: a bool token id was served (True as token 1); a float or str one was
+    refused naming neither its position nor the fix; a dict for sampling_params failed
+    with AttributeError. Refused before anything runs, naming prompt, position, value."""
+    steps = llm.driver.steps
+    with pytest.raises(RequestError, match=match) as e:
+        llm.generate([prompt, "the a"], params, use_tqdm=False)
+    assert e.value.field == field and "Fix:" in str(e.value), e.value
+    assert llm.driver.steps == steps and not llm.driver.has_work()
+
+
 GREEDY = SamplingParams(temperature=0, max_tokens=8)
 SAMPLED = SamplingParams(temperature=0.8, top_p=0.95, top_k=20, max_tokens=8, seed=5)  # = torchrun_llm_script's
 

@@ -4,15 +4,19 @@ The server runs as its own process (`python -m cp_compile.serving.entrypoints.cl
 the console script's `main`), world 1, eager lowering. Checked: concurrent
 streaming requests (completions and chat) batched together, their tokens equal to
 the offline `LLM` on the same directory (greedy and seeded sampling); `/v1/models`
-names the directory; bad requests get HTTP 400 naming the field and the server
-keeps serving; a client that disconnects mid-stream has its KV blocks freed.
+names the directory; bad requests get HTTP 400 naming the field (an unknown model 404
+model_not_found) and the server keeps serving; a client that disconnects mid-stream has
+its KV blocks freed; a request whose client goes (streaming or not) stops within a few
+engine steps.
 """
 
 from __future__ import annotations
 
 import concurrent.futures as cf
+import http.client
 import json
 import os
+import socket
 import subprocess
 import sys
 import time
@@ -137,6 +141,11 @@ BAD = [
     (dict(prompt="the a", n=0), "n"),
     (dict(prompt="the a", logprobs=-1), "logprobs"),
     (dict(prompt="the a", logprobs=10_000), "logprobs"),  # more than the vocabulary
+    # Issue 35: these answered 400 with param null ('int' object is not iterable; Overflow when unpacking long long).
+    (dict(prompt="the a", extra_body={"stop": 5}), "stop"),
+    (dict(prompt="the a", extra_body={"seed": 2**64}), "seed"),
+    (dict(prompt="the a", extra_body={"stop_token_ids": [1.5]}), "stop_token_ids"),
+    (dict(prompt=[1, 2.5]), "prompt"),
 ]
 
 
@@ -155,8 +164,7 @@ def test_bad_requests_get_400_naming_the_field_and_the_server_keeps_serving(serv
     c = _client(server)
     steps = _idle_steps(server)
     cases = [(c.completions.create, dict(kw, model=ckpt), f) for kw, f in BAD]
-    cases += [(c.completions.create, dict(prompt="the a", model="gpt-4"), "model"),
-              (c.chat.completions.create, dict(model=ckpt, messages=[{"role": "user", "content": "a"}],
+    cases += [(c.chat.completions.create, dict(model=ckpt, messages=[{"role": "user", "content": "a"}],
                                                top_logprobs=2), "top_logprobs")]
     for create, kw, field in cases:
         with pytest.raises(openai.BadRequestError) as e:
@@ -164,7 +172,15 @@ def test_bad_requests_get_400_naming_the_field_and_the_server_keeps_serving(serv
         assert e.value.status_code == 400
         body = e.value.body if isinstance(e.value.body, dict) else {}
         err = body.get("error", body)
-        assert err["param"] == field and field in err["message"], (kw, err)
+        assert err["param"] == field and field in err["message"] and "Fix:" in err["message"], (kw, err)
+    # An unknown model: 404 model_not_found, as OpenAI and vLLM answer (was 400).
+    with pytest.raises(openai.NotFoundError) as e:
+        c.completions.create(prompt="the a", model="gpt-4")
+    body = e.value.body if isinstance(e.value.body, dict) else {}
+    err = body.get("error", body)
+    assert (e.value.status_code, err["code"], err["type"], err["param"]) == (
+        404, "model_not_found", "invalid_request_error", "model"), err
+    assert "'gpt-4'" in err["message"] and repr(ckpt) in err["message"], err
     assert _idle_steps(server) == steps  # refused before joining the batch
     ok = c.completions.create(model=ckpt, prompt="the a", max_tokens=2, temperature=0)
     assert len(ok.choices[0].text.split()) == 2
@@ -186,6 +202,34 @@ def test_disconnected_stream_frees_its_kv_blocks(server, ckpt):
     assert s["reserved_blocks"] == 0 and s["running"] == 0 and s["free_blocks"] == free_before, s
     ok = _client(server).completions.create(model=ckpt, prompt="the a", max_tokens=2, temperature=0)
     assert ok.choices[0].finish_reason == "length"
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["non_streaming", "streaming"])
+def test_abandoned_request_stops_within_a_few_steps(server, ckpt, stream):
+    """Issue 35: a non-streaming client that gives up was noticed only after 0.25 s with
+    no token event, so never while tokens came faster: its request ran every one of its
+    max_tokens steps. Now a request whose client goes (streaming or not) is aborted
+    within about one engine step of the disconnect."""
+    max_tokens = 58  # "the a" is 2 tokens: 60 = the KV capacity per request
+    steps0 = _idle_steps(server)
+    free0 = _stats(server)["free_blocks"]
+    conn = http.client.HTTPConnection(server.removeprefix("http://"), timeout=60)
+    conn.request("POST", "/v1/completions", body=json.dumps(dict(model=ckpt, prompt="the a", max_tokens=max_tokens,
+                                                                 temperature=0, ignore_eos=True, stream=stream)),
+                 headers={"Content-Type": "application/json"})
+    deadline = time.time() + 60
+    while (s := _stats(server))["steps"] < steps0 + 2 and time.time() < deadline:  # running, a token or two made
+        time.sleep(0.005)
+    conn.sock.shutdown(socket.SHUT_RDWR)  # the client gives up without reading the answer
+    conn.close()
+    at_close = _stats(server)["steps"]
+    end = _idle_steps(server)
+    s = _stats(server)
+    kind = "streaming" if stream else "non-streaming"
+    print(f"\nSERVER abandoned {kind} request ({max_tokens} tokens asked): {end - at_close} steps after the "
+          f"disconnect, {end - steps0} in all")
+    assert s["running"] == 0 and s["reserved_blocks"] == 0 and s["free_blocks"] == free0, s
+    assert end - at_close <= 5, (steps0, at_close, end)  # was: the rest of its 58 steps
 
 
 def test_n_samples_and_logprobs_equal_the_offline_api(server, ckpt, offline):

@@ -200,6 +200,31 @@ def test_front_end_inputs_refused_before_any_step():
     assert engine.steps == 0 and engine.num_graphs == 0
 
 
+@pytest.mark.parametrize("prompts,kw,match", [
+    ([[1, 3.7]], {}, r"prompt 0: token 3.7 at position 1 is not an integer token id"),  # was served as 3
+    ([[2], [1, True]], {}, r"prompt 1: token True at position 1 is not an integer token id"),
+    ([[1, "7"]], {}, r"prompt 0: token '7' at position 1 is not an integer token id"),
+    ([1, 2], {}, r"prompt 0: 1 is not a list of token ids"),  # one flat prompt for a list of prompts
+    ([[1, 2]], dict(max_new_tokens=2.0), r"max_new_tokens=2.0 must be an integer >= 1"),  # 'float' not iterable
+    ([[1, 2]], dict(max_new_tokens=True), r"max_new_tokens=True must be an integer >= 1"),
+    ([[1], [2]], dict(max_new_tokens=[2]), r"max_new_tokens: 1 values for 2 prompts"),  # was IndexError
+    ([[1], [2]], dict(arrivals=[0]), r"arrivals: 1 values for 2 prompts"),  # was IndexError
+    ([[1], [2]], dict(arrivals=[0, 1.5]), r"arrivals\[1\]=1.5 must be an integer step >= 0"),
+    ([[1], [2]], dict(arrivals=[0, -1]), r"arrivals\[1\]=-1 must be an integer step >= 0"),
+    ([[1], [2]], dict(arrivals=3), r"arrivals=3 must be a list"),
+])
+def test_generate_arguments_typed_at_the_door(prompts, kw, match):
+    """Issue 35: token ids are ints (bool, float and str refused naming the prompt, the
+    position and the value); max_new_tokens and arrivals are checked for type, length
+    and values. A refused call takes nothing: no step, no compile, no KV block."""
+    hf = tiny_hf("llama")
+    engine = cp_compile.serving.hf.Engine(hf, cp_compile.CPConfig(block_size=BLOCK), num_blocks=3, lowering="eager")
+    with pytest.raises(ValueError, match=match) as e:
+        engine.generate(prompts, **kw)
+    assert "Fix:" in str(e.value), e.value
+    assert engine.steps == 0 and engine.num_graphs == 0 and engine.alloc.num_free == engine.num_blocks
+
+
 def _full_length_request_runs(engine) -> None:
     """A request of exactly max_model_len tokens needs every block of the cache."""
     out = engine.generate([[1] * (engine.max_model_len - 2)], max_new_tokens=2)

@@ -24,7 +24,7 @@ import torch
 from cp_compile.serving.entrypoints.kv_driver import ProducerSide
 from cp_compile.serving.hf import scheduler as hf_scheduler
 from cp_compile.serving.hf.scheduler import Scheduler, Sequence, StepLoop, StepPlan
-from cp_compile.base.sampling import RequestError, SamplingParams
+from cp_compile.base.sampling import RequestError, SamplingParams, token_ids
 
 
 class Executor(hf_scheduler.Executor, Protocol):
@@ -72,12 +72,11 @@ class Driver(StepLoop):
             raise RequestError("kv_transfer_params", "given", "this instance has no kv_transfer_config. Fix: send "
                                "the request to a kv_consumer instance, or drop kv_transfer_params")
         lim = self.limits
+        if not isinstance(params, SamplingParams):
+            raise RequestError("sampling_params", params, "is not a SamplingParams. Fix: pass "
+                               "cp_compile.SamplingParams(...)")
         params.validate(lim.vocab_size)
-        if not prompt:
-            raise RequestError("prompt", prompt, "is empty; give at least one token")
-        bad = [t for t in prompt if not isinstance(t, int) or not 0 <= t < lim.vocab_size]
-        if bad:
-            raise RequestError("prompt", bad[:4], f"token ids must be integers in [0, {lim.vocab_size})")
+        token_ids(prompt, lim.vocab_size)  # RequestError("prompt") naming the position and the value
         n = len(prompt)
         if n >= lim.max_model_len:
             raise RequestError("prompt", f"{n} tokens", f"longer than max_model_len={lim.max_model_len} - 1 (the "
@@ -98,6 +97,7 @@ class Driver(StepLoop):
     def add(self, prompt: list[int], params: SamplingParams,
             on_token: Callable[[Sequence], str | None] | None = None, kv_transfer_params: Any = None) -> Sequence:
         max_tokens = self.check(prompt, params, kv_transfer_params)
+        prompt = token_ids(prompt, self.limits.vocab_size)  # plain ints (numpy / tensor ints converted)
         eos = frozenset(() if params.ignore_eos else self.limits.eos_token_ids) | frozenset(params.stop_token_ids)
         state = RequestState(params, self.sampler.generator_for(params, self._fallback), on_token)
         if self.kv_side is not None and kv_transfer_params is not None:

@@ -30,7 +30,7 @@ from cp_compile.serving.entrypoints.kv_driver import ProducerSide, make_side, ra
 from cp_compile.serving.kv_transfer import KVTransferConfig
 from cp_compile.serving.hf.scheduler import Sequence
 from cp_compile.runtime.parallel_state import destroy_parallel
-from cp_compile.base.sampling import Logprob, SamplingParams
+from cp_compile.base.sampling import Logprob, RequestError, SamplingParams, is_list_like
 
 
 @dataclass
@@ -153,6 +153,9 @@ class LLM:
                 raise ValueError(f"prompt {prompt[:20]!r}: the model directory has no tokenizer. Fix: pass token "
                                  "ids, or save a tokenizer into the directory")
             return list(self.tokenizer(prompt)["input_ids"])
+        if not is_list_like(prompt):
+            raise RequestError("prompt", prompt, "", f"{prompt!r} is neither text nor a list of token ids. Fix: pass "
+                               "a string or a list of ints")
         return list(prompt)
 
     @property
@@ -184,22 +187,32 @@ class LLM:
         every request is checked before any runs. `kv_transfer_params` (a kv_consumer
         instance): per prompt, the producer's `RequestOutput.kv_transfer_params` (its KV
         is imported, decoding starts after the prompt) or None (prefilled here)."""
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]  # type: ignore[list-item]
+        if not isinstance(prompts, str) and not is_list_like(prompts):
+            raise RequestError("prompts", prompts, "", f"prompts={prompts!r} is not a prompt or a list of them. Fix: "
+                               "a string, a list of token ids, or a list of those")
+        if isinstance(prompts, str) or (len(prompts) and not isinstance(prompts[0], str)
+                                        and not is_list_like(prompts[0])):
+            prompts = [prompts]  # type: ignore[list-item]  # one prompt of token ids (each checked below)
         params = sampling_params if sampling_params is not None else SamplingParams()
         plist = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
         if len(plist) != len(prompts):
             raise ValueError(f"{len(plist)} sampling_params for {len(prompts)} prompts; give one or one per prompt")
+        for i, sp in enumerate(plist):
+            if not isinstance(sp, SamplingParams):
+                raise RequestError("sampling_params", sp, "", f"sampling_params[{i}]={sp!r} is not a SamplingParams. "
+                                   "Fix: pass cp_compile.SamplingParams(...), one or one per prompt")
         kvp = list(kv_transfer_params) if kv_transfer_params is not None else [None] * len(prompts)
         if len(kvp) != len(prompts):
             raise ValueError(f"{len(kvp)} kv_transfer_params for {len(prompts)} prompts; give one (or None) per prompt")
-        encoded = [self.encode(p) for p in prompts]
-        for i, (ids, sp, kp) in enumerate(zip(encoded, plist, kvp)):
+        encoded = []
+        for i, (p, sp, kp) in enumerate(zip(prompts, plist, kvp)):
             try:
+                ids = self.encode(p)
                 self.driver.check(ids, sp, kp)
             except ValueError as e:
                 e.args = (f"prompt {i}: {e}",)
                 raise
+            encoded.append(ids)
         # n samples of a prompt are n requests (sample i seeded seed + i), batched together.
         groups = [[self.submit(ids, sp.for_sample(i), kv_transfer_params=kp) for i in range(sp.n)]
                   for ids, sp, kp in zip(encoded, plist, kvp)]

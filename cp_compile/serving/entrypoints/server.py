@@ -17,9 +17,11 @@ request runs; HTTP handlers check a request (`Driver.check`: reads only fixed
 limits, so it is safe off that thread), then hand it over through a queue, and
 receive its tokens through an asyncio queue. A request joins the running batch at
 the next step. A client that disconnects (a closed stream, or a non-streaming
-request whose connection drops) is aborted: the scheduler frees its KV blocks in
-the next plan. Bad requests get HTTP 400 with OpenAI's error body, `param` naming the
-field; the server keeps serving.
+request whose connection drops) is aborted before the engine's next step: a watcher
+task per request waits on the ASGI `http.disconnect`, and the scheduler frees its KV
+blocks in the next plan. Bad requests get HTTP 400 with OpenAI's error body, `param`
+naming the field, the message its value and the fix; an unknown model gets 404
+(`code` model_not_found, as OpenAI and vLLM answer); the server keeps serving.
 """
 
 # No `from __future__ import annotations`: FastAPI reads the handlers' `Request` annotation at
@@ -38,7 +40,7 @@ from cp_compile.serving.entrypoints import openai_logprobs
 from cp_compile.serving.entrypoints.llm import LLM, TextState
 from cp_compile.serving.hf.scheduler import Sequence
 from cp_compile.serving.kv_transfer import KVTransferError
-from cp_compile.base.sampling import RequestError, SamplingParams
+from cp_compile.base.sampling import RequestError, SamplingParams, token_ids
 
 
 @dataclass
@@ -150,12 +152,25 @@ class EngineLoop:
         self._thread.join(timeout=10)
 
 
+class ModelNotFound(RequestError):
+    """A request for a model this server does not serve: HTTP 404, OpenAI's model_not_found."""
+
+
 def _error(message: str, param: str | None, status: int = 400) -> Any:
     from fastapi.responses import JSONResponse
 
     return JSONResponse(status_code=status, content={"error": {
         "message": message, "type": "BadRequestError" if status == 400 else "InternalServerError",
         "param": param, "code": status}})
+
+
+def _model_not_found(e: ModelNotFound) -> Any:
+    """OpenAI's answer to an unknown model (vLLM's status): 404, type invalid_request_error,
+    code model_not_found."""
+    from fastapi.responses import JSONResponse
+
+    return JSONResponse(status_code=404, content={"error": {
+        "message": str(e), "type": "invalid_request_error", "param": e.field, "code": "model_not_found"}})
 
 
 _SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "max_tokens", "seed", "stop", "stop_token_ids", "ignore_eos",
@@ -167,9 +182,10 @@ def _sampling(body: dict[str, Any], chat: bool) -> SamplingParams:
     if chat:  # chat: `logprobs` is a bool, `top_logprobs` the count
         on, top = body.get("logprobs"), body.get("top_logprobs")
         if on is not None and not isinstance(on, bool):
-            raise RequestError("logprobs", on, "must be true or false in a chat request (top_logprobs: the count)")
+            raise RequestError("logprobs", on, "must be true or false in a chat request (top_logprobs: the count). "
+                               "Fix: \"logprobs\": true, \"top_logprobs\": 5")
         if top is not None and not on:
-            raise RequestError("top_logprobs", top, "needs logprobs: true")
+            raise RequestError("top_logprobs", top, "needs logprobs: true. Fix: add \"logprobs\": true")
         if on:
             kw["logprobs"] = 0 if top is None else top
     elif body.get("logprobs") is not None:
@@ -193,11 +209,12 @@ def build_app(llm: LLM, served_model_name: str) -> Any:
         if chat:
             msgs = body.get("messages")
             if not isinstance(msgs, list) or not msgs or not all(isinstance(m, dict) and "content" in m for m in msgs):
-                raise RequestError("messages", msgs, "must be a non-empty list of {role, content} objects")
+                raise RequestError("messages", msgs, "must be a non-empty list of {role, content} objects. Fix: "
+                                   "[{\"role\": \"user\", \"content\": \"...\"}]")
             tok = llm.tokenizer
             if tok is None:
-                raise RequestError("messages", "...", "the model directory has no tokenizer; use /v1/completions "
-                                   "with token ids")
+                raise RequestError("messages", "...", "the model directory has no tokenizer. Fix: use "
+                                   "/v1/completions with token ids")
             if getattr(tok, "chat_template", None):
                 return list(tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True,
                                                     return_dict=True)["input_ids"])
@@ -207,17 +224,21 @@ def build_app(llm: LLM, served_model_name: str) -> Any:
             prompt = prompt[0]
         if isinstance(prompt, str):
             if llm.tokenizer is None:
-                raise RequestError("prompt", prompt[:20], "the model directory has no tokenizer; send token ids")
+                raise RequestError("prompt", prompt[:20], "the model directory has no tokenizer. Fix: send token "
+                                   "ids")
             return llm.encode(prompt)
-        if isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-            return list(prompt)
+        if isinstance(prompt, list) and not any(isinstance(t, (str, list)) for t in prompt):
+            try:
+                return token_ids(prompt, llm.driver.limits.vocab_size)
+            except RequestError as e:
+                raise RequestError("prompt", prompt, "", f"prompt: {e}") from None
         raise RequestError("prompt", type(prompt).__name__, "must be a string or a list of token ids (one prompt "
-                           "per request)")
+                           "per request). Fix: \"prompt\": \"text\" or \"prompt\": [1, 2, 3]")
 
     def check(body: dict[str, Any], chat: bool) -> tuple[list[int], SamplingParams, dict | None]:
         if body.get("model") not in (served_model_name, None):
-            raise RequestError("model", body.get("model"), f"unknown model; this server serves {served_model_name!r}"
-                               " (GET /v1/models)")
+            raise ModelNotFound("model", body.get("model"), f"the model does not exist here. Fix: use "
+                                f"{served_model_name!r} (this server's one model, GET /v1/models), or leave it out")
         params = _sampling(body, chat)
         ids = prompt_ids(body, chat)
         kv_params = body.get("kv_transfer_params")
@@ -235,6 +256,8 @@ def build_app(llm: LLM, served_model_name: str) -> Any:
             return _error("the body must be a JSON object", "body")
         try:
             ids, params, kv_params = check(body, chat)
+        except ModelNotFound as e:
+            return _model_not_found(e)
         except RequestError as e:
             return _error(str(e), e.field)
         except (TypeError, ValueError) as e:
@@ -272,6 +295,17 @@ def build_app(llm: LLM, served_model_name: str) -> Any:
             for stream in streams:
                 engine.abort(stream)  # frees its KV; no-op when finished
 
+        async def watch_disconnect() -> None:
+            """Abort this request as soon as its client goes (streaming or not): waits on
+            the ASGI `http.disconnect` (the body is read already), so the engine thread
+            gets the abort before its next step, however fast tokens come."""
+            while (await request.receive())["type"] != "http.disconnect":
+                pass
+            abort_all()
+            events.put_nowait(("gone", 0, None))
+
+        watcher = asyncio.create_task(watch_disconnect())
+
         if body.get("stream"):
             async def sse() -> AsyncIterator[str]:
                 sent = [""] * len(streams)  # text sent per sample
@@ -284,6 +318,8 @@ def build_app(llm: LLM, served_model_name: str) -> Any:
                                        None)
                     while left:
                         kind, index, payload = await events.get()
+                        if kind == "gone":
+                            return
                         if kind == "error":
                             yield f"data: {json.dumps({'error': {'message': str(payload)}})}\n\n"
                             break
@@ -300,23 +336,23 @@ def build_app(llm: LLM, served_model_name: str) -> Any:
                         left -= bool(payload)
                     yield "data: [DONE]\n\n"
                 finally:
+                    watcher.cancel()
                     abort_all()  # a closed stream (client gone) frees its KV
             return StreamingResponse(sse(), media_type="text/event-stream")
 
         left = len(streams)
-        while left:
-            try:
-                kind, index, payload = await asyncio.wait_for(events.get(), timeout=0.25)
-            except asyncio.TimeoutError:
-                if await request.is_disconnected():
-                    abort_all()
+        try:
+            while left:
+                kind, index, payload = await events.get()
+                if kind == "gone":  # the watcher aborted it: nobody reads this answer
                     return JSONResponse(status_code=499, content={})
-                continue
-            if kind == "error":
-                abort_all()
-                status = 400 if isinstance(payload, (RequestError, ValueError)) else 500
-                return _error(str(payload), getattr(payload, "field", None), status)
-            left -= bool(payload)
+                if kind == "error":
+                    abort_all()
+                    status = 400 if isinstance(payload, (RequestError, ValueError)) else 500
+                    return _error(str(payload), getattr(payload, "field", None), status)
+                left -= bool(payload)
+        finally:
+            watcher.cancel()
         choices = []
         for st in streams:
             text, reason, lp = st.text.text, finish_reason(st), logprobs(st, 0, len(st.seq.output), 0)

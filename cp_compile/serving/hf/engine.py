@@ -13,7 +13,6 @@ dynamic and never specialised on size 1 (`compile_model`'s one mechanism,
 from __future__ import annotations
 
 import math
-import operator
 from typing import Any, Sequence
 
 import torch
@@ -33,7 +32,7 @@ from cp_compile.runtime.kv_cache import KVCacheSpec, allocate_kv_cache, tp_kv_he
 from cp_compile.compiler.lowering import Lowering
 from cp_compile.runtime.metadata_build import BlockAllocator, build_attention_metadata
 from cp_compile.runtime.parallel_state import ParallelState, parallel_state_or_none
-from cp_compile.base.sampling import SamplingParams
+from cp_compile.base.sampling import SamplingParams, is_list_like, token_ids
 
 def _sizes(cfg: CPConfig) -> tuple[int, int, int]:
     return (cfg.tensor_parallel_size, cfg.decode_context_parallel_size, cfg.prefill_context_parallel_size)
@@ -192,6 +191,48 @@ class Engine:
         """A scheduler sized for this engine's cache."""
         return Scheduler(self.num_blocks, self.config.virtual_block_size, self.max_batch)
 
+    def _check_generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int | Sequence[int],
+                        arrivals: Sequence[int] | None) -> tuple[list[list[int]], list[int], list[int]]:
+        """`generate`'s arguments as plain ints, or ValueError naming the prompt (index,
+        position, value) or the argument, and the fix; before anything is taken."""
+        if not is_list_like(prompts):
+            raise ValueError(f"prompts={prompts!r} is not a list of prompts. Fix: pass a list of token-id lists, "
+                             "e.g. [[1, 2, 3]]")
+        n = len(prompts)
+        vocab = getattr(self.model.config, "vocab_size", None)
+        ids = [token_ids(p, vocab, index=i) for i, p in enumerate(prompts)]  # RequestError is a ValueError
+
+        def per_prompt(name: str, value: object, rule: str) -> list[int]:
+            if not is_list_like(value):
+                raise ValueError(f"{name}={value!r} must be a list with one value per prompt ({n}) or {rule}. Fix: "
+                                 f"pass {n} values")
+            if len(value) != n:
+                raise ValueError(f"{name}: {len(value)} values for {n} prompts. Fix: give one per prompt ({n})")
+            return list(value)
+
+        if isinstance(max_new_tokens, (int, float, bool)) or max_new_tokens is None:
+            max_new: list = [max_new_tokens] * n
+        else:
+            max_new = per_prompt("max_new_tokens", max_new_tokens, "one int for all")
+        for i, m in enumerate(max_new):
+            if isinstance(m, bool) or not isinstance(m, int) or m < 1:
+                # HF generate refuses 0 too; one token would come back otherwise (issue 19).
+                raise ValueError(f"prompt {i}: max_new_tokens={m!r} must be an integer >= 1. Fix: ask for at least "
+                                 "one new token, as an int")
+        if arrivals is None:
+            arr = [0] * n
+        else:
+            arr = per_prompt("arrivals", arrivals, "None (all join at step 0)")
+            for i, a in enumerate(arr):
+                if isinstance(a, bool) or not isinstance(a, int) or a < 0:
+                    raise ValueError(f"arrivals[{i}]={a!r} must be an integer step >= 0 (the step before which "
+                                     f"prompt {i} may not join). Fix: e.g. 0")
+        for i, (p, m) in enumerate(zip(ids, max_new)):
+            if len(p) + m > self.max_model_len:
+                raise ValueError(f"prompt {i}: {len(p)} tokens + max_new_tokens={m} > max_model_len="
+                                 f"{self.max_model_len}. Fix: more num_blocks, a larger dcp, or fewer tokens")
+        return ids, max_new, arr
+
     def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int | Sequence[int] = 32,
                  arrivals: Sequence[int] | None = None) -> list[list[int]]:
         """Greedy-decode each prompt (every rank calls this with the same arguments);
@@ -202,31 +243,8 @@ class Engine:
         (max_new_tokens or EOS). `arrivals[i]`: the step before which prompt i may not
         join (to exercise joins mid-run); default all at step 0. For sampling, text
         and ranks started for you, use `cp_compile.LLM`."""
+        prompts, max_new, arrivals = self._check_generate(prompts, max_new_tokens, arrivals)
         n = len(prompts)
-        max_new = [max_new_tokens] * n if isinstance(max_new_tokens, int) else list(max_new_tokens)
-        arrivals = list(arrivals) if arrivals is not None else [0] * n
-        vocab = getattr(self.model.config, "vocab_size", None)
-        for i, p in enumerate(prompts):
-            if not p:
-                raise ValueError(f"prompt {i} is empty; give at least one token")
-            if isinstance(max_new[i], bool) or not isinstance(max_new[i], int) or max_new[i] < 1:
-                # HF generate refuses it too; one token would come back otherwise (issue 19).
-                raise ValueError(f"prompt {i}: max_new_tokens={max_new[i]!r} must be an integer >= 1. Fix: ask "
-                                 "for at least one new token")
-            for j, t in enumerate(p):
-                try:
-                    operator.index(t)  # ints, numpy / 0-d tensor ints; not "7" or 7.0 (int() takes both)
-                except TypeError:
-                    raise ValueError(f"prompt {i}: token {t!r} at position {j} is not an integer token id. Fix: "
-                                     "pass token ids (ints), e.g. from this model's tokenizer") from None
-            bad = [(j, t) for j, t in enumerate(p) if not 0 <= int(t) < (vocab or int(t) + 1)]
-            if bad:
-                j, t = bad[0]
-                raise ValueError(f"prompt {i}: token {t} at position {j} is outside the vocabulary "
-                                 f"[0, {vocab}). Fix: tokenize with this model's tokenizer")
-            if len(p) + max_new[i] > self.max_model_len:
-                raise ValueError(f"prompt {i}: {len(p)} tokens + max_new_tokens={max_new[i]} > max_model_len="
-                                 f"{self.max_model_len}. Fix: more num_blocks, a larger dcp, or fewer tokens")
         # The one step loop (scheduler.StepLoop, as under LLM and the server) with this
         # engine as its in-process executor; greedy: the sampler's argmax of each row.
         loop = StepLoop(self, self.scheduler())
