@@ -146,11 +146,15 @@ def test_capture_records_the_launchers_constexprs() -> None:
     q = torch.empty(3, 8, 128, dtype=torch.bfloat16)
     cache = torch.empty(2, 16, 1, 128, dtype=torch.bfloat16)
     bt = torch.zeros(1, 2, dtype=torch.int32)
+    args = (q, cache, cache, bt, torch.tensor([0, 3]), torch.ones(3, dtype=torch.int32), 0.1)
     with capture_launches() as launches:
-        out, lse = paged_attention_with_lse_triton(q, cache, cache, bt, torch.tensor([0, 3]),
-                                                   torch.ones(3, dtype=torch.int32), 0.1)
+        out, lse = paged_attention_with_lse_triton(*args, num_splits=1)  # the NPU's launch
     assert out.shape == (3, 8, 128) and lse.dtype == torch.float32
     (launch,) = launches
     assert launch.kernel.fn.__name__ == "_paged_attention_lse_kernel"
     assert len(launch.grid) == 1 and launch.grid[0] <= CPU_MAX_PROGRAMS
     assert launch.kwargs == dict(BLOCK_H=8, BLOCK_N=8, D_PAD=128, DV_PAD=128, USE_DOT=False)
+    # Split-KV (the default off the NPU): the split kernel, then the split merge.
+    with capture_launches() as launches:
+        paged_attention_with_lse_triton(*args, num_splits=2)
+    assert [lc.kernel.fn.__name__ for lc in launches] == ["_paged_attention_lse_kernel", "_split_merge_kernel"]
