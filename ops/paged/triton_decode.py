@@ -1,8 +1,11 @@
 """Paged attention over a prefix of each request's keys, returning (out, lse).
 
 Flash-decode style: one work item is (token, kv head, block of query heads of that
-kv head's group); it streams the request's pages in BLOCK_N-key tiles with an online
-softmax in fp32. The LSE output is what the DCP merge needs (docs/architecture.md §5).
+kv head's group, KV split); it streams its split of the request's pages in BLOCK_N-key
+tiles with an online softmax in fp32. With more than one split (CUDA, the interpreter)
+each split writes an fp32 partial and `_split_merge_kernel` merges them by LSE; the NPU
+launches one split on its persistent grid (docs/decisions.md 54, docs/kernels.md
+"Split-KV decode"). The LSE output is what the DCP merge needs (docs/architecture.md §5).
 Torch oracle: `cp_compile.ops.paged.reference.paged_attention_with_lse`.
 """
 
@@ -20,10 +23,10 @@ from cp_compile.ops.core.triton_common import (
     LoweringDeclaration,
     grid_size,
     kernel_for,
-    max_programs,
     next_pow2,
     prev_pow2,
     require_int32_offsets,
+    target_of,
 )
 from cp_compile.ops.core.layout import request_index
 
@@ -124,26 +127,30 @@ def _paged_attention_lse_kernel(
 @triton.jit
 def _split_merge_kernel(
     po_ptr, pl_ptr, out_ptr, lse_ptr,
-    n_splits, n_rows, H, Dv,
+    n_splits, n_rows, H, Dv, n_dblk,
     s_ps, s_pt, s_ph, s_pd,
     s_qs, s_qt, s_qh,
     s_ot, s_oh, s_od,
     s_lt, s_lh,
-    BLOCK_R: tl.constexpr, DV_PAD: tl.constexpr,
+    BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     """Second stage of the split decode: the LSE merge of ops/merge's kernel
     (out = sum_s out_s exp(lse_s - LSE), LSE = logsumexp_s lse_s) over the KV splits of
     each (token, head) row, written in the output dtype. An empty split (lse -inf) weighs
     0 and its out is not read into the sum; an all-empty row is out 0, lse -inf; a NaN /
     +inf partial makes its row NaN (decision 47). ops/paged may not import ops/merge
-    (independent families, pyproject's layers), hence the math is restated here."""
+    (independent families, pyproject's layers), hence the math is restated here. Work
+    items are (row block, BLOCK_D columns of Dv): a decode batch has few rows, and the
+    columns are what spreads its partials over the cores (each item re-reads its rows'
+    LSEs, S x 4 bytes a row, against S x BLOCK_D x 4 of partial outputs)."""
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
     offs_r = tl.arange(0, BLOCK_R)
-    offs_d = tl.arange(0, DV_PAD)
-    d_mask = offs_d < Dv
-    n_blocks = (n_rows + BLOCK_R - 1) // BLOCK_R
-    for rb in range(pid, n_blocks, nprog):
+    n_blocks = (n_rows + BLOCK_R - 1) // BLOCK_R * n_dblk
+    for wi in range(pid, n_blocks, nprog):
+        rb = wi // n_dblk
+        offs_d = (wi % n_dblk) * BLOCK_D + tl.arange(0, BLOCK_D)  # this item's Dv columns
+        d_mask = offs_d < Dv
         r = rb * BLOCK_R + offs_r  # flattened (token, head) rows [BLOCK_R]
         r_mask = r < n_rows
         t = r // H
@@ -161,7 +168,7 @@ def _split_merge_kernel(
         m_safe = tl.where(tl.abs(m) < float("inf"), m, 0.0)  # all empty: exp(-inf - 0) = 0
         # Pass 2: weighted sum of the partial outputs.
         denom = tl.zeros([BLOCK_R], dtype=tl.float32)
-        num = tl.zeros([BLOCK_R, DV_PAD], dtype=tl.float32)
+        num = tl.zeros([BLOCK_R, BLOCK_D], dtype=tl.float32)
         l_off = t * s_qt + h * s_qh
         o_off = t * s_pt + h * s_ph
         for sp in range(0, n_splits):
@@ -180,7 +187,8 @@ def _split_merge_kernel(
         lse = tl.where(bad, float("nan"), lse)
         tl.store(out_ptr + t[:, None] * s_ot + h[:, None] * s_oh + offs_d[None, :] * s_od,
                  res.to(out_ptr.dtype.element_ty), mask=tile_mask)
-        tl.store(lse_ptr + t * s_lt + h * s_lh, lse, mask=r_mask)
+        first_cols = (offs_r * 0 + wi % n_dblk) == 0  # [BLOCK_R]: the row's LSE is stored once
+        tl.store(lse_ptr + t * s_lt + h * s_lh, lse, mask=r_mask & first_cols)
 
 
 def paged_attention_with_lse_triton(
@@ -230,14 +238,18 @@ def paged_attention_with_lse_triton(
         raise ValueError(f"Hq={Hq} is not a multiple of Hkv={Hkv}")
     group = Hq // Hkv
     device = q.device
-    if use_dot is None:
-        use_dot = device.type == "cuda"
 
     out = torch.empty(T, Hq, Dv, dtype=q.dtype, device=device)
     lse = torch.empty(T, Hq, dtype=torch.float32, device=device)
     if T == 0:
         return out, lse
     require_int32_offsets(q=q, k_cache=k_cache, v_cache=v_cache, block_table=block_table, out=out)
+
+    # Sized for the tensors' device, or the one a plan targets (tools/device_check --plan).
+    target = target_of(device)[0]
+    if use_dot is None:
+        use_dot = target == "cuda"
+    cores = target_of(device, uses_cube=use_dot)[1]
 
     d_pad, dv_pad = next_pow2(D), next_pow2(Dv)
     if use_dot:
@@ -251,10 +263,10 @@ def paged_attention_with_lse_triton(
     # Keys a request can have: the block table's static width, never a kv_lens value.
     max_keys = block_table.shape[1] * BS
     if num_splits is None:
-        if device.type == "npu":
+        if target == "npu":
             num_splits, split_len = 1, max_keys
         else:
-            num_splits, split_len = kv_splits(n_items, max_keys, max_programs(device, uses_cube=use_dot))
+            num_splits, split_len = kv_splits(n_items, max_keys, cores)
     elif num_splits >= 1:
         split_len = triton.cdiv(max_keys, num_splits)  # tests: any length, mid-tile, mid-page
     else:
@@ -269,9 +281,11 @@ def paged_attention_with_lse_triton(
     kv_lens = kv_lens.to(device=device, dtype=torch.int32).contiguous()
     block_table = block_table.to(torch.int32).contiguous()  # kernel assumes unit column stride
     n_work = n_items * num_splits
-    if num_programs is None and device.type == "cuda":
-        num_programs = n_work  # one program per item: the hardware schedules the waves
-    grid = (grid_size(n_work, device, num_programs, uses_cube=use_dot),)
+    if num_programs is None:
+        # CUDA: one program per item, the hardware schedules the waves; NPU / CPU: a
+        # persistent grid of one program per core.
+        num_programs = n_work if target == "cuda" else cores
+    grid = (grid_size(n_work, device, num_programs),)
     if num_splits == 1:
         part_out, part_lse = out, lse  # written directly, no merge
         s_po, s_pl = 0, 0
@@ -294,13 +308,18 @@ def paged_attention_with_lse_triton(
     )
     if num_splits > 1:
         n_rows = T * Hq
-        block_r = max(1, min(64, prev_pow2(_MERGE_TILE_BUDGET // dv_pad), next_pow2(n_rows)))
-        merge_grid = (grid_size(triton.cdiv(n_rows, block_r), device),)
+        block_d = min(dv_pad, _MERGE_BLOCK_D)
+        n_dblk = triton.cdiv(Dv, block_d)
+        # Largest row block (<= 16) that still gives every core an item.
+        block_r = min(16, next_pow2(n_rows))
+        while block_r > 1 and triton.cdiv(n_rows, block_r) * n_dblk < cores:
+            block_r //= 2
+        merge_grid = (grid_size(triton.cdiv(n_rows, block_r) * n_dblk, device, cores),)
         kernel_for(_split_merge_kernel, device)[merge_grid](
             part_out, part_lse, out, lse,
-            num_splits, n_rows, Hq, Dv,
+            num_splits, n_rows, Hq, Dv, n_dblk,
             *part_out.stride(), *part_lse.stride(), *out.stride(), *lse.stride(),
-            BLOCK_R=block_r, DV_PAD=dv_pad,
+            BLOCK_R=block_r, BLOCK_D=block_d,
         )
     return out, lse
 
@@ -323,8 +342,8 @@ def _tiles(group: int, d_max: int, block_h: int | None, block_n: int | None) -> 
 # leaves the SMs idle while the last programs of a wave finish; two keep them busy
 # through the tail (docs/decisions.md 54).
 _SPLIT_WAVES = 2
-# Row blocks of the split merge: rows x padded Dv per tile (4096 spilled at Dv 128 on sm_90a).
-_MERGE_TILE_BUDGET = 2048
+# Dv columns of one split-merge work item (its tile: <= 16 rows x 64 columns).
+_MERGE_BLOCK_D = 64
 # Split lengths are multiples of this many keys: tl.dot's smallest K tile, so a split of
 # a full table never ends in a tile of a few keys.
 _SPLIT_ALIGN = 16

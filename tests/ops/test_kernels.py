@@ -353,6 +353,15 @@ def test_split_kv_gqa_groups_mixed_lengths(group: int, use_dot: bool) -> None:
 
 
 @interp
+def test_split_kv_merge_column_blocks() -> None:
+    """D = Dv = 80: the split merge's items are (rows, 64 columns), so a row's output is
+    written by two items (the second masked past column 80) and its LSE by the first."""
+    gen = torch.Generator().manual_seed(16)
+    args = split_case(gen, seq_lens=[19, 30], group=2, D=80, width=8)
+    check_split("Dv 80", args, num_splits=3)
+
+
+@interp
 def test_split_kv_bf16() -> None:
     """bf16 q / cache, fp32 partials, bf16 out (broadcast product: the interpreter's tl.dot
     misreads bf16 operands), 2e-2 against the fp32 reference on the same values."""
