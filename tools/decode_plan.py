@@ -46,14 +46,15 @@ def _schedule(costs: list[float], sms: int) -> float:
 
 def _attention_program_bytes(launch: Any, ctx: int, B: int, D: int, Dv: int) -> list[float]:
     """Bytes each program of a `_paged_attention_lse_kernel` launch reads: per work item,
-    the K and V rows of its split's keys (every request at full context) plus its query
-    tile; a persistent program sums the items it strides over."""
+    the K and V rows of its split's keys (every request at full context; MLA: the latent +
+    rope row once) plus its query tile; a persistent program sums the items it strides over."""
     a = launch.args
     n_work, n_splits, split_len = a[9], a[13], a[14]
     block_h = launch.kwargs["BLOCK_H"]
     grid = launch.grid[0]
     per_split = [max(0, min(split_len, ctx - s * split_len)) for s in range(n_splits)]
-    item = [keys * (D + Dv) * BYTES + block_h * D * BYTES for keys in per_split]
+    row = D if launch.kwargs["DR_PAD"] else D + Dv  # MLA (DR_PAD > 0) reads the latent row once, as K and V
+    item = [keys * row * BYTES + block_h * D * BYTES for keys in per_split]
     costs = [0.0] * grid
     for w in range(n_work):
         costs[w % grid] += item[w % n_splits]

@@ -39,7 +39,7 @@ _TILE_BUDGET = 8192
 def _paged_attention_lse_kernel(
     q_ptr, k_ptr, v_ptr, bt_ptr, req_ptr, kvlen_ptr, out_ptr, lse_ptr,
     scale,
-    n_work, Hkv, group, n_hblk, n_splits, split_len, block_size, D, Dv,
+    n_work, Hkv, group, n_hblk, n_splits, split_len, block_size, D, Dv, D1,
     s_qt, s_qh, s_qd,
     s_kb, s_ks, s_kh, s_kd,
     s_vb, s_vs, s_vh, s_vd,
@@ -47,15 +47,19 @@ def _paged_attention_lse_kernel(
     s_os, s_ot, s_oh, s_od,
     s_ls, s_lt, s_lh,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
-    D_PAD: tl.constexpr, DV_PAD: tl.constexpr, USE_DOT: tl.constexpr,
+    D_PAD: tl.constexpr, DV_PAD: tl.constexpr, DR_PAD: tl.constexpr, USE_DOT: tl.constexpr,
 ):
+    # DR_PAD = 0: a key row is one block of D columns (D_PAD), V a row of its own.
+    # DR_PAD > 0 (MLA): the key row is D1 = Dv latent columns, which are also the value
+    # row (read once), then D - D1 rope columns (DR_PAD): two products, 512 + 64, no pad
+    # of 576 to 1024.
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
     offs_h = tl.arange(0, BLOCK_H)  # query heads inside the group block
     offs_n = tl.arange(0, BLOCK_N)  # keys inside the tile
     offs_d = tl.arange(0, D_PAD)
     offs_dv = tl.arange(0, DV_PAD)
-    d_mask = offs_d < D
+    d_mask = offs_d < D1
     dv_mask = offs_dv < Dv
 
     # Persistent loop over the (token, kv head, head block, KV split) work items; the
@@ -84,6 +88,13 @@ def _paged_attention_lse_kernel(
                     mask=h_mask[:, None] & d_mask[None, :], other=0.0)  # [BLOCK_H, D_PAD]
         if not USE_DOT:
             q = q.to(tl.float32) * scale  # scale folded once instead of per tile
+        if DR_PAD > 0:
+            offs_r = D1 + tl.arange(0, DR_PAD)  # rope columns
+            r_mask = offs_r < D
+            q_pe = tl.load(q_ptr + t * s_qt + h[:, None] * s_qh + offs_r[None, :] * s_qd,
+                           mask=h_mask[:, None] & r_mask[None, :], other=0.0)  # [BLOCK_H, DR_PAD]
+            if not USE_DOT:
+                q_pe = q_pe.to(tl.float32) * scale
 
         m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)  # running max
         l_i = tl.zeros([BLOCK_H], dtype=tl.float32)  # running sum of exp
@@ -96,17 +107,27 @@ def _paged_attention_lse_kernel(
             v_row = page * s_vb + in_page * s_vs + g * s_vh
             k = tl.load(k_ptr + k_row[:, None] + offs_d[None, :] * s_kd,
                         mask=j_mask[:, None] & d_mask[None, :], other=0.0)  # [BLOCK_N, D_PAD]
-            v = tl.load(v_ptr + v_row[:, None] + offs_dv[None, :] * s_vd,
-                        mask=j_mask[:, None] & dv_mask[None, :], other=0.0)  # [BLOCK_N, DV_PAD]
+            if DR_PAD > 0:
+                k_pe = tl.load(k_ptr + k_row[:, None] + offs_r[None, :] * s_kd,
+                               mask=j_mask[:, None] & r_mask[None, :], other=0.0)  # [BLOCK_N, DR_PAD]
+                v = k  # MLA: the latent columns are the values (D_PAD == DV_PAD)
+            else:
+                v = tl.load(v_ptr + v_row[:, None] + offs_dv[None, :] * s_vd,
+                            mask=j_mask[:, None] & dv_mask[None, :], other=0.0)  # [BLOCK_N, DV_PAD]
             if USE_DOT:
                 # Cube / tensor-core path: the whole (padded) head group as the M side
                 # of one product, operands in their own dtype, fp32 accumulation (needs
                 # BLOCK_H, BLOCK_N and the padded head dims >= 16).
-                s = tl.dot(q, tl.trans(k)) * scale  # [BLOCK_H, BLOCK_N]
+                s = tl.dot(q, tl.trans(k))  # [BLOCK_H, BLOCK_N]
+                if DR_PAD > 0:
+                    s += tl.dot(q_pe, tl.trans(k_pe))
+                s = s * scale
             else:
                 # Broadcast-multiply-reduce in fp32: valid for any tile size (GQA
                 # groups are small) and runs everywhere, including the interpreter.
                 s = tl.sum(q[:, None, :] * k.to(tl.float32)[None, :, :], axis=2)
+                if DR_PAD > 0:
+                    s += tl.sum(q_pe[:, None, :] * k_pe.to(tl.float32)[None, :, :], axis=2)
             s = tl.where(j_mask[None, :], s, float("-inf"))
             # The tile holds >= 1 valid key (start < hi), so the new max is finite.
             p, alpha, m_i, l_i = online_softmax_step(s, m_i, l_i)
@@ -251,12 +272,19 @@ def paged_attention_with_lse_triton(
         use_dot = target == "cuda"
     cores = target_of(device, uses_cube=use_dot)[1]
 
-    d_pad, dv_pad = next_pow2(D), next_pow2(Dv)
+    # MLA: v_cache is k_cache's first Dv columns (same storage, same strides; metadata,
+    # not values): the key row splits into latent (= value) and rope columns.
+    same_rows = all(sv == sk for n, sv, sk in zip(k_cache.shape, v_cache.stride(), k_cache.stride()) if n > 1)
+    mla = Dv < D and v_cache.data_ptr() == k_cache.data_ptr() and same_rows  # (a size-1 dim's stride is moot)
+    d1 = Dv if mla else D  # key columns of the first product
+    d_pad, dv_pad = next_pow2(d1), next_pow2(Dv)
+    dr_pad = next_pow2(D - Dv) if mla else 0
+    d_max = max(d_pad, dv_pad) + dr_pad  # columns a key row's tiles hold
     if use_dot:
-        dot_h, dot_n = _dot_tiles(group, max(d_pad, dv_pad))
-        block_h, block_n = _tiles(group, max(d_pad, dv_pad), block_h or dot_h, block_n or dot_n)
+        dot_h, dot_n = _dot_tiles(group, d_max)
+        block_h, block_n = _tiles(group, d_max, block_h or dot_h, block_n or dot_n)
     else:
-        block_h, block_n = _tiles(group, max(d_pad, dv_pad), block_h, block_n)
+        block_h, block_n = _tiles(group, d_max, block_h, block_n)
     n_hblk = triton.cdiv(group, block_h)
     n_items = T * Hkv * n_hblk
 
@@ -297,14 +325,14 @@ def paged_attention_with_lse_triton(
     kernel_for(_paged_attention_lse_kernel, device)[grid](
         q, k_cache, v_cache, block_table, req, kv_lens, part_out, part_lse,
         float(scale),
-        n_work, Hkv, group, n_hblk, num_splits, split_len, BS, D, Dv,
+        n_work, Hkv, group, n_hblk, num_splits, split_len, BS, D, Dv, d1,
         *q.stride(),
         *k_cache.stride(),
         *v_cache.stride(),
         block_table.stride(0),
         s_po, *part_out.stride()[-3:],
         s_pl, *part_lse.stride()[-2:],
-        BLOCK_H=block_h, BLOCK_N=block_n, D_PAD=d_pad, DV_PAD=dv_pad, USE_DOT=use_dot,
+        BLOCK_H=block_h, BLOCK_N=block_n, D_PAD=d_pad, DV_PAD=dv_pad, DR_PAD=dr_pad, USE_DOT=use_dot,
     )
     if num_splits > 1:
         n_rows = T * Hq

@@ -362,6 +362,42 @@ def test_split_kv_merge_column_blocks() -> None:
 
 
 @interp
+@pytest.mark.parametrize("dtype,use_dot", [(torch.float32, False), (torch.float32, True), (torch.float16, True)])
+def test_split_kv_mla_latent_and_rope_products(dtype: torch.dtype, use_dot: bool) -> None:
+    """MLA decode (16 heads, latent 40 + rope 12: neither a power of two) split over the KV:
+    the key row is two products (latent 64-padded, rope 16-padded, never 52 -> 64 as one),
+    the latent tile is also V (read once); three requests, one empty, NaN past each."""
+    from cp_compile.ops.core.triton_common import capture_launches
+
+    gen = torch.Generator().manual_seed(17)
+    H, L, R, BS = 16, 40, 12, 4
+    seq_lens, width = [23, 0, 9], 8
+    B = len(seq_lens)
+    NB = B * width + 1
+    pages = torch.randperm(NB, generator=gen)[: B * width].view(B, width).to(torch.int32)
+    cache = torch.full((NB, BS, L + R), NAN)
+    for b, n in enumerate(seq_lens):
+        for j in range(n):
+            cache[int(pages[b, j // BS]), j % BS] = torch.randn(L + R, generator=gen)
+    q = torch.randn(B, H, L + R, generator=gen)
+    c = cache.to(dtype)  # one tensor: the latent view shares its storage
+    args = (q.to(dtype), c.unsqueeze(2), c[..., :L].unsqueeze(2), pages,
+            torch.arange(B + 1, dtype=torch.int32), torch.tensor(seq_lens, dtype=torch.int32), 0.15)
+    kw = dict(num_splits=3, use_dot=use_dot, block_n=16 if use_dot else 8)
+    with capture_launches() as launches:
+        paged_attention_with_lse_triton(*args, **kw)
+    assert {k: launches[0].kwargs[k] for k in ("D_PAD", "DV_PAD", "DR_PAD")} == dict(D_PAD=64, DV_PAD=64, DR_PAD=16)
+    out, lse = paged_attention_with_lse_triton(*args, **kw)
+    ref_out, ref_lse = paged_reference.paged_attention_with_lse(
+        q.to(dtype).float(), c.float().unsqueeze(2), c.float()[..., :L].unsqueeze(2),
+        *args[3:])
+    tol = 1e-5 if dtype == torch.float32 else 5e-3
+    assert not bool(torch.isnan(out).any())
+    assert_close_report("mla split out", out.float(), ref_out, atol=tol, rtol=tol)
+    assert_close_report("mla split lse", lse, ref_lse, atol=tol, rtol=tol)
+
+
+@interp
 def test_split_kv_bf16() -> None:
     """bf16 q / cache, fp32 partials, bf16 out (broadcast product: the interpreter's tl.dot
     misreads bf16 operands), 2e-2 against the fp32 reference on the same values."""
