@@ -3,6 +3,8 @@
     .venv/bin/python tools/device_check.py --out device_check/       # on a CUDA machine
     .venv/bin/python tools/device_check.py --dry-run                 # anywhere (CI): every step printed,
                                                                      # every kernel AOT-compiled for sm_80 / sm_90a
+    .venv/bin/python -m tools.device_check --plan --json plan.json   # anywhere: the decode launches at production
+                                                                     # shapes, predicted (not measured) bandwidth
 
 Steps (each writes its rows into one JSON, `<out>/device_check.json`, and a
 markdown table, `<out>/device_check.md`; a failing step is recorded and the next
@@ -269,7 +271,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dry-run", action="store_true", help="no GPU: print every step, AOT-compile every kernel")
     p.add_argument("--out", type=Path, default=REPO / "device_check")
     p.add_argument("--only", action="append", help="run only these steps")
+    p.add_argument("--plan", action="store_true",
+                   help="no GPU: the decode kernels' launches at production shapes for an H200 and a predicted "
+                        "fraction of 4.8 TB/s (tools/decode_plan.py, docs/kernels.md); nothing runs")
+    p.add_argument("--json", type=Path, help="with --plan: write the plan rows here")
     a = p.parse_args(argv)
+    if a.plan:
+        from tools import decode_plan
+
+        return decode_plan.main(["--markdown"] + (["--json", str(a.json)] if a.json else []))
     import torch
 
     if not a.dry_run and not torch.cuda.is_available():

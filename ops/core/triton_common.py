@@ -138,6 +138,35 @@ def capture_launches() -> Iterator[list[Launch]]:
         _CAPTURE = previous
 
 
+# (device type, cores) a launcher plans for instead of its tensors' device: set only by
+# `planning_for`, inside `capture_launches` (tools/device_check.py --plan).
+_TARGET: tuple[str, int] | None = None
+
+
+@contextlib.contextmanager
+def planning_for(device_type: str, cores: int) -> Iterator[None]:
+    """Within the block (and inside `capture_launches`), launchers that ask `target_of`
+    size their launches for `device_type` with `cores` cores rather than for their CPU
+    tensors: the plan of a device's launches, captured from the real launchers on a
+    machine without that device."""
+    global _TARGET
+    if _CAPTURE is None:
+        raise RuntimeError("planning_for() only inside capture_launches(): planned launches must not run")
+    previous, _TARGET = _TARGET, (device_type, int(cores))
+    try:
+        yield
+    finally:
+        _TARGET = previous
+
+
+def target_of(device: torch.device, *, uses_cube: bool = False) -> tuple[str, int]:
+    """(device type, core count) a launch on `device` is sized for: the device's own, or
+    the one `planning_for` set."""
+    if _TARGET is not None:
+        return _TARGET
+    return device.type, max_programs(device, uses_cube=uses_cube)
+
+
 class _Recorder:
     def __init__(self, kernel: Any, sink: list[Launch]) -> None:
         self.kernel, self.sink = kernel, sink
@@ -201,4 +230,5 @@ class LoweringDeclaration:
 
 
 __all__ = ["CPU_MAX_PROGRAMS", "INT32_MAX", "Launch", "LoweringDeclaration", "capture_launches", "grid_size",
-           "interpreter_active", "kernel_for", "max_programs", "next_pow2", "prev_pow2", "require_int32_offsets"]
+           "interpreter_active", "kernel_for", "max_programs", "next_pow2", "planning_for", "prev_pow2",
+           "require_int32_offsets", "target_of"]

@@ -1,8 +1,11 @@
 """Paged attention over a prefix of each request's keys, returning (out, lse).
 
 Flash-decode style: one work item is (token, kv head, block of query heads of that
-kv head's group); it streams the request's pages in BLOCK_N-key tiles with an online
-softmax in fp32. The LSE output is what the DCP merge needs (docs/architecture.md §5).
+kv head's group, KV split); it streams its split of the request's pages in BLOCK_N-key
+tiles with an online softmax in fp32. With more than one split (CUDA, the interpreter)
+each split writes an fp32 partial and `_split_merge_kernel` merges them by LSE; the NPU
+launches one split on its persistent grid (docs/decisions.md 54, docs/kernels.md
+"Split-KV decode"). The LSE output is what the DCP merge needs (docs/architecture.md §5).
 Torch oracle: `cp_compile.ops.paged.reference.paged_attention_with_lse`.
 """
 
@@ -23,6 +26,7 @@ from cp_compile.ops.core.triton_common import (
     next_pow2,
     prev_pow2,
     require_int32_offsets,
+    target_of,
 )
 from cp_compile.ops.core.layout import request_index
 
@@ -35,30 +39,36 @@ _TILE_BUDGET = 8192
 def _paged_attention_lse_kernel(
     q_ptr, k_ptr, v_ptr, bt_ptr, req_ptr, kvlen_ptr, out_ptr, lse_ptr,
     scale,
-    n_work, Hkv, group, n_hblk, block_size, D, Dv,
+    n_work, Hkv, group, n_hblk, n_splits, split_len, block_size, D, Dv, D1,
     s_qt, s_qh, s_qd,
     s_kb, s_ks, s_kh, s_kd,
     s_vb, s_vs, s_vh, s_vd,
     s_bt,
-    s_ot, s_oh, s_od,
-    s_lt, s_lh,
+    s_os, s_ot, s_oh, s_od,
+    s_ls, s_lt, s_lh,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
-    D_PAD: tl.constexpr, DV_PAD: tl.constexpr, USE_DOT: tl.constexpr,
+    D_PAD: tl.constexpr, DV_PAD: tl.constexpr, DR_PAD: tl.constexpr, USE_DOT: tl.constexpr,
 ):
+    # DR_PAD = 0: a key row is one block of D columns (D_PAD), V a row of its own.
+    # DR_PAD > 0 (MLA): the key row is D1 = Dv latent columns, which are also the value
+    # row (read once), then D - D1 rope columns (DR_PAD): two products, 512 + 64, no pad
+    # of 576 to 1024.
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
     offs_h = tl.arange(0, BLOCK_H)  # query heads inside the group block
     offs_n = tl.arange(0, BLOCK_N)  # keys inside the tile
     offs_d = tl.arange(0, D_PAD)
     offs_dv = tl.arange(0, DV_PAD)
-    d_mask = offs_d < D
+    d_mask = offs_d < D1
     dv_mask = offs_dv < Dv
 
-    # Persistent loop: the grid is at most the core count, each program strides over
-    # the (token, kv head, head block) work items.
+    # Persistent loop over the (token, kv head, head block, KV split) work items; the
+    # split is innermost. NPU: grid <= cores, n_splits 1; CUDA: one program per item.
     for w in range(pid, n_work, nprog):
-        t = w // (Hkv * n_hblk)
-        rem = w % (Hkv * n_hblk)
+        sp = w % n_splits  # KV split: keys [sp * split_len, (sp + 1) * split_len)
+        w2 = w // n_splits
+        t = w2 // (Hkv * n_hblk)
+        rem = w2 % (Hkv * n_hblk)
         g = rem // n_hblk
         hg = (rem % n_hblk) * BLOCK_H + offs_h  # head index inside the GQA group
         h_mask = hg < group
@@ -68,36 +78,58 @@ def _paged_attention_lse_kernel(
         n_kv = tl.load(kvlen_ptr + t)
         n_kv = tl.where(req >= 0, n_kv, 0)  # padding tokens attend nothing
         req = tl.maximum(req, 0)
+        # This split's keys; split_len needs no alignment to BLOCK_N or to a page, and a
+        # split past n_kv is empty (lo >= hi: no tile, the decision-47 epilogue below).
+        lo = sp * split_len
+        hi = tl.minimum(lo + split_len, n_kv)
 
         # int32 offsets throughout: the launcher checked every tensor's span fits.
         q = tl.load(q_ptr + t * s_qt + h[:, None] * s_qh + offs_d[None, :] * s_qd,
                     mask=h_mask[:, None] & d_mask[None, :], other=0.0)  # [BLOCK_H, D_PAD]
         if not USE_DOT:
             q = q.to(tl.float32) * scale  # scale folded once instead of per tile
+        if DR_PAD > 0:
+            offs_r = D1 + tl.arange(0, DR_PAD)  # rope columns
+            r_mask = offs_r < D
+            q_pe = tl.load(q_ptr + t * s_qt + h[:, None] * s_qh + offs_r[None, :] * s_qd,
+                           mask=h_mask[:, None] & r_mask[None, :], other=0.0)  # [BLOCK_H, DR_PAD]
+            if not USE_DOT:
+                q_pe = q_pe.to(tl.float32) * scale
 
         m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)  # running max
         l_i = tl.zeros([BLOCK_H], dtype=tl.float32)  # running sum of exp
         acc = tl.zeros([BLOCK_H, DV_PAD], dtype=tl.float32)
-        for start in range(0, n_kv, BLOCK_N):
+        for start in range(lo, hi, BLOCK_N):
             j = start + offs_n  # request-local key positions [BLOCK_N]
-            j_mask = j < n_kv
+            j_mask = j < hi
             page, in_page = paged_location(bt_ptr, req, s_bt, j, j_mask, block_size)
             k_row = page * s_kb + in_page * s_ks + g * s_kh  # [BLOCK_N]
             v_row = page * s_vb + in_page * s_vs + g * s_vh
             k = tl.load(k_ptr + k_row[:, None] + offs_d[None, :] * s_kd,
-                        mask=j_mask[:, None] & d_mask[None, :], other=0.0)
-            v = tl.load(v_ptr + v_row[:, None] + offs_dv[None, :] * s_vd,
-                        mask=j_mask[:, None] & dv_mask[None, :], other=0.0)
+                        mask=j_mask[:, None] & d_mask[None, :], other=0.0)  # [BLOCK_N, D_PAD]
+            if DR_PAD > 0:
+                k_pe = tl.load(k_ptr + k_row[:, None] + offs_r[None, :] * s_kd,
+                               mask=j_mask[:, None] & r_mask[None, :], other=0.0)  # [BLOCK_N, DR_PAD]
+                v = k  # MLA: the latent columns are the values (D_PAD == DV_PAD)
+            else:
+                v = tl.load(v_ptr + v_row[:, None] + offs_dv[None, :] * s_vd,
+                            mask=j_mask[:, None] & dv_mask[None, :], other=0.0)  # [BLOCK_N, DV_PAD]
             if USE_DOT:
-                # Cube path: operands in their own dtype, fp32 accumulation (needs
+                # Cube / tensor-core path: the whole (padded) head group as the M side
+                # of one product, operands in their own dtype, fp32 accumulation (needs
                 # BLOCK_H, BLOCK_N and the padded head dims >= 16).
-                s = tl.dot(q, tl.trans(k)) * scale  # [BLOCK_H, BLOCK_N]
+                s = tl.dot(q, tl.trans(k))  # [BLOCK_H, BLOCK_N]
+                if DR_PAD > 0:
+                    s += tl.dot(q_pe, tl.trans(k_pe))
+                s = s * scale
             else:
                 # Broadcast-multiply-reduce in fp32: valid for any tile size (GQA
                 # groups are small) and runs everywhere, including the interpreter.
                 s = tl.sum(q[:, None, :] * k.to(tl.float32)[None, :, :], axis=2)
+                if DR_PAD > 0:
+                    s += tl.sum(q_pe[:, None, :] * k_pe.to(tl.float32)[None, :, :], axis=2)
             s = tl.where(j_mask[None, :], s, float("-inf"))
-            # The tile holds >= 1 valid key (start < n_kv), so the new max is finite.
+            # The tile holds >= 1 valid key (start < hi), so the new max is finite.
             p, alpha, m_i, l_i = online_softmax_step(s, m_i, l_i)
             if USE_DOT:
                 pv = tl.dot(p.to(v.dtype), v)  # fp32 accumulator
@@ -105,11 +137,79 @@ def _paged_attention_lse_kernel(
                 pv = tl.sum(p[:, :, None] * v.to(tl.float32)[None, :, :], axis=1)  # [BLOCK_H, DV_PAD]
             acc = acc * alpha[:, None] + pv
 
-        # No keys: l_i = 0 -> out 0, lse -inf (the merge weighs it 0).
+        # No keys in this split (empty shard, short request, padding): l_i = 0 -> out 0,
+        # lse -inf, which the split merge (and the DCP merge) weigh 0.
         out, lse = lse_epilogue(acc, l_i, m_i)
-        tl.store(out_ptr + t * s_ot + h[:, None] * s_oh + offs_dv[None, :] * s_od,
+        tl.store(out_ptr + sp * s_os + t * s_ot + h[:, None] * s_oh + offs_dv[None, :] * s_od,
                  out.to(out_ptr.dtype.element_ty), mask=h_mask[:, None] & dv_mask[None, :])
-        tl.store(lse_ptr + t * s_lt + h * s_lh, lse, mask=h_mask)
+        tl.store(lse_ptr + sp * s_ls + t * s_lt + h * s_lh, lse, mask=h_mask)
+
+
+@triton.jit
+def _split_merge_kernel(
+    po_ptr, pl_ptr, out_ptr, lse_ptr,
+    n_splits, n_rows, H, Dv, n_dblk,
+    s_ps, s_pt, s_ph, s_pd,
+    s_qs, s_qt, s_qh,
+    s_ot, s_oh, s_od,
+    s_lt, s_lh,
+    BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    """Second stage of the split decode: the LSE merge of ops/merge's kernel
+    (out = sum_s out_s exp(lse_s - LSE), LSE = logsumexp_s lse_s) over the KV splits of
+    each (token, head) row, written in the output dtype. An empty split (lse -inf) weighs
+    0 and its out is not read into the sum; an all-empty row is out 0, lse -inf; a NaN /
+    +inf partial makes its row NaN (decision 47). ops/paged may not import ops/merge
+    (independent families, pyproject's layers), hence the math is restated here. Work
+    items are (row block, BLOCK_D columns of Dv): a decode batch has few rows, and the
+    columns are what spreads its partials over the cores (each item re-reads its rows'
+    LSEs, S x 4 bytes a row, against S x BLOCK_D x 4 of partial outputs)."""
+    pid = tl.program_id(0)
+    nprog = tl.num_programs(0)
+    offs_r = tl.arange(0, BLOCK_R)
+    n_blocks = (n_rows + BLOCK_R - 1) // BLOCK_R * n_dblk
+    for wi in range(pid, n_blocks, nprog):
+        rb = wi // n_dblk
+        offs_d = (wi % n_dblk) * BLOCK_D + tl.arange(0, BLOCK_D)  # this item's Dv columns
+        d_mask = offs_d < Dv
+        r = rb * BLOCK_R + offs_r  # flattened (token, head) rows [BLOCK_R]
+        r_mask = r < n_rows
+        t = r // H
+        h = r % H
+        tile_mask = r_mask[:, None] & d_mask[None, :]
+        # Pass 1: max over the splits' LSEs, and whether one is invalid.
+        m = tl.full([BLOCK_R], float("-inf"), tl.float32)
+        bad = tl.zeros([BLOCK_R], dtype=tl.int1)
+        l_off = t * s_qt + h * s_qh
+        for sp in range(0, n_splits):
+            l = tl.load(pl_ptr + l_off, mask=r_mask, other=float("-inf"))
+            bad = bad | (l != l) | (l == float("inf"))
+            m = tl.maximum(m, tl.where(l != l, float("-inf"), l))
+            l_off += s_qs
+        m_safe = tl.where(tl.abs(m) < float("inf"), m, 0.0)  # all empty: exp(-inf - 0) = 0
+        # Pass 2: weighted sum of the partial outputs.
+        denom = tl.zeros([BLOCK_R], dtype=tl.float32)
+        num = tl.zeros([BLOCK_R, BLOCK_D], dtype=tl.float32)
+        l_off = t * s_qt + h * s_qh
+        o_off = t * s_pt + h * s_ph
+        for sp in range(0, n_splits):
+            l = tl.load(pl_ptr + l_off, mask=r_mask, other=float("-inf"))
+            empty = l == float("-inf")
+            wgt = tl.where(empty, 0.0, tl.exp(l - m_safe))
+            o = tl.load(po_ptr + o_off[:, None] + offs_d[None, :] * s_pd, mask=tile_mask, other=0.0)
+            denom += wgt
+            num += tl.where(empty[:, None], 0.0, o * wgt[:, None])  # select: never 0 * garbage
+            l_off += s_qs
+            o_off += s_ps
+        has = denom > 0.0
+        res = tl.where(has[:, None], num / tl.where(has, denom, 1.0)[:, None], 0.0)
+        res = tl.where(bad[:, None], float("nan"), res)
+        lse = tl.where(has, m_safe + tl.log(tl.where(has, denom, 1.0)), float("-inf"))
+        lse = tl.where(bad, float("nan"), lse)
+        tl.store(out_ptr + t[:, None] * s_ot + h[:, None] * s_oh + offs_d[None, :] * s_od,
+                 res.to(out_ptr.dtype.element_ty), mask=tile_mask)
+        first_cols = (offs_r * 0 + wi % n_dblk) == 0  # [BLOCK_R]: the row's LSE is stored once
+        tl.store(lse_ptr + t * s_lt + h * s_lh, lse, mask=r_mask & first_cols)
 
 
 def paged_attention_with_lse_triton(
@@ -124,7 +224,8 @@ def paged_attention_with_lse_triton(
     num_programs: int | None = None,
     block_h: int | None = None,
     block_n: int | None = None,
-    use_dot: bool = False,
+    use_dot: bool | None = None,
+    num_splits: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Triton twin of `reference.paged_attention_with_lse`.
 
@@ -134,11 +235,20 @@ def paged_attention_with_lse_triton(
     MLA (absorbed) passes k_cache = kv_cache.unsqueeze(2) [NB, BS, 1, L+R] and
     v_cache = kv_cache[..., :L].unsqueeze(2); no copy is made, strides are honoured.
 
-    num_programs: persistent grid size (default: the device's core count).
+    Split-KV (docs/decisions.md 54): the keys a request can have (block table width x
+    page size) are cut into num_splits ranges, each a work item of its own writing an
+    fp32 partial (out, lse) per split, and `_split_merge_kernel` merges them by LSE.
+    Default num_splits: enough to fill two waves of the device's cores (`kv_splits`) on
+    CUDA and under the interpreter (CPU_MAX_PROGRAMS cores); 1 on the NPU, whose
+    persistent per-core grid is already full at one program per core (one launch, no
+    partials). The split count comes from shapes and the core count only.
+
+    num_programs: persistent grid size (default: CUDA one program per work item, NPU /
+    CPU the core count).
     block_h / block_n: query heads / keys per tile (powers of two).
-    use_dot: score and PV products with tl.dot in the input dtype, fp32 accumulation
-    (cube units; needs block_h, block_n and padded head dims >= 16; on CUDA fp32
-    inputs may then run in tf32).
+    use_dot: score and PV products with tl.dot in the input dtype, fp32 accumulation,
+    the head group padded to >= 16 rows (default: on CUDA; on CUDA fp32 inputs may then
+    run in tf32). Off: the fp32 broadcast product (NPU vector cores, the interpreter).
     """
     T, Hq, D = q.shape
     NB, BS, Hkv, Dk = k_cache.shape
@@ -156,28 +266,89 @@ def paged_attention_with_lse_triton(
         return out, lse
     require_int32_offsets(q=q, k_cache=k_cache, v_cache=v_cache, block_table=block_table, out=out)
 
-    d_pad, dv_pad = next_pow2(D), next_pow2(Dv)
-    block_h, block_n = _tiles(group, max(d_pad, dv_pad), block_h, block_n)
+    # Sized for the tensors' device, or the one a plan targets (tools/device_check --plan).
+    target = target_of(device)[0]
+    if use_dot is None:
+        use_dot = target == "cuda"
+    cores = target_of(device, uses_cube=use_dot)[1]
+
+    # MLA: v_cache is k_cache's first Dv columns (same storage, same strides; metadata,
+    # not values): the key row splits into latent (= value) and rope columns.
+    same_rows = all(sv == sk for n, sv, sk in zip(k_cache.shape, v_cache.stride(), k_cache.stride()) if n > 1)
+    mla = Dv < D and v_cache.data_ptr() == k_cache.data_ptr() and same_rows  # (a size-1 dim's stride is moot)
+    d1 = Dv if mla else D  # key columns of the first product
+    d_pad, dv_pad = next_pow2(d1), next_pow2(Dv)
+    dr_pad = next_pow2(D - Dv) if mla else 0
+    d_max = max(d_pad, dv_pad) + dr_pad  # columns a key row's tiles hold
+    if use_dot:
+        dot_h, dot_n = _dot_tiles(group, d_max)
+        block_h, block_n = _tiles(group, d_max, block_h or dot_h, block_n or dot_n)
+    else:
+        block_h, block_n = _tiles(group, d_max, block_h, block_n)
     n_hblk = triton.cdiv(group, block_h)
+    n_items = T * Hkv * n_hblk
+
+    # Keys a request can have: the block table's static width, never a kv_lens value.
+    max_keys = block_table.shape[1] * BS
+    if num_splits is None:
+        if target == "npu":
+            num_splits, split_len = 1, max_keys
+        else:
+            num_splits, split_len = kv_splits(n_items, max_keys, cores)
+    elif num_splits >= 1:
+        split_len = triton.cdiv(max_keys, num_splits)  # tests: any length, mid-tile, mid-page
+    else:
+        raise ValueError(f"num_splits must be >= 1, got {num_splits}")
+    if num_splits == 1:
+        # One split must cover any kv_len (a large bound, not the table width, so the
+        # unsplit launch reads exactly what it always did).
+        split_len = 2**30
 
     # Request of each token (-1 = padding), found once on the host side of the launch.
     req = request_index(query_start_loc.to(device=device, dtype=torch.int32), T).to(torch.int32)
     kv_lens = kv_lens.to(device=device, dtype=torch.int32).contiguous()
     block_table = block_table.to(torch.int32).contiguous()  # kernel assumes unit column stride
-    n_work = T * Hkv * n_hblk
-    grid = (grid_size(n_work, device, num_programs, uses_cube=use_dot),)
+    n_work = n_items * num_splits
+    if num_programs is None:
+        # CUDA: one program per item, the hardware schedules the waves; NPU / CPU: a
+        # persistent grid of one program per core.
+        num_programs = n_work if target == "cuda" else cores
+    grid = (grid_size(n_work, device, num_programs),)
+    if num_splits == 1:
+        part_out, part_lse = out, lse  # written directly, no merge
+        s_po, s_pl = 0, 0
+    else:
+        part_out = torch.empty(num_splits, T, Hq, Dv, dtype=torch.float32, device=device)  # [S, T, Hq, Dv]
+        part_lse = torch.empty(num_splits, T, Hq, dtype=torch.float32, device=device)  # [S, T, Hq]
+        require_int32_offsets(part_out=part_out)
+        s_po, s_pl = part_out.stride(0), part_lse.stride(0)
     kernel_for(_paged_attention_lse_kernel, device)[grid](
-        q, k_cache, v_cache, block_table, req, kv_lens, out, lse,
+        q, k_cache, v_cache, block_table, req, kv_lens, part_out, part_lse,
         float(scale),
-        n_work, Hkv, group, n_hblk, BS, D, Dv,
+        n_work, Hkv, group, n_hblk, num_splits, split_len, BS, D, Dv, d1,
         *q.stride(),
         *k_cache.stride(),
         *v_cache.stride(),
         block_table.stride(0),
-        *out.stride(),
-        *lse.stride(),
-        BLOCK_H=block_h, BLOCK_N=block_n, D_PAD=d_pad, DV_PAD=dv_pad, USE_DOT=use_dot,
+        s_po, *part_out.stride()[-3:],
+        s_pl, *part_lse.stride()[-2:],
+        BLOCK_H=block_h, BLOCK_N=block_n, D_PAD=d_pad, DV_PAD=dv_pad, DR_PAD=dr_pad, USE_DOT=use_dot,
     )
+    if num_splits > 1:
+        n_rows = T * Hq
+        block_d = min(dv_pad, _MERGE_BLOCK_D)
+        n_dblk = triton.cdiv(Dv, block_d)
+        # Largest row block (<= 16) that still gives every core an item.
+        block_r = min(16, next_pow2(n_rows))
+        while block_r > 1 and triton.cdiv(n_rows, block_r) * n_dblk < cores:
+            block_r //= 2
+        merge_grid = (grid_size(triton.cdiv(n_rows, block_r) * n_dblk, device, cores),)
+        kernel_for(_split_merge_kernel, device)[merge_grid](
+            part_out, part_lse, out, lse,
+            num_splits, n_rows, Hq, Dv, n_dblk,
+            *part_out.stride(), *part_lse.stride(), *out.stride(), *lse.stride(),
+            BLOCK_R=block_r, BLOCK_D=block_d,
+        )
     return out, lse
 
 
@@ -192,6 +363,48 @@ def _tiles(group: int, d_max: int, block_h: int | None, block_n: int | None) -> 
         block_n = max(8, min(64, prev_pow2(_TILE_BUDGET // (block_h * d_max))))
     if block_h & (block_h - 1) or block_n & (block_n - 1):
         raise ValueError(f"block_h={block_h} and block_n={block_n} must be powers of two")
+    return block_h, block_n
+
+
+# Waves of programs a split decode launch aims for on the device's cores: one wave
+# leaves the SMs idle while the last programs of a wave finish; two keep them busy
+# through the tail (docs/decisions.md 54).
+_SPLIT_WAVES = 2
+# Dv columns of one split-merge work item (its tile: <= 16 rows x 64 columns).
+_MERGE_BLOCK_D = 64
+# Split lengths are multiples of this many keys: tl.dot's smallest K tile, so a split of
+# a full table never ends in a tile of a few keys.
+_SPLIT_ALIGN = 16
+
+
+def kv_splits(n_items: int, max_keys: int, cores: int, *, waves: int = _SPLIT_WAVES) -> tuple[int, int]:
+    """(n_splits, split_len) of a split-KV decode launch, from sizes only (capture-safe).
+
+    n_items: (token, kv head, head block) work items; max_keys: the keys a request can
+    have (the block table's width x the page size: kv_lens are device values and are not
+    read); cores: the device's SMs / cores. The split count is the one that makes
+    n_items x n_splits fill `waves` waves of the cores, its length rounded down to
+    _SPLIT_ALIGN keys and the count recomputed from it (n_splits >= the count wanted, so
+    >= `waves` waves; no split is empty at a full table), unless splits of _SPLIT_ALIGN
+    keys are still too few (short tables: one split per aligned chunk); a request shorter than max_keys leaves its last splits empty. Already `waves` waves
+    of items, or a table of one aligned chunk: (1, max_keys). Split lengths need not be
+    whole key tiles or pages (the kernel masks each split's last tile at its end).
+    """
+    want = min(triton.cdiv(waves * cores, max(n_items, 1)), triton.cdiv(max(max_keys, 1), _SPLIT_ALIGN))
+    if want <= 1:
+        return 1, max(max_keys, 1)
+    split_len = max(_SPLIT_ALIGN, max_keys // want // _SPLIT_ALIGN * _SPLIT_ALIGN)
+    return triton.cdiv(max_keys, split_len), split_len
+
+
+def _dot_tiles(group: int, d_max: int) -> tuple[int, int]:
+    """(BLOCK_H, BLOCK_N) of the tl.dot path: the query-head group padded to >= 16 rows
+    (tl.dot's minimum M; the padded rows are masked), at most 64 and fewer for wide
+    heads (MLA's 576 pads to 1024), keys 64 / 32 / 16 by head width."""
+    block_h = min(max(16, next_pow2(group)), 64)
+    while block_h > 16 and block_h * d_max > 16384:
+        block_h //= 2
+    block_n = 64 if d_max <= 128 else 32 if d_max <= 256 else 16
     return block_h, block_n
 
 
@@ -220,6 +433,27 @@ def _lowering_examples():
         cache = torch.empty(2, 16, 576, dtype=torch.bfloat16)
         yield (f"MLA bf16 {heads} heads 512+64",
                functools.partial(paged_launch.mla_partial_attention, q_nope, q_pe, cache, bt, qsl, kv_lens, 0.1))
+    # The NPU's launch: unsplit, persistent (kv_splits is not asked there).
+    q = torch.empty(2, 8, 128, dtype=torch.bfloat16)
+    kv = torch.empty(2, 16, 1, 128, dtype=torch.bfloat16)
+    yield ("GQA bf16 group 8 D 128 unsplit (NPU)",
+           functools.partial(paged_attention_with_lse_triton, q, kv, kv, bt, qsl, kv_lens, 0.1, num_splits=1))
+    # Split-KV launches (the CUDA default; the NPU launches above run unsplit): a table
+    # wide enough (64 pages of 16) that kv_splits cuts it, the split merge after it; the
+    # broadcast and the tl.dot products, GQA group 8 / 16 and MLA.
+    wide = torch.zeros(1, 64, dtype=torch.int32)
+    for group, use_dot in ((8, False), (8, True), (16, True), (1, True)):
+        q = torch.empty(2, group, 128, dtype=torch.bfloat16)
+        kv = torch.empty(64, 16, 1, 128, dtype=torch.bfloat16)
+        yield (f"GQA bf16 group {group} D 128 split-KV{', tl.dot' if use_dot else ''}",
+               functools.partial(paged_attention_with_lse_triton, q, kv, kv, wide, qsl, kv_lens, 0.1,
+                                 use_dot=use_dot))
+    for heads in (16, 128):
+        q = torch.empty(2, heads, 576, dtype=torch.bfloat16)
+        cache = torch.empty(64, 16, 576, dtype=torch.bfloat16)
+        yield (f"MLA bf16 {heads} heads 512+64 split-KV, tl.dot",
+               functools.partial(paged_attention_with_lse_triton, q, cache.unsqueeze(2), cache[..., :512].unsqueeze(2),
+                                 wide, qsl, kv_lens, 0.1, use_dot=True))
     # The cube path (tests launch it; the intended MLA path on AI cores).
     q = torch.empty(2, 16, 576, dtype=torch.bfloat16)
     cache = torch.empty(2, 16, 576, dtype=torch.bfloat16)

@@ -81,3 +81,21 @@ def test_aot_every_specialisation_both_archs(tmp_path: Path) -> None:
     rows = json.loads(out.read_text())["results"]
     assert {r["kernel"] for r in rows} == _jitted_kernels()
     assert {r["target"] for r in rows} == {"sm_80", "sm_90a"}
+
+
+def test_decode_plan_splits_the_dcp_decode_shape() -> None:
+    """`device_check --plan`: launches captured from the registered kernel for an H200
+    (nothing runs). The DCP decode shape (batch 8, 8 query heads on 1 KV head, D 128, 32k)
+    goes from 8 programs to >= 2 waves of split programs with tl.dot and a split merge."""
+    from tools import decode_plan
+
+    rows = {(r["shape"], r["batch"], r["context"], r["variant"]): r for r in decode_plan.plan_rows()}
+    key = ("GQA 8 heads per KV head, D 128", 8, 32768)
+    before, after = rows[key + ("before",)], rows[key + ("split",)]
+    assert before["grid"] == 8 and before["splits"] == 1
+    assert after["grid"] >= 2 * decode_plan.SMS and after["splits"] > 1
+    kernels = [lc["kernel"] for lc in after["launches"]]
+    assert kernels == ["_paged_attention_lse_kernel", "_split_merge_kernel"]
+    assert after["launches"][0]["constexprs"]["USE_DOT"] is True
+    assert after["launches"][0]["bytes_read"] >= 8 * 32768 * 2 * 128 * 2  # every key's K and V row
+    assert after["predicted_fraction_of_4.8TBps"] > 5 * before["predicted_fraction_of_4.8TBps"]

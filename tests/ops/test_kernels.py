@@ -251,6 +251,181 @@ def test_dcp_decode_end_to_end() -> None:
     assert_close_report("dcp e2e rescale", summed, ref_out, atol=5e-6, rtol=1e-5)
 
 
+# ----------------------------------------------------------------------------- split-KV decode
+# (docs/decisions.md 54): the keys a request can have are cut into num_splits ranges,
+# one work item each, and a second kernel merges the partials by LSE.
+
+
+def split_case(gen: torch.Generator, *, seq_lens: list[int], group: int, Hkv: int = 1, D: int = 16,
+               BS: int = 4, width: int | None = None, dtype: torch.dtype = torch.float32) -> tuple:
+    """One decode token per request; a block table `width` pages wide (default: the
+    longest request's), pages shuffled; NaN in every slot no request owns (an empty or
+    out-of-range split that read one would poison its row)."""
+    B = len(seq_lens)
+    nb = width or max(1, max((s + BS - 1) // BS for s in seq_lens))
+    NB = B * nb + 2
+    pages = torch.randperm(NB, generator=gen)[: B * nb].view(B, nb).to(torch.int32)
+    k = torch.full((NB, BS, Hkv, D), NAN)
+    v = torch.full((NB, BS, Hkv, D), NAN)
+    for b, n in enumerate(seq_lens):
+        for j in range(n):
+            p, o = int(pages[b, j // BS]), j % BS
+            k[p, o] = torch.randn(Hkv, D, generator=gen)
+            v[p, o] = torch.randn(Hkv, D, generator=gen)
+    qsl = torch.arange(B + 1, dtype=torch.int32)
+    kv_lens = torch.tensor(seq_lens, dtype=torch.int32)
+    q = torch.randn(B, group * Hkv, D, generator=gen)
+    return tuple(x.to(dtype) if x.is_floating_point() else x for x in (q, k, v)) + (pages, qsl, kv_lens, D ** -0.5)
+
+
+def check_split(name: str, args: tuple, atol: float = 1e-5, **kw) -> tuple[torch.Tensor, torch.Tensor]:
+    """Kernel vs the reference (on the fp32 cache: the oracle reads only owned slots)."""
+    out, lse = paged_attention_with_lse_triton(*args, **kw)
+    ref_out, ref_lse = paged_reference.paged_attention_with_lse(
+        *(a.float() if isinstance(a, torch.Tensor) and a.is_floating_point() else a for a in args))
+    assert not bool(torch.isnan(out).any()) and not bool(torch.isnan(lse).any()), f"{name}: NaN"
+    assert_close_report(f"{name} out", out.float(), ref_out, atol=atol, rtol=atol)
+    assert_close_report(f"{name} lse", lse, ref_lse, atol=atol, rtol=atol)
+    return out, lse
+
+
+@interp
+@pytest.mark.parametrize("use_dot", [False, True])
+def test_split_kv_splits_end_mid_block(use_dot: bool) -> None:
+    """48 keys in 5 splits of 10: every split boundary falls inside a page (4) and inside
+    a key tile (16), the last split is short (8); GQA group 8 padded to 16 on the dot path."""
+    gen = torch.Generator().manual_seed(10)
+    args = split_case(gen, seq_lens=[48, 45, 23], group=8, D=16)
+    assert 48 % 5 and (48 // 5) % 4
+    check_split("mid-block", args, num_splits=5, block_n=16, use_dot=use_dot)
+
+
+@interp
+@pytest.mark.parametrize("use_dot", [False, True])
+def test_split_kv_empty_splits(use_dot: bool) -> None:
+    """A table 16 pages (64 keys) wide in 8 splits of 8 keys; requests of 3, 9 and 17 keys
+    leave 7, 6 and 5 of their splits empty (lse -inf partials the merge must ignore; NaN
+    sits in the slots past each request)."""
+    gen = torch.Generator().manual_seed(11)
+    args = split_case(gen, seq_lens=[3, 9, 17], group=4, width=16)
+    check_split("empty splits", args, num_splits=8, block_n=16 if use_dot else 8, use_dot=use_dot)
+
+
+@interp
+@pytest.mark.parametrize("num_splits", [1, 4])
+def test_split_kv_empty_shard(num_splits: int) -> None:
+    """kv length 0 on this rank for every request (a DCP shard without keys), and one
+    request empty beside a full one: out exactly 0, lse -inf, never NaN (decision 47)."""
+    gen = torch.Generator().manual_seed(12)
+    args = split_case(gen, seq_lens=[0, 0], group=8, width=4)
+    out, lse = check_split("empty shard", args, num_splits=num_splits)
+    assert bool((out == 0).all()) and bool(torch.isneginf(lse).all())
+    args = split_case(gen, seq_lens=[0, 16], group=8, width=4)
+    out, lse = check_split("half-empty shard", args, num_splits=num_splits)
+    assert bool((out[0] == 0).all()) and bool(torch.isneginf(lse[0]).all())
+
+
+@interp
+@pytest.mark.parametrize("use_dot", [False, True])
+def test_split_kv_one_token_contexts(use_dot: bool) -> None:
+    """One key per request in a 32-key-wide table: the first split holds it, the other
+    7 are empty; the merged LSE is the single score, out the single value row."""
+    gen = torch.Generator().manual_seed(13)
+    args = split_case(gen, seq_lens=[1, 1, 1], group=8, width=8)
+    out, _ = check_split("one token", args, num_splits=8, block_n=16, use_dot=use_dot)
+    torch.testing.assert_close(out, args[2][args[3][:, 0].long(), 0, 0][:, None, :].expand_as(out))
+
+
+@interp
+@pytest.mark.parametrize("group", [1, 8, 16])
+@pytest.mark.parametrize("use_dot", [False, True])
+def test_split_kv_gqa_groups_mixed_lengths(group: int, use_dot: bool) -> None:
+    """GQA groups 1 / 8 / 16 over 2 KV heads, four requests of different lengths (one of
+    them a single key, one the full table) with the default split count (kv_splits on
+    CPU_MAX_PROGRAMS cores), which must split here."""
+    from cp_compile.ops.paged.triton_decode import kv_splits
+
+    gen = torch.Generator().manual_seed(14 + group)
+    args = split_case(gen, seq_lens=[37, 1, 64, 12], group=group, Hkv=2, width=16)
+    block_n = 16 if use_dot else 8
+    assert kv_splits(4 * 2, 64, 32)[0] > 1
+    check_split(f"group {group}", args, block_n=block_n, use_dot=use_dot)
+
+
+@interp
+def test_split_kv_merge_column_blocks() -> None:
+    """D = Dv = 80: the split merge's items are (rows, 64 columns), so a row's output is
+    written by two items (the second masked past column 80) and its LSE by the first."""
+    gen = torch.Generator().manual_seed(16)
+    args = split_case(gen, seq_lens=[19, 30], group=2, D=80, width=8)
+    check_split("Dv 80", args, num_splits=3)
+
+
+@interp
+@pytest.mark.parametrize("dtype,use_dot", [(torch.float32, False), (torch.float32, True), (torch.float16, True)])
+def test_split_kv_mla_latent_and_rope_products(dtype: torch.dtype, use_dot: bool) -> None:
+    """MLA decode (16 heads, latent 40 + rope 12: neither a power of two) split over the KV:
+    the key row is two products (latent 64-padded, rope 16-padded, never 52 -> 64 as one),
+    the latent tile is also V (read once); three requests, one empty, NaN past each."""
+    from cp_compile.ops.core.triton_common import capture_launches
+
+    gen = torch.Generator().manual_seed(17)
+    H, L, R, BS = 16, 40, 12, 4
+    seq_lens, width = [23, 0, 9], 8
+    B = len(seq_lens)
+    NB = B * width + 1
+    pages = torch.randperm(NB, generator=gen)[: B * width].view(B, width).to(torch.int32)
+    cache = torch.full((NB, BS, L + R), NAN)
+    for b, n in enumerate(seq_lens):
+        for j in range(n):
+            cache[int(pages[b, j // BS]), j % BS] = torch.randn(L + R, generator=gen)
+    q = torch.randn(B, H, L + R, generator=gen)
+    c = cache.to(dtype)  # one tensor: the latent view shares its storage
+    args = (q.to(dtype), c.unsqueeze(2), c[..., :L].unsqueeze(2), pages,
+            torch.arange(B + 1, dtype=torch.int32), torch.tensor(seq_lens, dtype=torch.int32), 0.15)
+    kw = dict(num_splits=3, use_dot=use_dot, block_n=16 if use_dot else 8)
+    with capture_launches() as launches:
+        paged_attention_with_lse_triton(*args, **kw)
+    assert {k: launches[0].kwargs[k] for k in ("D_PAD", "DV_PAD", "DR_PAD")} == dict(D_PAD=64, DV_PAD=64, DR_PAD=16)
+    out, lse = paged_attention_with_lse_triton(*args, **kw)
+    ref_out, ref_lse = paged_reference.paged_attention_with_lse(
+        q.to(dtype).float(), c.float().unsqueeze(2), c.float()[..., :L].unsqueeze(2),
+        *args[3:])
+    tol = 1e-5 if dtype == torch.float32 else 5e-3
+    assert not bool(torch.isnan(out).any())
+    assert_close_report("mla split out", out.float(), ref_out, atol=tol, rtol=tol)
+    assert_close_report("mla split lse", lse, ref_lse, atol=tol, rtol=tol)
+
+
+@interp
+def test_split_kv_bf16() -> None:
+    """bf16 q / cache, fp32 partials, bf16 out (broadcast product: the interpreter's tl.dot
+    misreads bf16 operands), 2e-2 against the fp32 reference on the same values."""
+    gen = torch.Generator().manual_seed(15)
+    args = split_case(gen, seq_lens=[41, 7, 30], group=8, D=32, width=12, dtype=torch.bfloat16)
+    out, _ = check_split("bf16", args, atol=2e-2, num_splits=6)
+    assert out.dtype == torch.bfloat16
+
+
+def test_kv_splits_fill_two_waves() -> None:
+    """The split count from sizes only: the DCP decode shape (8 requests x 1 KV head, 32k
+    keys, 132 SMs) gets 2 waves of programs (33 splits wanted, 993 -> 992 keys each:
+    34 splits, the last 32 keys); a batch that fills the waves alone, or a one-chunk table, stays unsplit;
+    a short table stops at 16-key splits."""
+    from cp_compile.ops.paged.triton_decode import kv_splits
+
+    n, length = kv_splits(8, 32768, 132)
+    assert (n, length) == (34, 992) and n * length >= 32768 > (n - 1) * length
+    assert kv_splits(64 * 8, 131072, 132) == (1, 131072)
+    assert kv_splits(1, 16, 132) == (1, 16)
+    assert kv_splits(1, 1024, 132) == (64, 16)
+    for items in (1, 3, 8, 17, 64, 130):
+        for keys in (8192, 32768, 131072):
+            n, length = kv_splits(items, keys, 132)
+            assert length % 16 == 0 and n * length >= keys > (n - 1) * length
+            assert items * n >= 2 * 132 or (length == 16 and n == keys // 16)  # >= 2 waves, or 16-key splits
+
+
 # ----------------------------------------------------------------------------- merge
 
 

@@ -1,0 +1,159 @@
+"""The decode attention launches at production shapes, and a predicted bandwidth (issue 36).
+
+`python -m tools.device_check --plan --json FILE` (or `python -m tools.decode_plan`):
+the launches the registered paged decode kernels (`cp::paged_attention_lse`,
+`cp::mla_partial_attention`) make for CUDA with 132 SMs (an H200), captured from the
+real launchers on CPU tensors (`capture_launches` + `planning_for`: nothing runs, the
+caches are zero-stride views, so 128k contexts cost no memory), and beside them the
+unsplit launch main had before (one program per (token, KV head, head block), grid
+capped at the SM count, broadcast product). Per launch: grid, constexprs, bytes read,
+waves on 132 SMs, and a PREDICTION of the fraction of 4.8 TB/s under the model of
+docs/kernels.md ("Split-KV decode: plan and model"); nothing here is a measurement.
+"""
+
+from __future__ import annotations
+
+import argparse
+import heapq
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+
+HBM_BYTES_PER_S = 4.8e12  # H200 HBM3e peak
+SMS = 132  # H200 SXM
+STREAM_EFFICIENCY = 0.85  # assumed share of an SM's fair bandwidth a busy streaming program reaches
+BLOCK_SIZE = 64  # page size of the plan's caches (vLLM's CUDA default is 16; the split lengths do not depend on it)
+BYTES = 2  # bf16
+
+GQA_GROUPS = (8, 16, 64)  # query heads per KV head, one KV head per rank (TP'd), D 128
+MLA_HEADS = (16, 128)
+BATCHES = (1, 8, 64)
+CONTEXTS = (8192, 32768, 131072)
+
+
+def _schedule(costs: list[float], sms: int) -> float:
+    """Makespan of programs issued in id order to the SM that frees first (one resident
+    program per SM: pessimistic where two would fit)."""
+    free = [0.0] * min(sms, max(len(costs), 1))
+    heapq.heapify(free)
+    for c in costs:
+        heapq.heappush(free, heapq.heappop(free) + c)
+    return max(free) if costs else 0.0
+
+
+def _attention_program_bytes(launch: Any, ctx: int, B: int, D: int, Dv: int) -> list[float]:
+    """Bytes each program of a `_paged_attention_lse_kernel` launch reads: per work item,
+    the K and V rows of its split's keys (every request at full context; MLA: the latent +
+    rope row once) plus its query tile; a persistent program sums the items it strides over."""
+    a = launch.args
+    n_work, n_splits, split_len = a[9], a[13], a[14]
+    block_h = launch.kwargs["BLOCK_H"]
+    grid = launch.grid[0]
+    per_split = [max(0, min(split_len, ctx - s * split_len)) for s in range(n_splits)]
+    row = D if launch.kwargs["DR_PAD"] else D + Dv  # MLA (DR_PAD > 0) reads the latent row once, as K and V
+    item = [keys * row * BYTES + block_h * D * BYTES for keys in per_split]
+    costs = [0.0] * grid
+    for w in range(n_work):
+        costs[w % grid] += item[w % n_splits]
+    return costs
+
+
+def _merge_program_bytes(launch: Any, Dv: int) -> list[float]:
+    a = launch.args
+    n_splits, n_rows, n_dblk = a[4], a[5], a[8]
+    block_r, block_d, grid = launch.kwargs["BLOCK_R"], launch.kwargs["BLOCK_D"], launch.grid[0]
+    costs = [0.0] * grid
+    for w in range(-(-n_rows // block_r) * n_dblk):
+        rows = min(block_r, n_rows - (w // n_dblk) * block_r)
+        cols = min(block_d, Dv - (w % n_dblk) * block_d)
+        costs[w % grid] += rows * (n_splits * (cols + 1) * 4 + cols * BYTES + 4)
+    return costs
+
+
+def _inputs(kind: str, heads: int, B: int, ctx: int) -> tuple[tuple, int, int, int]:
+    """Launcher arguments (CPU, zero-stride caches) and (D, Dv, unique KV bytes)."""
+    nb = ctx // BLOCK_SIZE
+    bt = torch.zeros(B, nb, dtype=torch.int32)
+    qsl = torch.arange(B + 1, dtype=torch.int32)
+    kv_lens = torch.full((B,), ctx, dtype=torch.int32)
+    if kind == "GQA":
+        D = Dv = 128
+        q = torch.empty(B, heads, D, dtype=torch.bfloat16)
+        kv = torch.empty(1, BLOCK_SIZE, 1, D, dtype=torch.bfloat16).expand(B * nb, BLOCK_SIZE, 1, D)
+        return (q, kv, kv, bt, qsl, kv_lens, D ** -0.5), D, Dv, B * ctx * 2 * D * BYTES
+    L, R = 512, 64
+    q = torch.empty(B, heads, L + R, dtype=torch.bfloat16)
+    cache = torch.empty(1, BLOCK_SIZE, L + R, dtype=torch.bfloat16).expand(B * nb, BLOCK_SIZE, L + R)
+    return ((q, cache.unsqueeze(2), cache[..., :L].unsqueeze(2), bt, qsl, kv_lens, 0.1), L + R, L,
+            B * ctx * (L + R) * BYTES)
+
+
+def plan_rows() -> list[dict[str, Any]]:
+    from cp_compile.ops.core.triton_common import capture_launches, planning_for
+    from cp_compile.ops.paged import launch as paged_launch
+    from cp_compile.ops.paged.triton_decode import paged_attention_with_lse_triton
+
+    rows: list[dict[str, Any]] = []
+    shapes = [("GQA", g) for g in GQA_GROUPS] + [("MLA", h) for h in MLA_HEADS]
+    for kind, heads in shapes:
+        for B in BATCHES:
+            for ctx in CONTEXTS:
+                args, D, Dv, unique = _inputs(kind, heads, B, ctx)
+                variants = {
+                    # main before issue 36: unsplit, grid capped at the SMs, broadcast product
+                    "before": lambda: paged_attention_with_lse_triton(*args, num_splits=1, use_dot=False,
+                                                                      num_programs=SMS),
+                    # what the registered kernel launches now
+                    "split": lambda: paged_launch.paged_attention_lse(*args),
+                }
+                for variant, call in variants.items():
+                    with capture_launches() as launches, planning_for("cuda", SMS):
+                        call()
+                    total_s, launch_rows = 0.0, []
+                    for lc in launches:
+                        name = lc.kernel.fn.__name__
+                        costs = (_attention_program_bytes(lc, ctx, B, D, Dv) if name == "_paged_attention_lse_kernel"
+                                 else _merge_program_bytes(lc, Dv))
+                        seconds = _schedule(costs, SMS) / (HBM_BYTES_PER_S / SMS * STREAM_EFFICIENCY)
+                        total_s += seconds
+                        launch_rows.append({
+                            "kernel": name, "grid": list(lc.grid), "constexprs": dict(lc.kwargs),
+                            "bytes_read": int(sum(costs)), "bytes_per_program_max": int(max(costs)),
+                            "waves": round(lc.grid[0] / SMS, 2), "predicted_us": round(seconds * 1e6, 1)})
+                    att = launch_rows[0]
+                    rows.append({
+                        "shape": f"{kind} {heads} heads" + (" per KV head, D 128" if kind == "GQA" else ", 512+64"),
+                        "batch": B, "context": ctx, "variant": variant,
+                        "splits": launches[0].args[13], "split_len": launches[0].args[14] if launches[0].args[13] > 1 else ctx,
+                        "grid": att["grid"][0], "waves": att["waves"], "bytes_per_program": att["bytes_per_program_max"],
+                        "unique_kv_bytes": unique,
+                        "predicted_fraction_of_4.8TBps": round(unique / (total_s * HBM_BYTES_PER_S), 3),
+                        "launches": launch_rows})
+    return rows
+
+
+def markdown(rows: list[dict[str, Any]]) -> str:
+    keys = ["shape", "batch", "context", "variant", "splits", "grid", "waves", "bytes_per_program",
+            "predicted_fraction_of_4.8TBps"]
+    out = ["| " + " | ".join(keys) + " |", "|" + "---|" * len(keys)]
+    out += ["| " + " | ".join(str(r[k]) for k in keys) + " |" for r in rows]
+    return "\n".join(out)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--json", type=Path, help="write the rows here")
+    p.add_argument("--markdown", action="store_true", help="print a markdown table")
+    a = p.parse_args(argv)
+    rows = plan_rows()
+    if a.json:
+        a.json.write_text(json.dumps(rows, indent=1))
+    print(markdown(rows) if a.markdown or not a.json else f"wrote {len(rows)} rows to {a.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
