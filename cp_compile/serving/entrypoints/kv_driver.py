@@ -23,6 +23,8 @@ imported on every rank before the step that would prefill it, and decodes from
 `cached = prompt length` with P's token as its first output. A failed import (P
 stalled or lost, geometry mismatch, ...) fails the request: the ranks freed its
 blocks, the scheduler drops it, and `KVTransferError` / `ConfigError` reaches the caller.
+An import that raises instead of answering fails its requests as well: the driver frees
+their blocks on the ranks before the error reaches the caller.
 """
 
 from __future__ import annotations
@@ -191,7 +193,16 @@ class ConsumerSide:
             return plan
         if plan.free:  # the leavers' blocks must be free on the ranks before the imports allocate
             executor.execute(StepPlan([], plan.free))
-        replies = executor.call("kv_import", [(s.payload.kv_import.remote_request_id, s.rid) for s in new])
+        try:
+            replies = executor.call("kv_import", [(s.payload.kv_import.remote_request_id, s.rid) for s in new])
+        except BaseException as exc:
+            # Not a verdict but a raise (a rank failed mid-import): the ranks may hold
+            # blocks for these requests. They fail and their blocks are freed now; the
+            # requests already running were not touched and go on.
+            for s in new:
+                self.failed[s.rid] = f"the import raised {type(exc).__name__}: {exc}"
+            _fail_imports(executor, scheduler, new)
+            raise
         failed = []
         for i, s in enumerate(new):
             errors = {r[i]["error"] for r in replies if r[i]["error"]}
@@ -216,6 +227,20 @@ class ConsumerSide:
                 f"request {s.rid} (producer {self.kv.remote_engine_id!r}'s request "
                 f"{s.payload.kv_import.remote_request_id}): {self.failed[s.rid]}" for s in failed))
         return StepPlan([(s.rid, s.cached, s.tokens[s.cached:]) for s in scheduler.running], [])
+
+
+def _fail_imports(executor: Any, scheduler: Scheduler, seqs: list[Sequence]) -> None:
+    """Drop requests whose import raised and free their blocks on the ranks (freeing
+    what a rank never allocated is a no-op). A free that fails too is kept pending for
+    the next plan; the import's own error is the one the caller sees."""
+    for s in seqs:
+        scheduler.abort(s.rid)
+        s.finish_reason = "error"
+    pending = scheduler.drain_free()
+    try:
+        executor.execute(StepPlan([], pending))
+    except Exception:  # noqa: BLE001 - the ranks are gone
+        scheduler._free.extend(pending)
 
 
 def make_side(kv_transfer_config: Any) -> ProducerSide | ConsumerSide | None:

@@ -170,13 +170,31 @@ class Engine:
             self.alloc.free(rid)
         if not plan.items:
             return []
-        input_ids, meta = self._inputs(plan.items)
-        strict = self.forbid_recompiles and self.steps >= self.warmup_steps
-        with torch.no_grad(), torch.compiler.set_stance("fail_on_recompile" if strict else "default"):
-            logits = self.compiled(input_ids, meta.positions, self.layer_caches, meta)  # [T, vocab]
+        # Each item's table before this step: a step that raises (metadata build, the
+        # step's checks, the forward) gives back the blocks it took, so the allocator is
+        # as it was. The forward may have written into them; nothing reads a position
+        # before a step writes it, so those writes are never seen.
+        before = {rid: len(self.alloc.blocks(rid)) for rid, _, _ in plan.items}
+        try:
+            input_ids, meta = self._inputs(plan.items)
+            strict = self.forbid_recompiles and self.steps >= self.warmup_steps
+            with torch.no_grad(), torch.compiler.set_stance("fail_on_recompile" if strict else "default"):
+                logits = self.compiled(input_ids, meta.positions, self.layer_caches, meta)  # [T, vocab]
+        except BaseException:
+            self._undo_allocation(before)
+            raise
         self.steps += 1
         last = meta.query_start_loc[1:len(plan.items) + 1].long() - 1
         return list(logits[last].float())
+
+    def _undo_allocation(self, before: dict[int, int]) -> None:
+        """Shrink each request back to the blocks it held before a failed step (`before`:
+        request id -> table length); a request that held none has no table left."""
+        for rid, n in before.items():
+            if n == 0:
+                self.alloc.free(rid)
+            else:
+                self.alloc.truncate(rid, n * self.alloc.block_tokens)
 
     def _inputs(self, items: list[tuple[int, int, list[int]]]) -> tuple[torch.Tensor, Any]:
         """(input_ids [T], metadata) of one step, on the model's device."""

@@ -220,38 +220,60 @@ class StepLoop:
 
     def step(self, may_join: Callable[[Sequence], bool] | None = None) -> list[Sequence]:
         """One step on every rank; returns the requests that got a token (or finished).
-        `may_join(seq)`: whether a waiting request may join this step (arrivals)."""
+        `may_join(seq)`: whether a waiting request may join this step (arrivals). A step
+        that raises at execution or sampling fails the requests it ran (`fail`) first."""
         self._before_plan()
         plan = self.scheduler.plan(may_join)
         if plan is None:
             self._idle()
             return []
-        plan = self._admitted(plan)
+        plan = self._admitted(plan)  # a hook that raises cleans up what it touched (kv_driver)
         running = list(self.scheduler.running)
-        last = self.executor.execute(plan)
-        self.steps += 1
-        if not running:
-            return []
-        tokens = [self.sampler.sample(lg, s.payload.params, s.payload.generator) for s, lg in zip(running, last)]
-        if self.share_tokens:
-            tokens = share_tokens(tokens)
-        for s, lg, tok in zip(running, last, tokens):
-            st: RequestState = s.payload
-            if st.params.logprobs is not None:
-                entry = token_logprobs(lg, tok, st.params.logprobs)
-                st.logprobs.append(entry)
-                st.cumulative_logprob += entry[tok].logprob
-            if st.logits is not None:
-                st.logits.append(lg)
-        self.scheduler.commit(tokens)
-        for seq in running:
-            cb = seq.payload.on_token
-            if cb is not None:  # also for a request that just finished: its last token's text
-                reason = cb(seq)
-                if reason is not None and seq.finish_reason is None:
-                    self.scheduler.finish(seq, reason)
+        try:
+            last = self.executor.execute(plan)
+            self.steps += 1
+            if not running:
+                return []
+            tokens = [self.sampler.sample(lg, s.payload.params, s.payload.generator) for s, lg in zip(running, last)]
+            if self.share_tokens:
+                tokens = share_tokens(tokens)
+            for s, lg, tok in zip(running, last, tokens):
+                st: RequestState = s.payload
+                if st.params.logprobs is not None:
+                    entry = token_logprobs(lg, tok, st.params.logprobs)
+                    st.logprobs.append(entry)
+                    st.cumulative_logprob += entry[tok].logprob
+                if st.logits is not None:
+                    st.logits.append(lg)
+            self.scheduler.commit(tokens)
+            for seq in running:
+                cb = seq.payload.on_token
+                if cb is not None:  # also for a request that just finished: its last token's text
+                    reason = cb(seq)
+                    if reason is not None and seq.finish_reason is None:
+                        self.scheduler.finish(seq, reason)
+        except BaseException:
+            self.fail(running, plan.free)
+            raise
         self._after_commit(running)
         return running
+
+    def fail(self, seqs: list[Sequence], free: list[int] | None = None) -> None:
+        """A step that ran `seqs` raised: they cannot go on (their KV or sampler state may
+        be half a step ahead), so they leave with finish_reason "error" and every block
+        they hold goes back on the ranks now, with `free` (the failed plan's leavers,
+        which the ranks may not have freed yet; freeing twice is a no-op). Requests the
+        step did not run stay as they were."""
+        for s in seqs:
+            if s.finish_reason is None:
+                self.scheduler.abort(s.rid)
+                s.finish_reason = "error"
+        pending = list(free or []) + self.scheduler.drain_free()
+        try:
+            self.executor.execute(StepPlan([], pending))
+        except Exception:  # noqa: BLE001 - the ranks are gone: the step's own error is the one to see
+            # Kept pending: the next plan (or `drop`) frees them if the ranks come back.
+            self.scheduler._free.extend(r for r in pending if r not in self.scheduler._free)
 
     def run_until_done(self, progress: Callable[[list[Sequence]], None] | None = None,
                        may_join: Callable[[Sequence], bool] | None = None) -> None:
