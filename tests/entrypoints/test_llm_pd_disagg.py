@@ -382,7 +382,7 @@ def test_producer_server_gone_fails_the_decode_request_and_decode_keeps_serving(
     p, p_base = _cli_server(ckpt, _kv("kv_producer", port, "gone"), "--block-size", "4")
 
     def export(prompt: str) -> dict:  # prefilled and exported by P, not imported yet
-        status, body = _post(p_base, {"model": "pd", "prompt": prompt, "max_tokens": 1,
+        status, body = _post(p_base, {"model": "pd", "prompt": prompt, "max_tokens": 1, "temperature": 0,
                                       "kv_transfer_params": PROXY_TO_P}, timeout=120)
         assert status == 200, body
         return body["kv_transfer_params"]
@@ -431,3 +431,35 @@ def test_producer_server_gone_fails_the_decode_request_and_decode_keeps_serving(
     tok = transformers.AutoTokenizer.from_pretrained(ckpt)
     ref = _hf_greedy(ckpt, [list(tok(x)["input_ids"]) for x in (PROMPTS[0], PROMPTS[2])], 4)
     assert [first, again] == ref and own == ref[0]
+
+
+@pytest.mark.slow  # the finding's topology: D spawned at (tp 2, dcp 2), where rank 0 died and rank 1 spun
+def test_producer_server_killed_spawned_consumer_fails_the_request_and_keeps_serving(ckpt):
+    port = free_port()
+    p, p_base = _cli_server(ckpt, _kv("kv_producer", port, "gone2"), "--block-size", "4")
+    try:
+        wait_healthy(p, p_base)
+        with LLM(model=ckpt, tensor_parallel_size=2, decode_context_parallel_size=2, block_size=4,
+                 lowering="eager", max_model_len=64, kv_transfer_config=_kv("kv_consumer", port, "gone2")) as d:
+            def export(prompt: str) -> dict:
+                status, body = _post(p_base, {"model": "pd", "prompt": prompt, "max_tokens": 1, "temperature": 0,
+                                              "kv_transfer_params": PROXY_TO_P}, timeout=120)
+                assert status == 200, body
+                return body["kv_transfer_params"]
+
+            first = d.generate(PROMPTS[:1], GREEDY8, use_tqdm=False, kv_transfer_params=[export(PROMPTS[0])])
+            kvp = export(PROMPTS[1])
+            os.kill(p.pid, signal.SIGKILL)
+            p.wait(timeout=30)
+            with pytest.raises(KVTransferError, match="failed \\(DistNetworkError") as e:
+                d.generate(PROMPTS[1:2], GREEDY8, use_tqdm=False, kv_transfer_params=[kvp])
+            print(f"\nP killed: spawned D (tp 2, dcp 2) raised: {e.value}")
+            assert "its decode blocks were freed" in str(e.value)
+            assert _all_free(d)  # both ranks answered (neither died) and freed the request's blocks
+            own = d.generate(PROMPTS[:1], GREEDY8, use_tqdm=False)  # prefilled on D itself
+        assert own[0].outputs[0].token_ids == first[0].outputs[0].token_ids == \
+            _hf_greedy(ckpt, [own[0].prompt_token_ids], 8)[0]
+    finally:
+        if p.poll() is None:
+            os.kill(p.pid, signal.SIGKILL)
+            p.wait(timeout=30)
