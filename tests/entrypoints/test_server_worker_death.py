@@ -96,3 +96,28 @@ def test_worker_killed_mid_request_errors_the_request_and_the_server_exits(ckpt)
         if proc.poll() is None:
             proc.kill()
             proc.wait(timeout=30)
+
+
+def test_worker_killed_while_idle_health_says_why_and_the_server_exits(ckpt):
+    """No request runs: the engine loop itself notices the dead worker (no step would)."""
+    port = free_port()
+    base = f"http://127.0.0.1:{port}"
+    proc = subprocess.Popen([sys.executable, "-m", "cp_compile.serving.entrypoints.cli", "serve", ckpt, "--port",
+                             str(port), "--served-model-name", "wd", "--lowering", "eager", "--max-model-len", "64",
+                             "--tensor-parallel-size", "2", "--block-size", "4"])
+    try:
+        wait_healthy(proc, base)
+        status, body = _health(base)
+        assert status == 200, body
+        os.kill(body["worker_pids"][0], signal.SIGKILL)
+        t0 = time.monotonic()
+        while (status := _health(base)[0]) == 200 and time.monotonic() - t0 < 10:
+            time.sleep(0.2)
+        status, body = _health(base)
+        print(f"\nidle, worker rank 0 killed: /health {status} after {time.monotonic() - t0:.1f} s: {body}")
+        assert status == 503 and "worker rank 0" in body["error"]["message"]
+        assert proc.wait(timeout=EXIT_WITHIN_S) == 1
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=30)

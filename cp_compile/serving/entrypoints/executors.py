@@ -212,7 +212,7 @@ class SpawnedExecutor:
         """The worker processes' pids, by rank (for /health and process managers)."""
         return [p.pid for p in self.procs]
 
-    def _dead(self, besides: int | None = None) -> WorkerError | None:
+    def dead_worker(self, besides: int | None = None) -> WorkerError | None:
         """A worker (other than rank `besides`) that exited, named with its pid and exit
         code; None while all run."""
         for r, p in enumerate(self.procs):
@@ -229,7 +229,7 @@ class SpawnedExecutor:
         while not conn.poll(0.25):
             # Any rank, not only `rank`: a live rank blocked in a collective with a dead one
             # may never answer (gloo's own timeout is 30 min), so the driver would wait forever.
-            dead = self._dead()
+            dead = self.dead_worker()
             if dead is not None:
                 raise dead
             if deadline is not None and time.monotonic() > deadline:
@@ -238,7 +238,7 @@ class SpawnedExecutor:
         if kind == "error":
             # A rank whose collective broke because a peer died reports first; the dead peer
             # is the cause to name (its own traceback never comes).
-            dead = self._dead(besides=rank)
+            dead = self.dead_worker(besides=rank)
             if dead is not None:
                 last = (payload.strip().splitlines() or [""])[-1]
                 raise WorkerError(f"{dead}; worker rank {rank} failed with it ({last})")

@@ -76,6 +76,7 @@ class EngineLoop:
         self._live: dict[int, Stream] = {}  # rid -> stream of each request not yet finished
         self._done: list[Stream] = []  # finished in this step: told after it (a producer exports at its end)
         self._stop = False
+        self._next_check = 0.0  # when the idle loop next looks for a dead worker
         self._thread = threading.Thread(target=self._run, name="cp-compile-engine", daemon=True)
         self._thread.start()
 
@@ -117,6 +118,14 @@ class EngineLoop:
                 continue  # drain every pending command before the next step
             except queue.Empty:
                 pass
+            if not driver.has_work() and time.monotonic() >= self._next_check:
+                # Idle: no step would notice a dead worker, so /health would answer 200 until
+                # the next request failed on it.
+                self._next_check = time.monotonic() + 0.5
+                dead = getattr(self.llm.executor, "dead_worker", lambda: None)()
+                if dead is not None:
+                    self._fail_all(dead)
+                    return
             if driver.has_work():
                 try:
                     updated = driver.step()
