@@ -24,6 +24,7 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.request
 
 import pytest
 import torch
@@ -353,3 +354,112 @@ def test_llm_roles_mla_sfa(kind, tmp_path):
         assert got == ref
         _flush(p)
         assert all(v == "ok" for v in p.driver.kv_side.verdicts.values()) and _all_free(d) and _all_free(p)
+
+
+def _post(base: str, body: dict, timeout: float) -> tuple[int, dict]:
+    """POST /v1/completions with the standard library: (status, JSON body), errors included."""
+    import json
+    import urllib.error
+
+    req = urllib.request.Request(base + "/v1/completions", data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+def test_producer_server_gone_fails_the_decode_request_and_decode_keeps_serving(ckpt):
+    """Issue 35 item 5. P (`cp-compile serve`, one process) hosts the store. P stops
+    (SIGSTOP: the store hangs) with a request exported: D answers its import with HTTP
+    500 within a bounded time (no store call waits longer than transfer_timeout_s);
+    P resumes and D serves the next request from it (reconnected). Then P dies (SIGKILL:
+    its store with it) with another request exported: D answers HTTP 500 naming the
+    store's DistNetworkError. D's blocks are all free and it serves a request of its
+    own: D's engine never dies on P's store."""
+    port = free_port()
+    p, p_base = _cli_server(ckpt, _kv("kv_producer", port, "gone"), "--block-size", "4")
+
+    def export(prompt: str) -> dict:  # prefilled and exported by P, not imported yet
+        status, body = _post(p_base, {"model": "pd", "prompt": prompt, "max_tokens": 1, "temperature": 0,
+                                      "kv_transfer_params": PROXY_TO_P}, timeout=120)
+        assert status == 200, body
+        return body["kv_transfer_params"]
+
+    try:
+        wait_healthy(p, p_base)
+        with LLM(model=ckpt, block_size=8, lowering="eager", max_model_len=64,
+                 kv_transfer_config=_kv("kv_consumer", port, "gone")) as d, _served(d, "pd") as d_base:
+            _, first = _proxy(p_base, d_base, "pd", PROMPTS[0], 4)  # D has met P (its ranks, its agents)
+            kvp = export(PROMPTS[1])
+            os.kill(p.pid, signal.SIGSTOP)  # alive, silent: a store call on it blocks forever
+            t0 = time.monotonic()
+            try:
+                status, body = _post(d_base, {"model": "pd", "prompt": PROMPTS[1], "max_tokens": 4,
+                                              "kv_transfer_params": kvp}, timeout=60)
+            finally:
+                os.kill(p.pid, signal.SIGCONT)
+            stalled_s = time.monotonic() - t0
+            msg = body["error"]["message"]
+            print(f"\nP stopped: D answered {status} after {stalled_s:.1f} s: {msg}")
+            assert status == 500 and "KV import failed" in msg and "did not answer within" in msg
+            assert f"transfer_timeout_s={TRANSFER_TIMEOUT_S}" in msg and "its decode blocks were freed" in msg
+            assert stalled_s < 4 * TRANSFER_TIMEOUT_S + 10
+            _, again = _proxy(p_base, d_base, "pd", PROMPTS[2], 4)  # P is back: D reconnects to its store
+            kvp = export(PROMPTS[1])
+            os.kill(p.pid, signal.SIGKILL)  # the whole P server dies, its store with it
+            p.wait(timeout=30)
+            t0 = time.monotonic()
+            status, body = _post(d_base, {"model": "pd", "prompt": PROMPTS[1], "max_tokens": 4,
+                                          "kv_transfer_params": kvp}, timeout=60)
+            msg = body["error"]["message"]
+            print(f"P killed: D answered {status} after {time.monotonic() - t0:.1f} s: {msg}")
+            assert status == 500 and "KV import failed" in msg and "failed (DistNetworkError" in msg
+            assert "Fix: check that producer 'prefill-gone' is up" in msg and "its decode blocks were freed" in msg
+            with urllib.request.urlopen(d_base + "/health", timeout=10) as r:
+                assert r.status == 200
+            status, body = _post(d_base, {"model": "pd", "prompt": PROMPTS[0], "max_tokens": 4, "temperature": 0,
+                                          "return_token_ids": True}, timeout=120)  # prefilled on D itself
+            assert status == 200, body
+            own = body["choices"][0]["token_ids"]
+        assert _all_free(d)
+    finally:
+        if p.poll() is None:
+            os.kill(p.pid, signal.SIGKILL)
+            p.wait(timeout=30)
+    tok = transformers.AutoTokenizer.from_pretrained(ckpt)
+    ref = _hf_greedy(ckpt, [list(tok(x)["input_ids"]) for x in (PROMPTS[0], PROMPTS[2])], 4)
+    assert [first, again] == ref and own == ref[0]
+
+
+@pytest.mark.slow  # the finding's topology: D spawned at (tp 2, dcp 2), where rank 0 died and rank 1 spun
+def test_producer_server_killed_spawned_consumer_fails_the_request_and_keeps_serving(ckpt):
+    port = free_port()
+    p, p_base = _cli_server(ckpt, _kv("kv_producer", port, "gone2"), "--block-size", "4")
+    try:
+        wait_healthy(p, p_base)
+        with LLM(model=ckpt, tensor_parallel_size=2, decode_context_parallel_size=2, block_size=4,
+                 lowering="eager", max_model_len=64, kv_transfer_config=_kv("kv_consumer", port, "gone2")) as d:
+            def export(prompt: str) -> dict:
+                status, body = _post(p_base, {"model": "pd", "prompt": prompt, "max_tokens": 1, "temperature": 0,
+                                              "kv_transfer_params": PROXY_TO_P}, timeout=120)
+                assert status == 200, body
+                return body["kv_transfer_params"]
+
+            first = d.generate(PROMPTS[:1], GREEDY8, use_tqdm=False, kv_transfer_params=[export(PROMPTS[0])])
+            kvp = export(PROMPTS[1])
+            os.kill(p.pid, signal.SIGKILL)
+            p.wait(timeout=30)
+            with pytest.raises(KVTransferError, match="failed \\(DistNetworkError") as e:
+                d.generate(PROMPTS[1:2], GREEDY8, use_tqdm=False, kv_transfer_params=[kvp])
+            print(f"\nP killed: spawned D (tp 2, dcp 2) raised: {e.value}")
+            assert "its decode blocks were freed" in str(e.value)
+            assert _all_free(d)  # both ranks answered (neither died) and freed the request's blocks
+            own = d.generate(PROMPTS[:1], GREEDY8, use_tqdm=False)  # prefilled on D itself
+        assert own[0].outputs[0].token_ids == first[0].outputs[0].token_ids == \
+            _hf_greedy(ckpt, [own[0].prompt_token_ids], 8)[0]
+    finally:
+        if p.poll() is None:
+            os.kill(p.pid, signal.SIGKILL)
+            p.wait(timeout=30)

@@ -67,8 +67,8 @@ def main(argv: list[str] | None = None) -> int:
           f"(tp={args.tensor_parallel_size}, dcp={args.decode_context_parallel_size}, "
           f"pcp={args.prefill_context_parallel_size}"
           + (f", {args.kv_transfer_config['kv_role']}" if args.kv_transfer_config else "") + ")", file=sys.stderr, flush=True)
-    serve(llm, args.served_model_name or args.model, host=args.host, port=args.port)
-    return 0
+    # 1 when the engine failed (a worker died): the process manager restarts the server
+    return serve(llm, args.served_model_name or args.model, host=args.host, port=args.port)
 
 
 if __name__ == "__main__":

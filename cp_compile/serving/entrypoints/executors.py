@@ -19,6 +19,7 @@ from __future__ import annotations
 import os
 import pickle
 import secrets
+import signal
 import socket
 import subprocess
 import sys
@@ -206,17 +207,41 @@ class SpawnedExecutor:
             if time.monotonic() > deadline:
                 raise WorkerError(f"workers did not connect within {timeout:.0f} s")
 
+    @property
+    def pids(self) -> list[int]:
+        """The worker processes' pids, by rank (for /health and process managers)."""
+        return [p.pid for p in self.procs]
+
+    def dead_worker(self, besides: int | None = None) -> WorkerError | None:
+        """A worker (other than rank `besides`) that exited, named with its pid and exit
+        code; None while all run."""
+        for r, p in enumerate(self.procs):
+            if r != besides and p.poll() is not None:
+                code = p.returncode
+                how = f"signal {signal.Signals(-code).name}" if code < 0 and -code in signal.valid_signals() \
+                    else f"code {code}"
+                return WorkerError(f"worker rank {r} (pid {p.pid}) exited with {how} (its stderr is above)")
+        return None
+
     def _recv(self, rank: int, timeout: float | None = None) -> Any:
         conn = self.conns[rank]
         deadline = None if timeout is None else time.monotonic() + timeout
-        while not conn.poll(1.0):
-            if self.procs[rank].poll() is not None:
-                raise WorkerError(f"worker rank {rank} exited with code {self.procs[rank].returncode} "
-                                  "(its stderr is above)")
+        while not conn.poll(0.25):
+            # Any rank, not only `rank`: a live rank blocked in a collective with a dead one
+            # may never answer (gloo's own timeout is 30 min), so the driver would wait forever.
+            dead = self.dead_worker()
+            if dead is not None:
+                raise dead
             if deadline is not None and time.monotonic() > deadline:
                 raise WorkerError(f"worker rank {rank} did not answer within {timeout:.0f} s")
         kind, payload = recv_obj(conn)
         if kind == "error":
+            # A rank whose collective broke because a peer died reports first; the dead peer
+            # is the cause to name (its own traceback never comes).
+            dead = self.dead_worker(besides=rank)
+            if dead is not None:
+                last = (payload.strip().splitlines() or [""])[-1]
+                raise WorkerError(f"{dead}; worker rank {rank} failed with it ({last})")
             raise WorkerError(f"worker rank {rank} failed:\n{payload}")
         return payload
 

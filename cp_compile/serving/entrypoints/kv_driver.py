@@ -69,7 +69,7 @@ class ProducerSide:
         self.kv = kv
         # The driver hosts the store when store_master (before any rank connects to it).
         self.exchange = Exchange(kv.kv_ip, kv.kv_port, kv.engine_id, master=kv.store_master,
-                                 timeout_s=kv.handoff_timeout_s)
+                                 timeout_s=kv.handoff_timeout_s, call_timeout_s=kv.transfer_timeout_s)
         self.held: dict[int, Held] = {}
         self.verdicts: dict[int, str] = {}  # rid -> the consumer's verdict ("ok", "failed: ...", "timeout")
 

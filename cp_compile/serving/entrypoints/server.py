@@ -12,6 +12,12 @@ and returns the consumer's `kv_transfer_params` in the response, a kv_consumer s
 imports the KV they name and decodes. A failed import answers that request with HTTP
 500 naming the cause (its blocks freed); the server keeps serving.
 
+An engine that cannot step any more (a worker rank died: the executor notices any dead
+rank within a fraction of a second) fails every request in flight or still arriving
+(HTTP 503, or an error event on a stream), `/health` answers 503 with the reason (while
+healthy it lists the `worker_pids`), and `serve` returns 1 after `EXIT_GRACE_S`, which
+`cp-compile serve` exits with, for a process manager to restart it (decision 55).
+
 Continuous batching: one engine thread owns the driver and steps it while any
 request runs; HTTP handlers check a request (`Driver.check`: reads only fixed
 limits, so it is safe off that thread), then hand it over through a queue, and
@@ -29,7 +35,9 @@ naming the field, the message its value and the fix; an unknown model gets 404
 
 import asyncio
 import json
+import os
 import queue
+import sys
 import threading
 import time
 import uuid
@@ -37,6 +45,7 @@ from dataclasses import dataclass, field
 from typing import Any, AsyncIterator
 
 from cp_compile.serving.entrypoints import openai_logprobs
+from cp_compile.serving.entrypoints.executors import SpawnedExecutor
 from cp_compile.serving.entrypoints.llm import LLM, TextState
 from cp_compile.serving.hf.scheduler import Sequence
 from cp_compile.serving.kv_transfer import KVTransferError
@@ -63,9 +72,11 @@ class EngineLoop:
         self.max_batch_seen = 0
         self.requests_served = 0
         self.error: BaseException | None = None
+        self.failed = threading.Event()  # set once the engine cannot step any more (serve exits then)
         self._live: dict[int, Stream] = {}  # rid -> stream of each request not yet finished
         self._done: list[Stream] = []  # finished in this step: told after it (a producer exports at its end)
         self._stop = False
+        self._next_check = 0.0  # when the idle loop next looks for a dead worker
         self._thread = threading.Thread(target=self._run, name="cp-compile-engine", daemon=True)
         self._thread.start()
 
@@ -107,19 +118,49 @@ class EngineLoop:
                 continue  # drain every pending command before the next step
             except queue.Empty:
                 pass
+            if not driver.has_work() and time.monotonic() >= self._next_check:
+                # Idle: no step would notice a dead worker, so /health would answer 200 until
+                # the next request failed on it.
+                self._next_check = time.monotonic() + 0.5
+                dead = getattr(self.llm.executor, "dead_worker", lambda: None)()
+                if dead is not None:
+                    self._fail_all(dead)
+                    return
             if driver.has_work():
                 try:
                     updated = driver.step()
                 except KVTransferError as e:  # a failed import fails its requests, not the server
                     self._fail_imports(e)
                     continue
-                except BaseException as e:  # noqa: BLE001 - the server reports it on /health
-                    self.error = e
+                except BaseException as e:  # noqa: BLE001 - the server reports it on /health, then exits
+                    self._flush_done()
+                    self._fail_all(e)
                     return
                 finally:
                     self._flush_done()
                 self.max_batch_seen = max(self.max_batch_seen, len(updated))
                 self.requests_served += sum(s.finish_reason is not None for s in updated)
+
+    def _fail_all(self, exc: BaseException) -> None:
+        """The engine cannot step any more (a worker died, ...): every request in flight and
+        every one still arriving gets an error event instead of waiting forever (issue 35
+        item 6); `serve` then exits non-zero for a process manager to restart the server."""
+        self.error = EngineFailed(f"engine failed: {type(exc).__name__}: {exc}. Fix: restart the server (it exits "
+                                  "with code 1 so that a process manager can; requests in flight were answered "
+                                  "with this error)")
+        self.error.__cause__ = exc
+        self.failed.set()
+        while not self._stop:
+            for stream in self._live.values():
+                stream.loop.call_soon_threadsafe(stream.events.put_nowait, ("error", stream.index, self.error))
+            self._live.clear()
+            try:
+                cmd = self.commands.get(timeout=0.05)
+            except queue.Empty:
+                continue
+            if cmd[0] == "add":  # submitted before the handler saw self.error
+                stream = cmd[3]
+                stream.loop.call_soon_threadsafe(stream.events.put_nowait, ("error", stream.index, self.error))
 
     def _flush_done(self) -> None:
         for stream in self._done:
@@ -152,6 +193,10 @@ class EngineLoop:
         self._thread.join(timeout=10)
 
 
+class EngineFailed(RuntimeError):
+    """The engine thread stopped for good (a worker died, ...): HTTP 503 until the server exits."""
+
+
 class ModelNotFound(RequestError):
     """A request for a model this server does not serve: HTTP 404, OpenAI's model_not_found."""
 
@@ -160,7 +205,8 @@ def _error(message: str, param: str | None, status: int = 400) -> Any:
     from fastapi.responses import JSONResponse
 
     return JSONResponse(status_code=status, content={"error": {
-        "message": message, "type": "BadRequestError" if status == 400 else "InternalServerError",
+        "message": message, "type": {400: "BadRequestError", 503: "ServiceUnavailableError"}.get(
+            status, "InternalServerError"),
         "param": param, "code": status}})
 
 
@@ -247,7 +293,7 @@ def build_app(llm: LLM, served_model_name: str) -> Any:
 
     async def run(request: Request, chat: bool) -> Any:
         if engine.error is not None:
-            return _error(f"engine failed: {engine.error}", None, 500)
+            return _error(str(engine.error), None, 503)
         try:
             body = await request.json()
         except (json.JSONDecodeError, UnicodeDecodeError):
@@ -348,7 +394,8 @@ def build_app(llm: LLM, served_model_name: str) -> Any:
                     return JSONResponse(status_code=499, content={})
                 if kind == "error":
                     abort_all()
-                    status = 400 if isinstance(payload, (RequestError, ValueError)) else 500
+                    status = 400 if isinstance(payload, (RequestError, ValueError)) else \
+                        503 if isinstance(payload, EngineFailed) else 500
                     return _error(str(payload), getattr(payload, "field", None), status)
                 left -= bool(payload)
         finally:
@@ -382,9 +429,9 @@ def build_app(llm: LLM, served_model_name: str) -> Any:
 
     @app.get("/health")
     async def health() -> Any:
-        if engine.error is not None:
-            return _error(f"engine failed: {engine.error}", None, 500)
-        return JSONResponse({})
+        if engine.error is not None:  # 503 with the reason, until serve() exits
+            return _error(str(engine.error), None, 503)
+        return JSONResponse({"worker_pids": list(getattr(llm.executor, "pids", [os.getpid()]))})
 
     @app.get("/v1/cp_compile/stats")
     async def stats() -> Any:
@@ -410,12 +457,37 @@ def _sse(rid: str, model: str, created: int, chat: bool, index: int, delta: Any,
     return f"data: {json.dumps(obj)}\n\n"
 
 
-def serve(llm: LLM, served_model_name: str, host: str = "127.0.0.1", port: int = 8000) -> None:
+EXIT_GRACE_S = 5.0  # after an engine failure: /health answers 503 with the reason this long, then the exit
+
+
+def serve(llm: LLM, served_model_name: str, host: str = "127.0.0.1", port: int = 8000) -> int:
+    """Serve until stopped (returns 0) or until the engine fails (returns 1, after
+    EXIT_GRACE_S): the server does not restart its workers itself, a process manager
+    restarts the whole server (docs/decisions.md, engine failure)."""
     import uvicorn
 
     app = build_app(llm, served_model_name)
+    engine: EngineLoop = app.state.engine
+    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning"))
+
+    def exit_on_failure() -> None:
+        engine.failed.wait()
+        print(f"cp-compile serve: {engine.error}; exiting with code 1 in {EXIT_GRACE_S:.0f} s", file=sys.stderr,
+              flush=True)
+        time.sleep(EXIT_GRACE_S)
+        server.should_exit = True
+
+    threading.Thread(target=exit_on_failure, name="cp-compile-exit-on-failure", daemon=True).start()
     try:
-        uvicorn.run(app, host=host, port=port, log_level="warning")
+        server.run()
     finally:
-        app.state.engine.close()
-        llm.close()
+        engine.close()
+        if engine.error is not None:
+            # The workers cannot be trusted to answer a close (one is dead, a peer may be
+            # blocked in a collective with it): killed, not waited for; then the LLM is
+            # marked closed so its atexit hook does not try again.
+            llm.executor.close(**({"force": True} if isinstance(llm.executor, SpawnedExecutor) else {}))
+            llm._closed = True
+        else:
+            llm.close()
+    return 1 if engine.error is not None else 0

@@ -76,7 +76,8 @@ class KVProducer(_Role):
                  attention: AttentionSpec, rank: int, transport: KVTransport | None = None) -> None:
         super().__init__(kv_transfer_config, cfg, cache, spec, attention, rank, transport, "kv_producer")
         self.exchange = Exchange(self.kv.kv_ip, self.kv.kv_port, self.kv.engine_id,
-                                 master=self.kv.store_master and rank == 0, timeout_s=self.kv.handoff_timeout_s)
+                                 master=self.kv.store_master and rank == 0, timeout_s=self.kv.handoff_timeout_s,
+                                 call_timeout_s=self.kv.transfer_timeout_s)
         self.exchange.publish_rank(RankInfo(self.kv.engine_id, rank, self.layout, self.geometry, self.regions,
                                             self.transport.metadata()), self.layout.world_size)
 
@@ -115,7 +116,7 @@ class KVConsumer(_Role):
                               f"use BlockAllocator(num_blocks, {self.layout.virtual_block_size})")
         self.allocator, self.group = allocator, group
         self.exchange = Exchange(self.kv.kv_ip, self.kv.kv_port, self.kv.remote_engine_id,
-                                 timeout_s=self.kv.handoff_timeout_s)
+                                 timeout_s=self.kv.handoff_timeout_s, call_timeout_s=self.kv.transfer_timeout_s)
         self._producer: dict[int, RankInfo] | None = None
         self._peers: dict[int, str] = {}
         self.quarantined: list[int] = []  # requests whose blocks an unreleasable transfer may still write
@@ -230,6 +231,19 @@ class KVConsumer(_Role):
                 on_layer(layer)
         return moved, ndesc
 
+    def _tell_producer(self, req_id: int, verdict: str) -> str:
+        """Publish the verdict (rank 0 only); returns "" or why the producer could not be told.
+        Best effort: the request's own outcome is decided here, and a producer whose store is
+        gone or silent cannot free its blocks anyway (it expires them after handoff_timeout_s
+        if it comes back). Raising here would turn a failed request into a failed rank."""
+        if self.rank != 0:
+            return ""
+        try:
+            self.exchange.publish_consumed(req_id, verdict)
+        except KVTransferError as exc:
+            return f" (the producer could not be told: {exc})"
+        return ""
+
     def import_request(self, req_id: int, on_layer: Callable[[int], None] | None = None,
                        local_id: int | None = None) -> ImportedRequest:
         """Bring request `req_id` of the producer into this instance, under `local_id` in
@@ -240,8 +254,7 @@ class KVConsumer(_Role):
         try:
             infos = self.producer()  # geometry checked: refuses before any byte moves
         except ConfigError as exc:
-            if self.rank == 0:
-                self.exchange.publish_consumed(req_id, f"refused: {exc}")
+            self._tell_producer(req_id, f"refused: {exc}")
             raise
         src_layout = infos[0].layout
         error: BaseException | None = None
@@ -273,8 +286,7 @@ class KVConsumer(_Role):
         if int(ok) == 0:
             why = str(error) if error is not None else "another consumer rank's reads failed"
             if isinstance(error, CapacityError):  # nothing was allocated: refused, as before any byte moves
-                if self.rank == 0:
-                    self.exchange.publish_consumed(req_id, f"refused: {error}")
+                self._tell_producer(req_id, f"refused: {error}")
                 raise error
             if mine in self.quarantined:  # a read NIXL could not release may still land: keep the blocks
                 fate = "its decode blocks stay reserved (cp_compile KVConsumer.quarantined): a read could not be released"
@@ -283,10 +295,11 @@ class KVConsumer(_Role):
                 fate = "its decode blocks were freed"
             msg = f"request {req_id}: KV transfer from {self.kv.remote_engine_id!r} failed on consumer rank " \
                   f"{self.rank}: {why}. The request is not scheduled; {fate}"
-            if self.rank == 0 and not isinstance(error, KVAlreadyImportedError):  # the first import's verdict stays
-                self.exchange.publish_consumed(req_id, f"failed: {msg}")
+            if not isinstance(error, KVAlreadyImportedError):  # the first import's verdict stays
+                msg += self._tell_producer(req_id, f"failed: {msg}")
             raise (type(error) if isinstance(error, KVTransferError) else KVTransferError)(msg) from error
-        if self.rank == 0:
-            self.exchange.publish_consumed(req_id, "ok")
+        # Every rank holds its part of the KV: the request decodes even if the producer cannot
+        # be told (its store went away after the reads completed).
+        self._tell_producer(req_id, "ok")
         assert plan is not None
         return ImportedRequest(req_id, ready.num_tokens, ready.first_token, moved, seconds, plan.src_ranks(), ndesc)
