@@ -158,6 +158,11 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+# How long a rank's reported failure waits for a peer's death to become visible (the
+# dead peer is then named as the cause); only failing steps pay it.
+PEER_DEATH_GRACE_S = 2.0
+
+
 class WorkerError(RuntimeError):
     """A worker rank failed; the message carries its traceback."""
 
@@ -237,8 +242,14 @@ class SpawnedExecutor:
         kind, payload = recv_obj(conn)
         if kind == "error":
             # A rank whose collective broke because a peer died reports first; the dead peer
-            # is the cause to name (its own traceback never comes).
+            # is the cause to name (its own traceback never comes). The peer's exit can be
+            # seen a moment after its sockets closed (the broken collective), so wait a
+            # short grace for it before blaming the reporting rank.
             dead = self.dead_worker(besides=rank)
+            deadline = time.monotonic() + PEER_DEATH_GRACE_S
+            while dead is None and time.monotonic() < deadline:
+                time.sleep(0.05)
+                dead = self.dead_worker(besides=rank)
             if dead is not None:
                 last = (payload.strip().splitlines() or [""])[-1]
                 raise WorkerError(f"{dead}; worker rank {rank} failed with it ({last})")
