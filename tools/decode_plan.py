@@ -135,6 +135,129 @@ def plan_rows() -> list[dict[str, Any]]:
     return rows
 
 
+# ----------------------------------------------------------------------------- sparse MLA and the indexer
+# (docs/kernels.md "Split-KV sparse MLA and indexer"): the same capture and model.
+
+SPARSE_TOPK = 2048  # DeepSeek-V3.2's selected tokens per query row
+SPARSE_HEADS = (16, 128)  # local heads of 512 + 64 (tp 8 .. 1)
+INDEXER_HEADS, INDEXER_DIM = 64, 128
+
+
+def _sparse_mla_program_bytes(launch: Any, l2_reuse: bool) -> list[float]:
+    """Bytes each program of a `_sparse_mla_kernel` launch moves: per item (row, split,
+    head block) its split's latent rows (576 bf16 + the int32 index) and its q tile, and
+    the partial it writes (fp32 with splits, bf16 out without). l2_reuse: the head blocks
+    after the first of a (row, split) find its rows in L2 (they run side by side: the head
+    block is the innermost item index)."""
+    a = launch.args
+    n_work, H, n_hblk, n_splits, split_len, K, L, R = a[9:17]
+    block_h, grid = launch.kwargs["BLOCK_H"], launch.grid[0]
+    heads = [min(block_h, H - hb * block_h) for hb in range(n_hblk)]
+    part = 4 if n_splits > 1 else BYTES
+    costs = [0.0] * grid
+    for w in range(n_work):
+        hb, sp = w % n_hblk, (w // n_hblk) % n_splits
+        keys = max(0, min(split_len, K - sp * split_len))
+        rows = 0 if l2_reuse and hb > 0 else keys * ((L + R) * BYTES + 4)
+        costs[w % grid] += rows + heads[hb] * ((L + R) * BYTES + L * part + 4)
+    return costs
+
+
+def _sparse_merge_program_bytes(launch: Any) -> list[float]:
+    a = launch.args
+    n_splits, n_rows, Dv, n_dblk = a[4:8]
+    block_r, block_d, grid = launch.kwargs["BLOCK_R"], launch.kwargs["BLOCK_D"], launch.grid[0]
+    costs = [0.0] * grid
+    for w in range(-(-n_rows // block_r) * n_dblk):
+        rows = min(block_r, n_rows - (w // n_dblk) * block_r)
+        cols = min(block_d, Dv - (w % n_dblk) * block_d)
+        costs[w % grid] += rows * (n_splits * (cols + 1) * 4 + cols * BYTES + 4)
+    return costs
+
+
+def _indexer_program_bytes(launch: Any) -> list[float]:
+    """Bytes each program of an `_index_scores_kernel` launch moves: per item (row, key
+    split) its keys (128 bf16) and their fp32 scores, and the row's q [64, 128] and weights,
+    loaded once per item (before the splits: once per 64-key tile)."""
+    a = launch.args
+    n_work, n_splits, split_len, Hi, Di, _, S = a[7:14]
+    grid = launch.grid[0]
+    costs = [0.0] * grid
+    for w in range(n_work):
+        keys = max(0, min(split_len, S - (w % n_splits) * split_len))
+        costs[w % grid] += keys * (Di * BYTES + 4) + Hi * Di * BYTES + Hi * 4
+    return costs
+
+
+def sparse_plan_rows() -> list[dict[str, Any]]:
+    """Sparse MLA (top-2048, 16 / 128 heads of 512 + 64) and the lightning indexer (64 x
+    128) at batch 1 / 8 / 64 and 8k-128k, before (main's launch: one program per (row, head
+    block) over the whole list / per 64-key tile, grid capped at 132) and with the splits."""
+    from cp_compile.ops.core.triton_common import capture_launches, planning_for
+    from cp_compile.ops.sparse.triton_indexer import index_scores_triton
+    from cp_compile.ops.sparse.triton_sparse_mla import sparse_mla_rows_triton
+
+    L, R = 512, 64
+    rows: list[dict[str, Any]] = []
+    cases = [("sparse MLA", h) for h in SPARSE_HEADS] + [("indexer", INDEXER_HEADS)]
+    for kind, heads in cases:
+        for B in BATCHES:
+            for ctx in CONTEXTS:
+                nb = ctx // BLOCK_SIZE
+                bt = torch.zeros(B, nb, dtype=torch.int32)
+                req = torch.arange(B, dtype=torch.int32)
+                if kind == "sparse MLA":
+                    cache = torch.empty(1, BLOCK_SIZE, L + R, dtype=torch.bfloat16).expand(B * nb, BLOCK_SIZE, L + R)
+                    args = (torch.empty(B, heads, L, dtype=torch.bfloat16), torch.empty(B, heads, R, dtype=torch.bfloat16),
+                            cache, bt, req, torch.zeros(B, SPARSE_TOPK, dtype=torch.int32), 0.1)
+                    unique = B * SPARSE_TOPK * (L + R) * BYTES
+                    variants = {"before": lambda: sparse_mla_rows_triton(*args, num_splits=1, num_programs=SMS,
+                                                                         block_n=32),
+                                "split": lambda: sparse_mla_rows_triton(*args)}
+                    shape = f"sparse MLA {heads} heads, 512+64, top-{SPARSE_TOPK}"
+                else:
+                    cache = torch.empty(1, BLOCK_SIZE, INDEXER_DIM, dtype=torch.bfloat16).expand(
+                        B * nb, BLOCK_SIZE, INDEXER_DIM)
+                    args = (torch.empty(B, heads, INDEXER_DIM, dtype=torch.bfloat16), cache,
+                            torch.empty(B, heads), bt, req, torch.full((B,), ctx, dtype=torch.int32))
+                    unique = B * ctx * (INDEXER_DIM * BYTES + 4)
+                    variants = {"before": lambda: index_scores_triton(*args, num_splits=ctx // 64, num_programs=SMS),
+                                "split": lambda: index_scores_triton(*args)}
+                    shape = f"indexer {heads} heads x {INDEXER_DIM}"
+                for variant, call in variants.items():
+                    with capture_launches() as launches, planning_for("cuda", SMS):
+                        call()
+                    fractions = {}
+                    for l2 in (False, True):
+                        total_s, launch_rows = 0.0, []
+                        for lc in launches:
+                            name = lc.kernel.fn.__name__
+                            costs = (_sparse_mla_program_bytes(lc, l2) if name == "_sparse_mla_kernel"
+                                     else _indexer_program_bytes(lc) if name == "_index_scores_kernel"
+                                     else _sparse_merge_program_bytes(lc))
+                            seconds = _schedule(costs, SMS) / (HBM_BYTES_PER_S / SMS * STREAM_EFFICIENCY)
+                            total_s += seconds
+                            launch_rows.append({
+                                "kernel": name, "grid": list(lc.grid), "constexprs": dict(lc.kwargs),
+                                "bytes_moved": int(sum(costs)), "bytes_per_program_max": int(max(costs)),
+                                "waves": round(lc.grid[0] / SMS, 2), "predicted_us": round(seconds * 1e6, 1)})
+                        fractions[l2] = round(unique / (total_s * HBM_BYTES_PER_S), 3)
+                        if not l2:
+                            no_reuse_rows = launch_rows
+                    a = launches[0].args
+                    splits = a[12] if kind == "sparse MLA" else a[8]
+                    att = no_reuse_rows[0]
+                    rows.append({
+                        "shape": shape, "batch": B, "context": ctx, "variant": variant,
+                        "splits": splits, "split_len": a[13] if kind == "sparse MLA" else a[9],
+                        "grid": att["grid"][0], "waves": att["waves"], "bytes_per_program": att["bytes_per_program_max"],
+                        "unique_kv_bytes": unique,
+                        "predicted_fraction_of_4.8TBps": fractions[False],
+                        "predicted_fraction_l2_reuse": fractions[True],
+                        "launches": no_reuse_rows})
+    return rows
+
+
 def markdown(rows: list[dict[str, Any]]) -> str:
     keys = ["shape", "batch", "context", "variant", "splits", "grid", "waves", "bytes_per_program",
             "predicted_fraction_of_4.8TBps"]
@@ -148,7 +271,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", type=Path, help="write the rows here")
     p.add_argument("--markdown", action="store_true", help="print a markdown table")
     a = p.parse_args(argv)
-    rows = plan_rows()
+    rows = plan_rows() + sparse_plan_rows()
     if a.json:
         a.json.write_text(json.dumps(rows, indent=1))
     print(markdown(rows) if a.markdown or not a.json else f"wrote {len(rows)} rows to {a.json}")

@@ -29,6 +29,7 @@ from cp_compile.ops.core.triton_common import (
     target_of,
 )
 from cp_compile.ops.core.layout import request_index
+from cp_compile.ops.core.split_kv import kv_splits
 
 # Elements of the [BLOCK_H, BLOCK_N, D] broadcast product a tile may hold. Bounds
 # registers / UB on device and keeps interpreter tiles small.
@@ -366,35 +367,8 @@ def _tiles(group: int, d_max: int, block_h: int | None, block_n: int | None) -> 
     return block_h, block_n
 
 
-# Waves of programs a split decode launch aims for on the device's cores: one wave
-# leaves the SMs idle while the last programs of a wave finish; two keep them busy
-# through the tail (docs/decisions.md 54).
-_SPLIT_WAVES = 2
 # Dv columns of one split-merge work item (its tile: <= 16 rows x 64 columns).
 _MERGE_BLOCK_D = 64
-# Split lengths are multiples of this many keys: tl.dot's smallest K tile, so a split of
-# a full table never ends in a tile of a few keys.
-_SPLIT_ALIGN = 16
-
-
-def kv_splits(n_items: int, max_keys: int, cores: int, *, waves: int = _SPLIT_WAVES) -> tuple[int, int]:
-    """(n_splits, split_len) of a split-KV decode launch, from sizes only (capture-safe).
-
-    n_items: (token, kv head, head block) work items; max_keys: the keys a request can
-    have (the block table's width x the page size: kv_lens are device values and are not
-    read); cores: the device's SMs / cores. The split count is the one that makes
-    n_items x n_splits fill `waves` waves of the cores, its length rounded down to
-    _SPLIT_ALIGN keys and the count recomputed from it (n_splits >= the count wanted, so
-    >= `waves` waves; no split is empty at a full table), unless splits of _SPLIT_ALIGN
-    keys are still too few (short tables: one split per aligned chunk); a request shorter than max_keys leaves its last splits empty. Already `waves` waves
-    of items, or a table of one aligned chunk: (1, max_keys). Split lengths need not be
-    whole key tiles or pages (the kernel masks each split's last tile at its end).
-    """
-    want = min(triton.cdiv(waves * cores, max(n_items, 1)), triton.cdiv(max(max_keys, 1), _SPLIT_ALIGN))
-    if want <= 1:
-        return 1, max(max_keys, 1)
-    split_len = max(_SPLIT_ALIGN, max_keys // want // _SPLIT_ALIGN * _SPLIT_ALIGN)
-    return triton.cdiv(max_keys, split_len), split_len
 
 
 def _dot_tiles(group: int, d_max: int) -> tuple[int, int]:

@@ -1,13 +1,18 @@
 """Lightning-indexer scores (DeepSeek-V3.2 DSA) over a paged index cache, then an on-device top-k.
 
-Scores: one work item is (query row, BLOCK_N keys); I[t, j] = sum_h w[t, h] *
-relu(q[t, h] . k[j]) in fp32 for the row's causal keys j < kv_lens[t], -inf for the
-rest of the static width S = block_table.shape[1] * BS (a shape, not a data-dependent
-length: nothing is read back to the host). Top-k: a stable descending `torch.sort`
-on the device, so ties go to the lower position exactly as in the reference, and
-positions past kv_lens become -1. Rows are scored in chunks that bound the [rows, S]
-score buffer (a Python loop over shapes, which a CUDA graph captures).
-Torch oracle: `cp_compile.ops.sparse.reference.lightning_indexer_topk_rows`.
+Scores: one work item is (query row, key split): the static width S =
+block_table.shape[1] * BS (a shape, not a data-dependent length: nothing is read back
+to the host) is cut into `n_splits` ranges of `split_len` keys, and an item loads its
+row's q [Hi, Di] and weights once, then streams its range in BLOCK_N-key tiles:
+I[t, j] = sum_h w[t, h] * relu(q[t, h] . k[j]) in fp32 (tl.dot over the heads on
+accelerators) for the row's causal keys j < kv_lens[t], -inf for the rest. Each score
+belongs to one split, so there is no merge. CUDA: enough splits for 2 waves of the
+SMs (`core/split_kv.kv_splits`), one program per item; NPU: one BLOCK_N tile per item
+on its persistent per-core grid (the launch it had; docs/decisions.md 58). Top-k: a
+stable descending `torch.sort` on the device, so ties go to the lower position exactly
+as in the reference, and positions past kv_lens become -1. Rows are scored in chunks
+that bound the [rows, S] score buffer (a Python loop over shapes, which a CUDA graph
+captures). Torch oracle: `cp_compile.ops.sparse.reference.lightning_indexer_topk_rows`.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ import triton.language as tl
 
 from cp_compile.ops.core.attention_tile import paged_location
 from cp_compile.ops.core import layout
+from cp_compile.ops.core.split_kv import kv_splits
 from cp_compile.ops.core.triton_cache_write import cache_write_triton
 from cp_compile.ops.core.triton_common import (
     LoweringDeclaration,
@@ -28,6 +34,7 @@ from cp_compile.ops.core.triton_common import (
     next_pow2,
     prev_pow2,
     require_int32_offsets,
+    target_of,
 )
 
 _TILE_BUDGET = 8192  # elements of the broadcast [HI_PAD, BLOCK_N, D_PAD] product (no-dot path)
@@ -37,7 +44,7 @@ _CHUNK_ELEMS = 1 << 26  # fp32 scores held at once (256 MiB)
 @triton.jit
 def _index_scores_kernel(
     q_ptr, k_ptr, w_ptr, bt_ptr, req_ptr, kvlen_ptr, out_ptr,
-    n_work, n_ntile, Hi, Di, block_size, S,
+    n_work, n_splits, split_len, Hi, Di, block_size, S,
     s_qt, s_qh, s_qd,
     s_kb, s_ks, s_kd,
     s_wt, s_wh,
@@ -53,25 +60,31 @@ def _index_scores_kernel(
     h_mask = offs_h < Hi
     d_mask = offs_d < Di
     for w in range(pid, n_work, nprog):
-        t = w // n_ntile
-        j = (w % n_ntile) * BLOCK_N + offs_n  # request-local positions
+        t = w // n_splits
+        lo = (w % n_splits) * split_len
+        hi = tl.minimum(lo + split_len, S)  # this split's keys (need not align to BLOCK_N)
         req = tl.load(req_ptr + t)
         n_kv = tl.load(kvlen_ptr + t)
         n_kv = tl.where(req >= 0, n_kv, 0)
         req = tl.maximum(req, 0)
-        valid = j < n_kv
-        page, in_page = paged_location(bt_ptr, req, s_bt, j, valid, block_size)
-        k = tl.load(k_ptr + (page * s_kb + in_page * s_ks)[:, None] + offs_d[None, :] * s_kd,
-                    mask=valid[:, None] & d_mask[None, :], other=0.0)  # [BLOCK_N, D_PAD]
+        # The row's query and weights once per item, not once per key tile.
         q = tl.load(q_ptr + t * s_qt + offs_h[:, None] * s_qh + offs_d[None, :] * s_qd,
                     mask=h_mask[:, None] & d_mask[None, :], other=0.0)  # [HI_PAD, D_PAD]
+        if not USE_DOT:
+            q = q.to(tl.float32)
         wt = tl.load(w_ptr + t * s_wt + offs_h * s_wh, mask=h_mask, other=0.0).to(tl.float32)
-        if USE_DOT:
-            dots = tl.dot(q, tl.trans(k))  # [HI_PAD, BLOCK_N] fp32
-        else:
-            dots = tl.sum(q.to(tl.float32)[:, None, :] * k.to(tl.float32)[None, :, :], axis=2)
-        score = tl.sum(wt[:, None] * tl.maximum(dots, 0.0), axis=0)  # [BLOCK_N]
-        tl.store(out_ptr + t * s_ot + j, tl.where(valid, score, float("-inf")), mask=j < S)
+        for start in range(lo, hi, BLOCK_N):
+            j = start + offs_n  # request-local positions
+            valid = j < tl.minimum(n_kv, hi)
+            page, in_page = paged_location(bt_ptr, req, s_bt, j, valid, block_size)
+            k = tl.load(k_ptr + (page * s_kb + in_page * s_ks)[:, None] + offs_d[None, :] * s_kd,
+                        mask=valid[:, None] & d_mask[None, :], other=0.0)  # [BLOCK_N, D_PAD]
+            if USE_DOT:
+                dots = tl.dot(q, tl.trans(k))  # [HI_PAD, BLOCK_N] fp32: every head in one product
+            else:
+                dots = tl.sum(q[:, None, :] * k.to(tl.float32)[None, :, :], axis=2)
+            score = tl.sum(wt[:, None] * tl.maximum(dots, 0.0), axis=0)  # [BLOCK_N]
+            tl.store(out_ptr + t * s_ot + j, tl.where(valid, score, float("-inf")), mask=j < hi)
 
 
 def index_scores_triton(
@@ -85,8 +98,13 @@ def index_scores_triton(
     num_programs: int | None = None,
     block_n: int | None = None,
     use_dot: bool | None = None,
+    num_splits: int | None = None,
 ) -> torch.Tensor:
-    """-> fp32 [T, S] scores, S = block_table.shape[1] * BS; -inf past each row's kv_lens."""
+    """-> fp32 [T, S] scores, S = block_table.shape[1] * BS; -inf past each row's kv_lens.
+
+    num_splits: key ranges per row, one work item each (default: `kv_splits` on CUDA and
+    under the interpreter, one BLOCK_N tile per item on the NPU); any value >= 1 is
+    accepted (tests: splits ending mid-tile, splits past every row's kv_len)."""
     T, Hi, Di = q_i.shape
     BS = index_cache.shape[1]
     S = block_table.shape[1] * BS
@@ -95,7 +113,9 @@ def index_scores_triton(
     if T == 0 or S == 0:
         return out
     require_int32_offsets(q_i=q_i, index_cache=index_cache, block_table=block_table, out=out)
-    use_dot = device.type != "cpu" if use_dot is None else use_dot
+    target = target_of(device)[0]  # the tensors' device, or the one a plan targets
+    use_dot = target != "cpu" if use_dot is None else use_dot
+    cores = target_of(device, uses_cube=use_dot)[1]
     hi_pad, d_pad = next_pow2(Hi), next_pow2(Di)
     if use_dot:
         hi_pad, d_pad = max(hi_pad, 16), max(d_pad, 16)
@@ -105,13 +125,22 @@ def index_scores_triton(
         block_n = block_n or max(8, min(64, prev_pow2(_TILE_BUDGET // (hi_pad * d_pad))))
     if block_n & (block_n - 1):
         raise ValueError(f"block_n={block_n} must be a power of two")
-    n_ntile = triton.cdiv(S, block_n)
-    n_work = T * n_ntile
-    grid = (grid_size(n_work, device, num_programs, uses_cube=use_dot),)
+    if num_splits is None:
+        if target == "npu":
+            num_splits = triton.cdiv(S, block_n)  # one tile per item, as before the splits
+        else:
+            num_splits = kv_splits(T, S, cores)[0]
+    elif num_splits < 1:
+        raise ValueError(f"num_splits must be >= 1, got {num_splits}")
+    split_len = triton.cdiv(S, num_splits)
+    n_work = T * num_splits
+    if num_programs is None:
+        num_programs = n_work if target == "cuda" else cores
+    grid = (grid_size(n_work, device, num_programs),)
     kernel_for(_index_scores_kernel, device)[grid](
         q_i, index_cache, w, block_table.to(torch.int32).contiguous(), req.to(device=device, dtype=torch.int32),
         kv_lens.to(device=device, dtype=torch.int32).contiguous(), out,
-        n_work, n_ntile, Hi, Di, BS, S,
+        n_work, num_splits, split_len, Hi, Di, BS, S,
         *q_i.stride(), *index_cache.stride(), *w.stride(), block_table.stride(0), out.stride(0),
         HI_PAD=hi_pad, BLOCK_N=block_n, D_PAD=d_pad, USE_DOT=use_dot,
     )
