@@ -175,17 +175,19 @@ def _sparse_merge_program_bytes(launch: Any) -> list[float]:
     return costs
 
 
-def _indexer_program_bytes(launch: Any) -> list[float]:
+def _indexer_program_bytes(launch: Any, l2_reuse: bool) -> list[float]:
     """Bytes each program of an `_index_scores_kernel` launch moves: per item (row, key
     split) its keys (128 bf16) and their fp32 scores, and the row's q [64, 128] and weights,
-    loaded once per item (before the splits: once per 64-key tile)."""
+    loaded once per item (before the splits: once per 64-key tile). l2_reuse: only a row's
+    first item reads q from DRAM (16 KB, shared by all its items)."""
     a = launch.args
     n_work, n_splits, split_len, Hi, Di, _, S = a[7:14]
     grid = launch.grid[0]
     costs = [0.0] * grid
     for w in range(n_work):
-        keys = max(0, min(split_len, S - (w % n_splits) * split_len))
-        costs[w % grid] += keys * (Di * BYTES + 4) + Hi * Di * BYTES + Hi * 4
+        sp = w % n_splits
+        keys = max(0, min(split_len, S - sp * split_len))
+        costs[w % grid] += keys * (Di * BYTES + 4) + (0 if l2_reuse and sp else Hi * Di * BYTES + Hi * 4)
     return costs
 
 
@@ -233,7 +235,7 @@ def sparse_plan_rows() -> list[dict[str, Any]]:
                         for lc in launches:
                             name = lc.kernel.fn.__name__
                             costs = (_sparse_mla_program_bytes(lc, l2) if name == "_sparse_mla_kernel"
-                                     else _indexer_program_bytes(lc) if name == "_index_scores_kernel"
+                                     else _indexer_program_bytes(lc, l2) if name == "_index_scores_kernel"
                                      else _sparse_merge_program_bytes(lc))
                             seconds = _schedule(costs, SMS) / (HBM_BYTES_PER_S / SMS * STREAM_EFFICIENCY)
                             total_s += seconds

@@ -237,14 +237,17 @@ def test_indexer_split_ends_mid_tile(use_dot: bool) -> None:
 @interp
 @pytest.mark.parametrize("use_dot", [False, True])
 def test_indexer_split_default_count_topk_exact(use_dot: bool) -> None:
-    """The default split count (kv_splits over S and 32 cores) splits each row; on
-    integer inputs (exact scores, many ties) the top-k equals the reference's stable
-    order, -1 padded, for a key range where most splits lie past short rows."""
+    """The default split count (`_key_splits` over S = 160 keys and 32 cores, splits of >= 64
+    keys): 3 splits of 64, the last holding 32; on integer inputs (exact scores, many ties)
+    the top-k equals the reference's stable order, -1 padded, with most splits past the
+    short rows' keys."""
     gen = torch.Generator().manual_seed(41)
-    q, cache, w, bt, req, kv = indexer_case(gen, kv_lens=[48, 5, 1, 30], integer=True)
+    q, cache, w, bt, req, kv = indexer_case(gen, kv_lens=[160, 5, 1, 90], width=40, integer=True)
     kw = dict(block_n=16, use_dot=use_dot)
-    assert _splits(index_scores_triton, q, cache, w, bt, req, kv, **kw)[0] == 3  # 8 items / 48 keys: 16-key splits
-    for topk in (7, 64):
+    with capture_launches() as launches:
+        index_scores_triton(q, cache, w, bt, req, kv, **kw)
+    assert launches[0].args[8:10] == (3, 64)
+    for topk in (7, 200):
         got = indexer_topk_rows(q, cache, w, bt, req, kv, topk, **kw)
         assert torch.equal(got, sparse_reference.lightning_indexer_topk_rows(q, cache, w, bt, req, kv, topk))
 
@@ -266,8 +269,8 @@ def test_indexer_split_bf16() -> None:
 
 def test_sparse_split_counts_fill_two_waves_on_an_h200() -> None:
     """What the launchers plan for CUDA with 132 SMs (captured, nothing runs): sparse MLA
-    at batch 8, 16 heads, top-2048 and the indexer at batch 1, 64 x 128 heads, 32k keys
-    split into >= 2 waves; tl.dot with all 16 heads in one tile; the NPU's sparse MLA
+    at batch 8, 16 heads, top-2048 splits into >= 2 waves, the indexer at batch 1, 64 x
+    128 heads, 32k keys into 1.94; tl.dot with all 16 heads in one tile; the NPU's sparse MLA
     launch stays unsplit on its core count."""
     bt = torch.zeros(8, 512, dtype=torch.int32)
     idx = torch.zeros(8, 2048, dtype=torch.int32)
@@ -286,7 +289,10 @@ def test_sparse_split_counts_fill_two_waves_on_an_h200() -> None:
     with capture_launches() as launches, planning_for("cuda", 132):
         index_scores_triton(torch.empty(1, 64, 128, dtype=torch.bfloat16), index, torch.empty(1, 64), bt[:1], req[:1],
                             torch.full((1,), 32768, dtype=torch.int32))
-    assert launches[0].grid[0] >= 264 and launches[0].kwargs["HI_PAD"] == 64
+    # 256 splits of 128 keys: the 264 the waves want, rounded to whole 16-key lengths
+    # (no merge: the count is chosen for the fewest rounds, docs/kernels.md).
+    assert launches[0].args[8:10] == (256, 128) and launches[0].grid[0] == 256
+    assert launches[0].kwargs["HI_PAD"] == 64 and launches[0].kwargs["USE_DOT"] is True
 
 
 @pytest.mark.skipif(IN_PROCESS or os.environ.get(_CHILD_ENV) == "1",
