@@ -148,7 +148,10 @@ def index_scores_triton(
     hi_pad, d_pad = next_pow2(Hi), next_pow2(Di)
     if use_dot:
         hi_pad, d_pad = max(hi_pad, 16), max(d_pad, 16)
-        block_n = block_n or 64
+        # CUDA: 32 keys, the tile with no spill at 64 heads x 128 on sm_80 and sm_90a (64
+        # spilled 4 bytes on sm_80 once q stays in registers across the tiles); the NPU
+        # keeps its 64-key items.
+        block_n = block_n or (64 if target == "npu" else 32)
     else:
         # >= 8 keys: a [HI_PAD, 1, D_PAD] product does not lower through triton-ascend's adapter.
         block_n = block_n or max(8, min(64, prev_pow2(_TILE_BUDGET // (hi_pad * d_pad))))
@@ -232,6 +235,16 @@ def _lowering_examples():
             yield (f"{str(dtype)[6:]} {hi} x {di} dot={use_dot}",
                    functools.partial(index_scores_triton, q, cache, torch.empty(2, hi, dtype=dtype), bt, req, kv,
                                      use_dot=use_dot))
+    # The NPU's launch: 64-key items (one tile each) on the persistent grid.
+    q, cache = torch.empty(2, 64, 128, dtype=torch.bfloat16), torch.empty(2, 64, 128, dtype=torch.bfloat16)
+    yield ("bf16 64 x 128 dot=True, the NPU's 64-key tiles",
+           functools.partial(index_scores_triton, q, cache, torch.empty(2, 64, dtype=torch.bfloat16), bt, req, kv,
+                             use_dot=True, block_n=64, num_splits=2))
+    # A split launch at a production width (32k keys: several 64+-key splits per row).
+    wide = torch.zeros(1, 512, dtype=torch.int32)
+    yield ("bf16 64 x 128 dot=True, 32k keys split",
+           functools.partial(index_scores_triton, q, cache, torch.empty(2, 64, dtype=torch.bfloat16), wide, req, kv,
+                             use_dot=True))
 
 
 LOWERING = LoweringDeclaration(examples=_lowering_examples)
