@@ -223,7 +223,8 @@ def sparse_plan_rows() -> list[dict[str, Any]]:
                     args = (torch.empty(B, heads, INDEXER_DIM, dtype=torch.bfloat16), cache,
                             torch.empty(B, heads), bt, req, torch.full((B,), ctx, dtype=torch.int32))
                     unique = B * ctx * (INDEXER_DIM * BYTES + 4)
-                    variants = {"before": lambda: index_scores_triton(*args, num_splits=ctx // 64, num_programs=SMS),
+                    variants = {"before": lambda: index_scores_triton(*args, num_splits=ctx // 64, num_programs=SMS,
+                                                                        block_n=64),
                                 "split": lambda: index_scores_triton(*args)}
                     shape = f"indexer {heads} heads x {INDEXER_DIM}"
                 for variant, call in variants.items():
