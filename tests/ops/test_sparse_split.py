@@ -264,6 +264,21 @@ def test_indexer_split_bf16() -> None:
     _close("indexer bf16", got, want, 2e-2 * float(want[torch.isfinite(want)].abs().max()))
 
 
+@interp
+def test_sparse_split_one_split_on_a_persistent_grid() -> None:
+    """The NPU's launch form: sparse MLA with one split (no partials, no merge) and the
+    indexer with one 8-key tile per item, on a persistent grid of 3 programs that each
+    stride over several items (the interpreter otherwise launches the split form)."""
+    gen = torch.Generator().manual_seed(36)
+    case = mla_case(gen, valid=[20, 0, 7], K=20, H=3, pad_rows=1)
+    n, kernels = _splits(sparse_mla_rows_triton, *case, num_splits=1, num_programs=3)
+    assert n == 1 and kernels == ["_sparse_mla_kernel"]
+    check_mla("one split", case, num_splits=1, num_programs=3)
+    q, cache, w, bt, req, kv = indexer_case(gen, kv_lens=[13, 48, 0])
+    got = index_scores_triton(q, cache, w, bt, req, kv, num_splits=6, block_n=8, num_programs=3)
+    _close("indexer tiles", got, scores_oracle(q, cache, w, bt, req, kv), 1e-5)
+
+
 # ----------------------------------------------------------------------------- launch plan (no interpreter needed)
 
 
