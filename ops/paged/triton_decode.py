@@ -17,7 +17,12 @@ import torch
 import triton
 import triton.language as tl
 
-from cp_compile.ops.core.attention_tile import lse_epilogue, online_softmax_step, paged_location
+from cp_compile.ops.core.attention_tile import (
+    lse_epilogue,
+    lse_merge_rows,
+    online_softmax_step,
+    paged_location,
+)
 from cp_compile.ops.paged import launch as paged_launch
 from cp_compile.ops.core.triton_common import (
     LoweringDeclaration,
@@ -155,14 +160,13 @@ def _split_merge_kernel(
     s_lt, s_lh,
     BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
-    """Second stage of the split decode: the LSE merge of ops/merge's kernel
-    (out = sum_s out_s exp(lse_s - LSE), LSE = logsumexp_s lse_s) over the KV splits of
-    each (token, head) row, written in the output dtype. An empty split (lse -inf) weighs
-    0 and its out is not read into the sum; an all-empty row is out 0, lse -inf; a NaN /
-    +inf partial makes its row NaN (decision 47). ops/paged may not import ops/merge
-    (independent families, pyproject's layers), hence the math is restated here. Work
-    items are (row block, BLOCK_D columns of Dv): a decode batch has few rows, and the
-    columns are what spreads its partials over the cores (each item re-reads its rows'
+    """Second stage of the split decode: the LSE merge (`lse_merge_rows` of
+    core/attention_tile.py, the one ops/merge's kernels use: out = sum_s out_s
+    exp(lse_s - LSE), LSE = logsumexp_s lse_s) over the KV splits of each (token, head)
+    row, written in the output dtype. An empty split (lse -inf) weighs 0 and its out is
+    not read into the sum; an all-empty row is out 0, lse -inf; a NaN / +inf partial
+    makes its row NaN (decision 47). Work items are (row block, BLOCK_D columns of Dv):
+    a decode batch has few rows, and the columns are what spreads its partials over the cores (each item re-reads its rows'
     LSEs, S x 4 bytes a row, against S x BLOCK_D x 4 of partial outputs)."""
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
@@ -177,35 +181,8 @@ def _split_merge_kernel(
         t = r // H
         h = r % H
         tile_mask = r_mask[:, None] & d_mask[None, :]
-        # Pass 1: max over the splits' LSEs, and whether one is invalid.
-        m = tl.full([BLOCK_R], float("-inf"), tl.float32)
-        bad = tl.zeros([BLOCK_R], dtype=tl.int1)
-        l_off = t * s_qt + h * s_qh
-        for sp in range(0, n_splits):
-            l = tl.load(pl_ptr + l_off, mask=r_mask, other=float("-inf"))
-            bad = bad | (l != l) | (l == float("inf"))
-            m = tl.maximum(m, tl.where(l != l, float("-inf"), l))
-            l_off += s_qs
-        m_safe = tl.where(tl.abs(m) < float("inf"), m, 0.0)  # all empty: exp(-inf - 0) = 0
-        # Pass 2: weighted sum of the partial outputs.
-        denom = tl.zeros([BLOCK_R], dtype=tl.float32)
-        num = tl.zeros([BLOCK_R, BLOCK_D], dtype=tl.float32)
-        l_off = t * s_qt + h * s_qh
-        o_off = t * s_pt + h * s_ph
-        for sp in range(0, n_splits):
-            l = tl.load(pl_ptr + l_off, mask=r_mask, other=float("-inf"))
-            empty = l == float("-inf")
-            wgt = tl.where(empty, 0.0, tl.exp(l - m_safe))
-            o = tl.load(po_ptr + o_off[:, None] + offs_d[None, :] * s_pd, mask=tile_mask, other=0.0)
-            denom += wgt
-            num += tl.where(empty[:, None], 0.0, o * wgt[:, None])  # select: never 0 * garbage
-            l_off += s_qs
-            o_off += s_ps
-        has = denom > 0.0
-        res = tl.where(has[:, None], num / tl.where(has, denom, 1.0)[:, None], 0.0)
-        res = tl.where(bad[:, None], float("nan"), res)
-        lse = tl.where(has, m_safe + tl.log(tl.where(has, denom, 1.0)), float("-inf"))
-        lse = tl.where(bad, float("nan"), lse)
+        res, lse = lse_merge_rows(po_ptr, pl_ptr, t * s_pt + h * s_ph, t * s_qt + h * s_qh, offs_d * s_pd,
+                                  s_ps, s_qs, n_splits, r_mask, tile_mask, BLOCK_R, BLOCK_D)
         tl.store(out_ptr + t[:, None] * s_ot + h[:, None] * s_oh + offs_d[None, :] * s_od,
                  res.to(out_ptr.dtype.element_ty), mask=tile_mask)
         first_cols = (offs_r * 0 + wi % n_dblk) == 0  # [BLOCK_R]: the row's LSE is stored once

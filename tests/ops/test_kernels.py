@@ -545,6 +545,53 @@ def test_local_slot_mapping(dcp: int) -> None:
 # ----------------------------------------------------------------------------- fallback
 
 
+# A kernel module decorated outside interpreter mode, run on CPU tensors once triton.language
+# is interpreted: `kernel_for` builds interpreted twins, whose jitted helpers (the shared
+# LSE merge of core/attention_tile.py, the online-softmax step) must be twinned too.
+_TWIN_SCRIPT = """
+import os, sys, torch
+os.environ["TRITON_INTERPRET"] = "1"
+import triton.language  # noqa: F401  (decorated in interpreter mode)
+del os.environ["TRITON_INTERPRET"]
+from triton.runtime.jit import JITFunction
+from cp_compile.ops.merge import reference as mref
+from cp_compile.ops.merge.triton_merge import _merge_partials_kernel, lse_rescale_triton, merge_partials_triton
+from cp_compile.ops.paged import reference as pref
+from cp_compile.ops.paged.triton_decode import paged_attention_with_lse_triton
+assert isinstance(_merge_partials_kernel, JITFunction), type(_merge_partials_kernel)  # not interpreted: a twin runs
+os.environ["TRITON_INTERPRET"] = "1"  # set again at launch (triton 3.9's gluon asserts it when first imported)
+g = torch.Generator().manual_seed(3)
+outs, lses = torch.randn(3, 4, 2, 8, generator=g), torch.randn(3, 4, 2, generator=g)
+lses[0, 1, 0] = float("-inf")
+lse_out = torch.empty(4, 2)
+got = merge_partials_triton(outs, lses, lse_out=lse_out)
+want, want_lse = mref.merge_partials(outs, lses), torch.logsumexp(lses, 0)
+torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+torch.testing.assert_close(lse_out, want_lse, atol=1e-5, rtol=1e-5)
+summed = sum(lse_rescale_triton(outs[n], lses[n], lses) for n in range(3))
+torch.testing.assert_close(summed, want, atol=1e-5, rtol=1e-5)
+q, kv = torch.randn(2, 4, 16, generator=g), torch.randn(6, 4, 1, 16, generator=g)
+bt, qsl, kl = torch.arange(6, dtype=torch.int32).view(2, 3), torch.arange(3, dtype=torch.int32), torch.tensor([9, 12], dtype=torch.int32)
+o, l = paged_attention_with_lse_triton(q, kv, kv, bt, qsl, kl, 0.25, num_splits=3)
+ro, rl = pref.paged_attention_with_lse(q, kv, kv, bt, qsl, kl, 0.25)
+torch.testing.assert_close(o, ro, atol=1e-5, rtol=1e-5)
+torch.testing.assert_close(l, rl, atol=1e-5, rtol=1e-5)
+print("TWIN OK")
+"""
+
+
+@pytest.mark.skipif(not triton_available(), reason="needs triton")
+def test_interpreted_twin_runs_jitted_helpers() -> None:
+    """Kernels decorated without TRITON_INTERPRET, launched on CPU tensors after
+    triton.language was imported with it: their twins call the shared @triton.jit helpers
+    (the LSE merge, the online softmax) as interpreted functions too, and the DCP merge,
+    the LSE rescale and a split decode match the references (a fresh interpreter)."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, "-c", _TWIN_SCRIPT], cwd=Path(__file__).resolve().parents[2], env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0 and "TWIN OK" in proc.stdout, proc.stdout[-3000:] + proc.stderr[-3000:]
+
+
 @pytest.mark.skipif(IN_PROCESS or os.environ.get(_CHILD_ENV) == "1",
                     reason="checked in-process under the interpreter")
 def test_kernels_in_fresh_interpreter() -> None:
