@@ -81,7 +81,32 @@ def ptxas_stats(ptx: str, arch: int) -> dict[str, int]:
             "smem_static": int(smem.group(1)) if smem else 0}
 
 
-def compile_spec(spec: Any, arch: int) -> Compiled:
+def jit_specialisation(spec: Any, values: dict[str, Any]) -> tuple[dict[str, str], dict[str, Any], dict]:
+    """(signature, constexprs, attrs) as Triton's CUDA JIT would specialise a launch with
+    these argument values: an int equal to 1 becomes the constant 1, an int divisible by
+    16 and every tensor pointer (torch's allocations are 256-byte aligned; the launchers'
+    views start at their storage) carry `tt.divisibility` 16. What the JIT compiles on
+    the GPU, e.g. a unit column stride known to be 1, so the loads vectorise; the
+    declared-launch compile types every int as a runtime i32 and misses that."""
+    signature = {**spec.signature, **{k: "constexpr" for k in spec.constexprs}}
+    constexprs, attrs = dict(spec.constexprs), {}
+    names = list(spec.kernel.arg_names)
+    for name, ty in spec.signature.items():
+        value = values.get(name)
+        if ty.startswith("*"):
+            attrs[(names.index(name),)] = [["tt.divisibility", 16]]
+        elif ty in ("i32", "i64") and isinstance(value, int) and not isinstance(value, bool):
+            if value == 1:
+                signature[name], constexprs[name] = "constexpr", 1
+            elif value % 16 == 0:
+                attrs[(names.index(name),)] = [["tt.divisibility", 16]]
+    return signature, constexprs, attrs
+
+
+def compile_spec(spec: Any, arch: int, values: dict[str, Any] | None = None) -> Compiled:
+    """Compile one specialisation for sm_`arch`. values: the launch's argument values,
+    to specialise them as the JIT does (`jit_specialisation`); None: every int a runtime
+    i32, no alignment (the declared-launch check)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -90,9 +115,13 @@ def compile_spec(spec: Any, arch: int) -> Compiled:
                    pointer_dtypes=sorted({t[1:] for t in spec.signature.values() if t.startswith("*")}))
     t0 = time.perf_counter()
     try:
-        signature = {**spec.signature, **{k: "constexpr" for k in spec.constexprs}}
-        compiled = triton.compile(ASTSource(spec.kernel, signature, dict(spec.constexprs)),
-                                  target=GPUTarget("cuda", arch, 32))
+        if values is None:
+            signature, constexprs, attrs = {**spec.signature, **{k: "constexpr" for k in spec.constexprs}}, \
+                dict(spec.constexprs), {}
+        else:
+            signature, constexprs, attrs = jit_specialisation(spec, values)
+        compiled = triton.compile(ASTSource(spec.kernel, signature, constexprs, attrs),
+                                  target=GPUTarget("cuda", arch, 32), options=dict(spec.options))
         ptx = compiled.asm["ptx"]
         if not compiled.asm.get("cubin"):
             raise RuntimeError("no cubin produced")

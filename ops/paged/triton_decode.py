@@ -67,15 +67,19 @@ def _paged_attention_lse_kernel(
     d_mask = offs_d < D1
     dv_mask = offs_dv < Dv
 
-    # Persistent loop over the (token, kv head, head block, KV split) work items; the
-    # split is innermost. NPU: grid <= cores, n_splits 1; CUDA: one program per item.
+    # Persistent loop over the (token, kv head, KV split, head block) work items; the
+    # head block is innermost, so the blocks that read the same keys (MLA's 128 heads in
+    # blocks of 64) are neighbours in the grid, resident at once, and all but the first
+    # read the split's rows from L2. NPU: grid <= cores, n_splits 1; CUDA: one program
+    # per item.
     for w in range(pid, n_work, nprog):
-        sp = w % n_splits  # KV split: keys [sp * split_len, (sp + 1) * split_len)
-        w2 = w // n_splits
-        t = w2 // (Hkv * n_hblk)
-        rem = w2 % (Hkv * n_hblk)
-        g = rem // n_hblk
-        hg = (rem % n_hblk) * BLOCK_H + offs_h  # head index inside the GQA group
+        hb = w % n_hblk
+        w2 = w // n_hblk
+        sp = w2 % n_splits  # KV split: keys [sp * split_len, (sp + 1) * split_len)
+        w3 = w2 // n_splits
+        t = w3 // Hkv
+        g = w3 % Hkv
+        hg = hb * BLOCK_H + offs_h  # head index inside the GQA group
         h_mask = hg < group
         h = g * group + hg  # query head (GQA: q head h reads kv head h // group)
 
@@ -166,8 +170,8 @@ def _split_merge_kernel(
     row, written in the output dtype. An empty split (lse -inf) weighs 0 and its out is
     not read into the sum; an all-empty row is out 0, lse -inf; a NaN / +inf partial
     makes its row NaN (decision 47). Work items are (row block, BLOCK_D columns of Dv):
-    a decode batch has few rows, and the columns are what spreads its partials over the cores (each item re-reads its rows'
-    LSEs, S x 4 bytes a row, against S x BLOCK_D x 4 of partial outputs)."""
+    a decode batch has few rows, and the columns are what spreads its partials over the
+    cores (each item re-reads its rows' LSEs, S x 4 bytes a row, against S x BLOCK_D x 4 of partial outputs)."""
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
     offs_r = tl.arange(0, BLOCK_R)
@@ -203,6 +207,7 @@ def paged_attention_with_lse_triton(
     block_n: int | None = None,
     use_dot: bool | None = None,
     num_splits: int | None = None,
+    num_warps: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Triton twin of `reference.paged_attention_with_lse`.
 
@@ -257,7 +262,11 @@ def paged_attention_with_lse_triton(
     d_pad, dv_pad = next_pow2(d1), next_pow2(Dv)
     dr_pad = next_pow2(D - Dv) if mla else 0
     d_max = max(d_pad, dv_pad) + dr_pad  # columns a key row's tiles hold
-    if use_dot:
+    warps = 4  # Triton's default
+    if use_dot and mla:
+        dot_h, dot_n, warps = _mla_dot_tiles(group)
+        block_h, block_n = _tiles(group, d_max, block_h or dot_h, block_n or dot_n)
+    elif use_dot:
         dot_h, dot_n = _dot_tiles(group, d_max)
         block_h, block_n = _tiles(group, d_max, block_h or dot_h, block_n or dot_n)
     else:
@@ -310,6 +319,7 @@ def paged_attention_with_lse_triton(
         s_po, *part_out.stride()[-3:],
         s_pl, *part_lse.stride()[-2:],
         BLOCK_H=block_h, BLOCK_N=block_n, D_PAD=d_pad, DV_PAD=dv_pad, DR_PAD=dr_pad, USE_DOT=use_dot,
+        **({"num_warps": num_warps or warps} if target == "cuda" else {}),
     )
     if num_splits > 1:
         n_rows = T * Hq
@@ -372,6 +382,26 @@ def kv_splits(n_items: int, max_keys: int, cores: int, *, waves: int = _SPLIT_WA
         return 1, max(max_keys, 1)
     split_len = max(_SPLIT_ALIGN, max_keys // want // _SPLIT_ALIGN * _SPLIT_ALIGN)
     return triton.cdiv(max_keys, split_len), split_len
+
+
+# MLA tl.dot tile (docs/kernels.md "MLA decode tile"): at most 32 heads per tile, 32
+# keys, 8 warps from 32 heads on. The largest tile without spills at production shapes
+# on sm_90a and sm_80 (tools/aot_cuda_check.py --production): 64 heads x 32 keys at 8
+# warps needs 255 registers and spills 60 bytes on sm_90a (the [64, 512] fp32
+# accumulator is 128 registers a thread, the q tile in registers another 64), 16 warps
+# cap a thread at 128 registers and spill more.
+_MLA_BLOCK_H = 32
+_MLA_BLOCK_N = 32
+
+
+def _mla_dot_tiles(heads: int) -> tuple[int, int, int]:
+    """(BLOCK_H, BLOCK_N, num_warps) of the MLA tl.dot path: the rank's heads in one tile
+    up to _MLA_BLOCK_H (padded to >= 16, tl.dot's minimum M), so a key tile's latent row
+    is loaded once for all of them; more heads are head blocks of _MLA_BLOCK_H, which
+    the work order makes neighbours in the grid (the same split's rows, read from L2 by
+    all but the first). 8 warps hold a 32-head [32, 512] fp32 accumulator."""
+    block_h = min(max(16, next_pow2(heads)), _MLA_BLOCK_H)
+    return block_h, _MLA_BLOCK_N, 8 if block_h >= 32 else 4
 
 
 def _dot_tiles(group: int, d_max: int) -> tuple[int, int]:

@@ -397,6 +397,60 @@ def test_split_kv_mla_latent_and_rope_products(dtype: torch.dtype, use_dot: bool
     assert_close_report("mla split lse", lse, ref_lse, atol=tol, rtol=tol)
 
 
+def mla_split_case(gen: torch.Generator, seq_lens: list[int], H: int, L: int, R: int, BS: int, width: int,
+                   dtype: torch.dtype) -> tuple[tuple, tuple]:
+    """(kernel args, fp32 reference args) of an MLA decode batch: one latent + rope cache
+    tensor (the latent view shares its storage), pages shuffled, NaN in every slot no
+    request owns."""
+    B = len(seq_lens)
+    NB = B * width + 1
+    pages = torch.randperm(NB, generator=gen)[: B * width].view(B, width).to(torch.int32)
+    cache = torch.full((NB, BS, L + R), NAN)
+    for b, n in enumerate(seq_lens):
+        for j in range(n):
+            cache[int(pages[b, j // BS]), j % BS] = torch.randn(L + R, generator=gen)
+    q = torch.randn(B, H, L + R, generator=gen).to(dtype)
+    c = cache.to(dtype)
+    meta = (pages, torch.arange(B + 1, dtype=torch.int32), torch.tensor(seq_lens, dtype=torch.int32), 0.15)
+    return ((q, c.unsqueeze(2), c[..., :L].unsqueeze(2), *meta),
+            (q.float(), c.float().unsqueeze(2), c.float()[..., :L].unsqueeze(2), *meta))
+
+
+@interp
+@pytest.mark.parametrize("dtype,use_dot,num_splits", [(torch.float32, True, 5), (torch.float16, True, None),
+                                                       (torch.bfloat16, False, 5)])
+def test_split_kv_mla_head_blocks(dtype: torch.dtype, use_dot: bool, num_splits: int | None) -> None:
+    """MLA decode with 48 heads: the tl.dot tile holds 32 heads (`_mla_dot_tiles`), so two
+    head blocks (the second half masked) share each split's keys, neighbours in the
+    grid. Four requests: 37 keys (5 splits of 10 over a 48-key table: every split ends
+    inside a page of 4 and inside a 32-key tile), an empty shard (0 keys), a one-token
+    context and 9 keys (its last splits empty); NaN in every slot no request owns.
+    num_splits None: the default count (kv_splits on CPU_MAX_PROGRAMS cores). bf16 runs
+    the broadcast product (the interpreter's tl.dot misreads bf16) with the same 32-head
+    tile."""
+    from cp_compile.ops.core.triton_common import capture_launches
+
+    gen = torch.Generator().manual_seed(18)
+    H, L, R = 48, 40, 12
+    args, ref_args = mla_split_case(gen, [37, 0, 1, 9], H, L, R, BS=4, width=12, dtype=dtype)
+    kw = dict(num_splits=num_splits, use_dot=use_dot, **({} if use_dot else dict(block_h=32, block_n=8)))
+    with capture_launches() as launches:
+        paged_attention_with_lse_triton(*args, **kw)
+    att = launches[0]
+    splits = att.args[13]
+    assert att.kwargs["BLOCK_H"] == 32 and att.args[12] == 2  # two head blocks of 32
+    assert att.args[9] == 4 * splits * 2 and (num_splits is None) == (splits != 5) and splits > 1
+    if use_dot:
+        assert att.kwargs["BLOCK_N"] == 32
+    out, lse = paged_attention_with_lse_triton(*args, **kw)
+    ref_out, ref_lse = paged_reference.paged_attention_with_lse(*ref_args)
+    tol = {torch.float32: 1e-5, torch.float16: 5e-3, torch.bfloat16: 2e-2}[dtype]
+    assert not bool(torch.isnan(out).any()) and not bool(torch.isnan(lse).any())
+    assert bool((out[1] == 0).all()) and bool((lse[1] == NEG_INF).all())  # the empty shard (decision 47)
+    assert_close_report("mla head blocks out", out.float(), ref_out, atol=tol, rtol=tol)
+    assert_close_report("mla head blocks lse", lse, ref_lse, atol=tol, rtol=tol)
+
+
 @interp
 def test_split_kv_bf16() -> None:
     """bf16 q / cache, fp32 partials, bf16 out (broadcast product: the interpreter's tl.dot
