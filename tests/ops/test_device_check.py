@@ -99,3 +99,11 @@ def test_decode_plan_splits_the_dcp_decode_shape() -> None:
     assert after["launches"][0]["constexprs"]["USE_DOT"] is True
     assert after["launches"][0]["bytes_read"] >= 8 * 32768 * 2 * 128 * 2  # every key's K and V row
     assert after["predicted_fraction_of_4.8TBps"] > 5 * before["predicted_fraction_of_4.8TBps"]
+    # MLA: 16 heads are one tile; 128 heads four 32-head blocks whose latent rows the model
+    # reads from HBM once per split (the blocks are grid neighbours), never once per block.
+    mla16 = rows[("MLA 16 heads, 512+64", 8, 32768, "split")]
+    mla128 = rows[("MLA 128 heads, 512+64", 8, 32768, "split")]
+    assert (mla16["block_h"], mla16["head_blocks"]) == (16, 1)
+    assert (mla128["block_h"], mla128["head_blocks"]) == (32, 4) and mla128["grid"] >= 2 * decode_plan.SMS
+    latent = 8 * 32768 * 576 * 2
+    assert latent <= mla128["launches"][0]["bytes_read"] < 1.05 * latent  # + each item's q tile (4 %)
