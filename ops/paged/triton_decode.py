@@ -269,6 +269,9 @@ def paged_attention_with_lse_triton(
     elif use_dot:
         dot_h, dot_n = _dot_tiles(group, d_max)
         block_h, block_n = _tiles(group, d_max, block_h or dot_h, block_n or dot_n)
+        # 64 heads x 64 keys at D 128 spill 64 B on sm_80 with 4 warps, none with 8
+        # (tools/aot_cuda_check.py --production, docs/kernels_aot.md).
+        warps = 8 if block_h >= 64 else 4
     else:
         block_h, block_n = _tiles(group, d_max, block_h, block_n)
     n_hblk = triton.cdiv(group, block_h)
