@@ -86,13 +86,13 @@ def test_aot_production_decode_tiles_do_not_spill(tmp_path: Path) -> None:
     """The decode attention tiles the launcher picks at batch 8, 32k for GQA (8 q heads per
     KV head, D 128: 16 x 64 keys) and MLA (128 heads of 512 + 64: 32 heads x 32 keys at 8
     warps), specialised as the JIT does (unit strides constant, 16-divisible ints
-    marked), compile for sm_90a and sm_80 with no spill and at least one block per SM."""
-    proc, data = _production(tmp_path, "--subset")
+    marked), compile for sm_90a (the issue's target; sm_80 is in the slow run) with no
+    spill and at least one block per SM."""
+    proc, data = _production(tmp_path, "--subset", "--arch", "90")
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-3000:]
     rows = data["results"]
     assert {(r["labels"][0].split(",")[0], r["target"]) for r in rows} == {
-        (shape, t) for shape in ("GQA decode 8 q heads per KV head", "MLA decode 128 heads 512+64")
-        for t in ("sm_80", "sm_90a")}
+        ("GQA decode 8 q heads per KV head", "sm_90a"), ("MLA decode 128 heads 512+64", "sm_90a")}
     for r in rows:
         assert r["status"] == "ok" and r["spill_stores"] == 0 and r["spill_loads"] == 0, r
         assert r["blocks_per_sm"] >= 1 and r["registers"] <= 255
