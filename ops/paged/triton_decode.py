@@ -17,12 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from cp_compile.ops.core.attention_tile import (
-    lse_epilogue,
-    lse_merge_rows,
-    online_softmax_step,
-    paged_location,
-)
+from cp_compile.ops.core.attention_tile import lse_epilogue, lse_merge_rows, online_softmax_step, paged_location
 from cp_compile.ops.paged import launch as paged_launch
 from cp_compile.ops.core.triton_common import (
     LoweringDeclaration,
@@ -387,6 +382,17 @@ def kv_splits(n_items: int, max_keys: int, cores: int, *, waves: int = _SPLIT_WA
     return triton.cdiv(max_keys, split_len), split_len
 
 
+def _dot_tiles(group: int, d_max: int) -> tuple[int, int]:
+    """(BLOCK_H, BLOCK_N) of the tl.dot path: the query-head group padded to >= 16 rows
+    (tl.dot's minimum M; the padded rows are masked), at most 64 and fewer for wide
+    heads (MLA's 576 pads to 1024), keys 64 / 32 / 16 by head width."""
+    block_h = min(max(16, next_pow2(group)), 64)
+    while block_h > 16 and block_h * d_max > 16384:
+        block_h //= 2
+    block_n = 64 if d_max <= 128 else 32 if d_max <= 256 else 16
+    return block_h, block_n
+
+
 # MLA tl.dot tile (docs/kernels.md "MLA decode tile"): at most 32 heads per tile, 32
 # keys, 8 warps from 32 heads on. The largest tile without spills at production shapes
 # on sm_90a and sm_80 (tools/aot_cuda_check.py --production): 64 heads x 32 keys at 8
@@ -405,17 +411,6 @@ def _mla_dot_tiles(heads: int) -> tuple[int, int, int]:
     all but the first). 8 warps hold a 32-head [32, 512] fp32 accumulator."""
     block_h = min(max(16, next_pow2(heads)), _MLA_BLOCK_H)
     return block_h, _MLA_BLOCK_N, 8 if block_h >= 32 else 4
-
-
-def _dot_tiles(group: int, d_max: int) -> tuple[int, int]:
-    """(BLOCK_H, BLOCK_N) of the tl.dot path: the query-head group padded to >= 16 rows
-    (tl.dot's minimum M; the padded rows are masked), at most 64 and fewer for wide
-    heads (MLA's 576 pads to 1024), keys 64 / 32 / 16 by head width."""
-    block_h = min(max(16, next_pow2(group)), 64)
-    while block_h > 16 and block_h * d_max > 16384:
-        block_h //= 2
-    block_n = 64 if d_max <= 128 else 32 if d_max <= 256 else 16
-    return block_h, block_n
 
 
 # ----------------------------------------------------------------------------- lowering check
