@@ -76,6 +76,7 @@ class _Spec:
     signature: dict[str, str]
     constexprs: dict[str, Any]
     int64_reason: str | None  # the module's LOWERING.int64 entry for this kernel
+    options: dict[str, int] = field(default_factory=dict)  # launch options the launcher passed (num_warps ...)
     examples: list[str] = field(default_factory=list)
     grids: set[tuple[int, ...]] = field(default_factory=set)
 
@@ -143,11 +144,22 @@ def _triton_type(name: str, value: Any) -> str:
     raise TypeError(f"argument {name}: cannot type {type(value).__name__} for Triton")
 
 
+# Launch keywords that are compile options, not kernel parameters (`kernel[grid](..., num_warps=8)`).
+LAUNCH_OPTIONS = ("num_warps", "num_stages", "num_ctas")
+
+
+def launch_options(launch: Launch) -> dict[str, int]:
+    """The compile options a captured launch passed (num_warps ...), empty for the defaults."""
+    return {k: int(v) for k, v in launch.kwargs.items() if k in LAUNCH_OPTIONS}
+
+
 def specialise(launch: Launch) -> tuple[dict[str, str], dict[str, Any]]:
-    """(runtime argument -> Triton type, constexpr -> value) of one captured launch."""
+    """(runtime argument -> Triton type, constexpr -> value) of one captured launch (its
+    compile options apart: `launch_options`)."""
     fn_signature = inspect.signature(launch.kernel.fn)
     params = fn_signature.parameters
-    bound = fn_signature.bind(*launch.args, **launch.kwargs)
+    kwargs = {k: v for k, v in launch.kwargs.items() if k not in LAUNCH_OPTIONS}
+    bound = fn_signature.bind(*launch.args, **kwargs)
     signature, constexprs = {}, {}
     for name, value in bound.arguments.items():
         if _is_constexpr(params[name]):
@@ -189,8 +201,9 @@ def collect(module: ModuleType) -> tuple[list[_Spec], list[Result]]:
             if name not in kernels:
                 continue  # another module's kernel: checked with its own module
             signature, constexprs = specialise(launch)
-            key = (name, tuple(signature.items()), tuple(constexprs.items()))
-            spec = specs.setdefault(key, _Spec(launch.kernel, signature, constexprs, decl.int64.get(name)))
+            options = launch_options(launch)
+            key = (name, tuple(signature.items()), tuple(constexprs.items()), tuple(options.items()))
+            spec = specs.setdefault(key, _Spec(launch.kernel, signature, constexprs, decl.int64.get(name), options))
             spec.examples.append(label)
             spec.grids.add(launch.grid)
     launched = {s.name for s in specs.values()}

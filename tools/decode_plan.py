@@ -25,6 +25,11 @@ import torch
 HBM_BYTES_PER_S = 4.8e12  # H200 HBM3e peak
 SMS = 132  # H200 SXM
 STREAM_EFFICIENCY = 0.85  # assumed share of an SM's fair bandwidth a busy streaming program reaches
+# ASSUMED, not measured: the L2 bandwidth all SMs together get on rows another program just
+# pulled from HBM (twice HBM's; the device check's bandwidth step is what would tell).
+L2_BYTES_PER_S = 2 * HBM_BYTES_PER_S
+TENSOR_FLOPS = 989e12  # H200 SXM dense bf16 tensor-core peak (spec sheet)
+DOT_EFFICIENCY = 0.6  # ASSUMED share of that peak a Triton tl.dot tile of 16-32 rows reaches
 BLOCK_SIZE = 64  # page size of the plan's caches (vLLM's CUDA default is 16; the split lengths do not depend on it)
 BYTES = 2  # bf16
 
@@ -32,6 +37,10 @@ GQA_GROUPS = (8, 16, 64)  # query heads per KV head, one KV head per rank (TP'd)
 MLA_HEADS = (16, 128)
 BATCHES = (1, 8, 64)
 CONTEXTS = (8192, 32768, 131072)
+
+_DRAM_PER_SM = HBM_BYTES_PER_S / SMS * STREAM_EFFICIENCY
+_L2_PER_SM = L2_BYTES_PER_S / SMS
+_FLOPS_PER_SM = TENSOR_FLOPS / SMS * DOT_EFFICIENCY
 
 
 def _schedule(costs: list[float], sms: int) -> float:
@@ -44,21 +53,31 @@ def _schedule(costs: list[float], sms: int) -> float:
     return max(free) if costs else 0.0
 
 
-def _attention_program_bytes(launch: Any, ctx: int, B: int, D: int, Dv: int) -> list[float]:
-    """Bytes each program of a `_paged_attention_lse_kernel` launch reads: per work item,
-    the K and V rows of its split's keys (every request at full context; MLA: the latent +
-    rope row once) plus its query tile; a persistent program sums the items it strides over."""
+def _attention_programs(launch: Any, ctx: int, D: int, Dv: int) -> tuple[list[float], list[float]]:
+    """(seconds, HBM bytes) of each program of a `_paged_attention_lse_kernel` launch.
+
+    A work item (token, KV head, split, head block) reads the K and V rows of its split's
+    keys (every request at full context; MLA: the latent + rope row once, as K and V) and
+    its q tile. The n_hblk head blocks of one split are neighbours in the grid (the head
+    block is the innermost index), resident together: the split's rows come from HBM
+    once for them, each block's share 1/n_hblk, and every block reads all of them through
+    L2. An item lasts max(HBM bytes / an SM's HBM share, L2 bytes / its L2 share, tl.dot
+    flops / its tensor share); a persistent program sums the items it strides over."""
     a = launch.args
-    n_work, n_splits, split_len = a[9], a[13], a[14]
-    block_h = launch.kwargs["BLOCK_H"]
+    n_work, n_hblk, n_splits, split_len = a[9], a[12], a[13], a[14]
+    block_h, use_dot = launch.kwargs["BLOCK_H"], launch.kwargs["USE_DOT"]
     grid = launch.grid[0]
-    per_split = [max(0, min(split_len, ctx - s * split_len)) for s in range(n_splits)]
     row = D if launch.kwargs["DR_PAD"] else D + Dv  # MLA (DR_PAD > 0) reads the latent row once, as K and V
-    item = [keys * row * BYTES + block_h * D * BYTES for keys in per_split]
-    costs = [0.0] * grid
+    seconds, dram = [0.0] * grid, [0.0] * grid
     for w in range(n_work):
-        costs[w % grid] += item[w % n_splits]
-    return costs
+        sp = (w // n_hblk) % n_splits
+        keys = max(0, min(split_len, ctx - sp * split_len))
+        rows = keys * row * BYTES
+        hbm = rows / n_hblk + block_h * D * BYTES
+        flops = 2 * block_h * keys * (D + Dv) if use_dot else 0  # padded head rows count: the dot computes them
+        seconds[w % grid] += max(hbm / _DRAM_PER_SM, rows / _L2_PER_SM, flops / _FLOPS_PER_SM)
+        dram[w % grid] += hbm
+    return seconds, dram
 
 
 def _merge_program_bytes(launch: Any, Dv: int) -> list[float]:
@@ -115,9 +134,12 @@ def plan_rows() -> list[dict[str, Any]]:
                     total_s, launch_rows = 0.0, []
                     for lc in launches:
                         name = lc.kernel.fn.__name__
-                        costs = (_attention_program_bytes(lc, ctx, B, D, Dv) if name == "_paged_attention_lse_kernel"
-                                 else _merge_program_bytes(lc, Dv))
-                        seconds = _schedule(costs, SMS) / (HBM_BYTES_PER_S / SMS * STREAM_EFFICIENCY)
+                        if name == "_paged_attention_lse_kernel":
+                            times, costs = _attention_programs(lc, ctx, D, Dv)
+                        else:
+                            costs = _merge_program_bytes(lc, Dv)
+                            times = [c / _DRAM_PER_SM for c in costs]
+                        seconds = _schedule(times, SMS)
                         total_s += seconds
                         launch_rows.append({
                             "kernel": name, "grid": list(lc.grid), "constexprs": dict(lc.kwargs),
@@ -127,7 +149,8 @@ def plan_rows() -> list[dict[str, Any]]:
                     rows.append({
                         "shape": f"{kind} {heads} heads" + (" per KV head, D 128" if kind == "GQA" else ", 512+64"),
                         "batch": B, "context": ctx, "variant": variant,
-                        "splits": launches[0].args[13], "split_len": launches[0].args[14] if launches[0].args[13] > 1 else ctx,
+                        "splits": launches[0].args[13], "head_blocks": launches[0].args[12],
+                        "block_h": launches[0].kwargs["BLOCK_H"], "split_len": launches[0].args[14] if launches[0].args[13] > 1 else ctx,
                         "grid": att["grid"][0], "waves": att["waves"], "bytes_per_program": att["bytes_per_program_max"],
                         "unique_kv_bytes": unique,
                         "predicted_fraction_of_4.8TBps": round(unique / (total_s * HBM_BYTES_PER_S), 3),
@@ -262,7 +285,8 @@ def sparse_plan_rows() -> list[dict[str, Any]]:
 
 
 def markdown(rows: list[dict[str, Any]]) -> str:
-    keys = ["shape", "batch", "context", "variant", "splits", "grid", "waves", "bytes_per_program",
+    keys = ["shape", "batch", "context", "variant", "splits", "block_h", "head_blocks", "grid", "waves",
+            "bytes_per_program",
             "predicted_fraction_of_4.8TBps"]
     out = ["| " + " | ".join(keys) + " |", "|" + "---|" * len(keys)]
     out += ["| " + " | ".join(str(r[k]) for k in keys) + " |" for r in rows]

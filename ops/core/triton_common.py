@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import types
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -185,7 +186,7 @@ def kernel_for(kernel: Any, device: torch.device) -> Any:
     tensors get the kernel as decorated. CPU tensors can only run under the
     interpreter: if triton.language was imported in interpreter mode but this kernel
     module was not (the variable was set in between), build an interpreted twin of
-    the same Python function; if triton itself was imported without the variable,
+    the same Python function, its jitted helpers twinned too (`_interpreted_twin`); if triton itself was imported without the variable,
     fail with a clear message instead of a pointer error deep in the launcher.
     Inside `capture_launches()` the launch is recorded, not run.
     """
@@ -201,10 +202,32 @@ def kernel_for(kernel: Any, device: torch.device) -> Any:
         raise RuntimeError(
             "Triton kernels on CPU tensors need the interpreter: set TRITON_INTERPRET=1 "
             "before triton is first imported (it is read at @triton.jit decoration time).")
-    twin = _INTERPRETED.get(id(kernel))
-    if twin is None:
-        twin = InterpretedFunction(kernel.fn)
-        _INTERPRETED[id(kernel)] = twin
+    return _interpreted_twin(kernel)
+
+
+def _interpreted_twin(jitted: Any) -> Any:
+    """The InterpretedFunction of a @triton.jit function decorated outside interpreter
+    mode, its jitted callees twinned too.
+
+    The interpreter runs a function's Python body in its module's globals; a callee
+    there is the module's JITFunction, whose call raises outside a compiled kernel. So
+    the twin runs the same code object in a copy of those globals in which every
+    JITFunction (the kernel's device-function helpers, e.g. core/attention_tile.py's) is
+    replaced by its own twin, recursively. The module's globals are not touched."""
+    from triton.runtime.interpreter import InterpretedFunction
+    from triton.runtime.jit import JITFunction
+
+    twin = _INTERPRETED.get(id(jitted))
+    if twin is not None:
+        return twin
+    fn = jitted.fn
+    scope = dict(fn.__globals__)
+    body = types.FunctionType(fn.__code__, scope, fn.__name__, fn.__defaults__, fn.__closure__)
+    twin = InterpretedFunction(body)
+    _INTERPRETED[id(jitted)] = twin  # before the callees: a cycle finds this twin
+    for name, value in fn.__globals__.items():
+        if isinstance(value, JITFunction) and name in fn.__code__.co_names:
+            scope[name] = _interpreted_twin(value)
     return twin
 
 

@@ -19,6 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
+from cp_compile.ops.core.attention_tile import lse_logsumexp, lse_merge_rows
 from cp_compile.ops.merge import launch as merge_launch
 from cp_compile.ops.core.triton_common import (
     LoweringDeclaration,
@@ -59,42 +60,12 @@ def _merge_partials_kernel(
         o_row = t * s_ot + h * s_oh
         tile_mask = r_mask[:, None] & d_mask[None, :]
 
-        # Pass 1: max over shards of the LSEs, and whether any is invalid (NaN / +inf)
-        # (inlined, not a helper function, so an interpreted twin of this kernel has no
-        # jitted callees). Shard offsets are advanced by the shard stride, never
-        # recomputed as n * stride.
-        m = tl.full([BLOCK_R], float("-inf"), tl.float32)
-        bad = tl.zeros([BLOCK_R], dtype=tl.int1)
-        l_off = l_row
-        for n in range(0, N):
-            l = tl.load(lses_ptr + l_off, mask=r_mask, other=float("-inf")).to(tl.float32)
-            bad = bad | (l != l) | (l == float("inf"))  # not an empty shard: the row is NaN
-            m = tl.maximum(m, tl.where(l != l, float("-inf"), l))
-            l_off += s_ln
-        # All shards empty: m = -inf; use 0 so exp(-inf - 0) = 0 instead of NaN.
-        m_safe = tl.where(tl.abs(m) < float("inf"), m, 0.0)
-        denom = tl.zeros([BLOCK_R], dtype=tl.float32)
-        num = tl.zeros([BLOCK_R, DV_PAD], dtype=tl.float32)
-        l_off = l_row
-        o_off = o_row
-        for n in range(0, N):
-            l = tl.load(lses_ptr + l_off, mask=r_mask, other=float("-inf")).to(tl.float32)
-            empty = l == float("-inf")
-            w = tl.where(empty, 0.0, tl.exp(l - m_safe))
-            o = tl.load(outs_ptr + o_off[:, None] + offs_d[None, :] * s_od,
-                        mask=tile_mask, other=0.0).to(tl.float32)
-            l_off += s_ln
-            o_off += s_on
-            denom += w
-            # Select rather than multiply: an empty shard's out may be garbage/NaN.
-            num += tl.where(empty[:, None], 0.0, o * w[:, None])
-        has = denom > 0.0
-        res = tl.where(has[:, None], num / tl.where(has, denom, 1.0)[:, None], 0.0)
-        res = tl.where(bad[:, None], float("nan"), res)
+        # The shared LSE merge (core/attention_tile.py), the shard offsets advanced by the
+        # shard stride.
+        res, lse_tot = lse_merge_rows(outs_ptr, lses_ptr, o_row, l_row, offs_d * s_od, s_on, s_ln, N, r_mask,
+                                      tile_mask, BLOCK_R, DV_PAD)
         tl.store(res_ptr + t[:, None] * s_rt + h[:, None] * s_rh + offs_d[None, :] * s_rd, res, mask=tile_mask)
         if WRITE_LSE:  # merged LSE, -inf for all-empty rows (feeds a later merge)
-            lse_tot = tl.where(has, m_safe + tl.log(tl.where(has, denom, 1.0)), float("-inf"))
-            lse_tot = tl.where(bad, float("nan"), lse_tot)
             tl.store(lse_out_ptr + t * s_mt + h * s_mh, lse_tot, mask=r_mask)
 
 
@@ -123,24 +94,9 @@ def _lse_rescale_kernel(
         a_row = t * s_at + h * s_ah
         tile_mask = r_mask[:, None] & d_mask[None, :]
 
-        m = tl.full([BLOCK_R], float("-inf"), tl.float32)
-        bad = tl.zeros([BLOCK_R], dtype=tl.int1)  # some shard's LSE is NaN / +inf: the row is NaN
-        a_off = a_row  # advanced by the shard stride
-        for n in range(0, N):
-            l = tl.load(lse_all_ptr + a_off, mask=r_mask, other=float("-inf")).to(tl.float32)
-            bad = bad | (l != l) | (l == float("inf"))
-            m = tl.maximum(m, tl.where(l != l, float("-inf"), l))
-            a_off += s_an
-        m_safe = tl.where(tl.abs(m) < float("inf"), m, 0.0)
-        denom = tl.zeros([BLOCK_R], dtype=tl.float32)
-        a_off = a_row
-        for n in range(0, N):
-            l = tl.load(lse_all_ptr + a_off, mask=r_mask, other=float("-inf")).to(tl.float32)
-            denom += tl.where(l == float("-inf"), 0.0, tl.exp(l - m_safe))
-            a_off += s_an
-        has = denom > 0.0
-        lse_tot = tl.where(has, m_safe + tl.log(tl.where(has, denom, 1.0)), float("-inf"))  # logsumexp_n
-        lse_tot = tl.where(bad, float("nan"), lse_tot)
+        # The merged LSE over the shards (core/attention_tile.py, the preamble shared with
+        # the combine): NaN / +inf LSEs make the row NaN, all-empty rows -inf.
+        lse_tot = lse_logsumexp(lse_all_ptr, a_row, s_an, N, r_mask, BLOCK_R)
 
         own = tl.load(lse_ptr + t * s_lt + h * s_lh, mask=r_mask, other=float("-inf")).to(tl.float32)
         # Own shard empty (so is an all-empty row): weight 0, out not read; a NaN own or

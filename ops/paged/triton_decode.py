@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from cp_compile.ops.core.attention_tile import lse_epilogue, online_softmax_step, paged_location
+from cp_compile.ops.core.attention_tile import lse_epilogue, lse_merge_rows, online_softmax_step, paged_location
 from cp_compile.ops.paged import launch as paged_launch
 from cp_compile.ops.core.triton_common import (
     LoweringDeclaration,
@@ -63,15 +63,19 @@ def _paged_attention_lse_kernel(
     d_mask = offs_d < D1
     dv_mask = offs_dv < Dv
 
-    # Persistent loop over the (token, kv head, head block, KV split) work items; the
-    # split is innermost. NPU: grid <= cores, n_splits 1; CUDA: one program per item.
+    # Persistent loop over the (token, kv head, KV split, head block) work items; the
+    # head block is innermost, so the blocks that read the same keys (MLA's 128 heads in
+    # blocks of 64) are neighbours in the grid, resident at once, and all but the first
+    # read the split's rows from L2. NPU: grid <= cores, n_splits 1; CUDA: one program
+    # per item.
     for w in range(pid, n_work, nprog):
-        sp = w % n_splits  # KV split: keys [sp * split_len, (sp + 1) * split_len)
-        w2 = w // n_splits
-        t = w2 // (Hkv * n_hblk)
-        rem = w2 % (Hkv * n_hblk)
-        g = rem // n_hblk
-        hg = (rem % n_hblk) * BLOCK_H + offs_h  # head index inside the GQA group
+        hb = w % n_hblk
+        w2 = w // n_hblk
+        sp = w2 % n_splits  # KV split: keys [sp * split_len, (sp + 1) * split_len)
+        w3 = w2 // n_splits
+        t = w3 // Hkv
+        g = w3 % Hkv
+        hg = hb * BLOCK_H + offs_h  # head index inside the GQA group
         h_mask = hg < group
         h = g * group + hg  # query head (GQA: q head h reads kv head h // group)
 
@@ -156,15 +160,14 @@ def _split_merge_kernel(
     s_lt, s_lh,
     BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
-    """Second stage of the split decode: the LSE merge of ops/merge's kernel
-    (out = sum_s out_s exp(lse_s - LSE), LSE = logsumexp_s lse_s) over the KV splits of
-    each (token, head) row, written in the output dtype. An empty split (lse -inf) weighs
-    0 and its out is not read into the sum; an all-empty row is out 0, lse -inf; a NaN /
-    +inf partial makes its row NaN (decision 47). ops/paged may not import ops/merge
-    (independent families, pyproject's layers), hence the math is restated here. Work
-    items are (row block, BLOCK_D columns of Dv): a decode batch has few rows, and the
-    columns are what spreads its partials over the cores (each item re-reads its rows'
-    LSEs, S x 4 bytes a row, against S x BLOCK_D x 4 of partial outputs)."""
+    """Second stage of the split decode: the LSE merge (`lse_merge_rows` of
+    core/attention_tile.py, the one ops/merge's kernels use: out = sum_s out_s
+    exp(lse_s - LSE), LSE = logsumexp_s lse_s) over the KV splits of each (token, head)
+    row, written in the output dtype. An empty split (lse -inf) weighs 0 and its out is
+    not read into the sum; an all-empty row is out 0, lse -inf; a NaN / +inf partial
+    makes its row NaN (decision 47). Work items are (row block, BLOCK_D columns of Dv):
+    a decode batch has few rows, and the columns are what spreads its partials over the
+    cores (each item re-reads its rows' LSEs, S x 4 bytes a row, against S x BLOCK_D x 4 of partial outputs)."""
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
     offs_r = tl.arange(0, BLOCK_R)
@@ -178,35 +181,8 @@ def _split_merge_kernel(
         t = r // H
         h = r % H
         tile_mask = r_mask[:, None] & d_mask[None, :]
-        # Pass 1: max over the splits' LSEs, and whether one is invalid.
-        m = tl.full([BLOCK_R], float("-inf"), tl.float32)
-        bad = tl.zeros([BLOCK_R], dtype=tl.int1)
-        l_off = t * s_qt + h * s_qh
-        for sp in range(0, n_splits):
-            l = tl.load(pl_ptr + l_off, mask=r_mask, other=float("-inf"))
-            bad = bad | (l != l) | (l == float("inf"))
-            m = tl.maximum(m, tl.where(l != l, float("-inf"), l))
-            l_off += s_qs
-        m_safe = tl.where(tl.abs(m) < float("inf"), m, 0.0)  # all empty: exp(-inf - 0) = 0
-        # Pass 2: weighted sum of the partial outputs.
-        denom = tl.zeros([BLOCK_R], dtype=tl.float32)
-        num = tl.zeros([BLOCK_R, BLOCK_D], dtype=tl.float32)
-        l_off = t * s_qt + h * s_qh
-        o_off = t * s_pt + h * s_ph
-        for sp in range(0, n_splits):
-            l = tl.load(pl_ptr + l_off, mask=r_mask, other=float("-inf"))
-            empty = l == float("-inf")
-            wgt = tl.where(empty, 0.0, tl.exp(l - m_safe))
-            o = tl.load(po_ptr + o_off[:, None] + offs_d[None, :] * s_pd, mask=tile_mask, other=0.0)
-            denom += wgt
-            num += tl.where(empty[:, None], 0.0, o * wgt[:, None])  # select: never 0 * garbage
-            l_off += s_qs
-            o_off += s_ps
-        has = denom > 0.0
-        res = tl.where(has[:, None], num / tl.where(has, denom, 1.0)[:, None], 0.0)
-        res = tl.where(bad[:, None], float("nan"), res)
-        lse = tl.where(has, m_safe + tl.log(tl.where(has, denom, 1.0)), float("-inf"))
-        lse = tl.where(bad, float("nan"), lse)
+        res, lse = lse_merge_rows(po_ptr, pl_ptr, t * s_pt + h * s_ph, t * s_qt + h * s_qh, offs_d * s_pd,
+                                  s_ps, s_qs, n_splits, r_mask, tile_mask, BLOCK_R, BLOCK_D)
         tl.store(out_ptr + t[:, None] * s_ot + h[:, None] * s_oh + offs_d[None, :] * s_od,
                  res.to(out_ptr.dtype.element_ty), mask=tile_mask)
         first_cols = (offs_r * 0 + wi % n_dblk) == 0  # [BLOCK_R]: the row's LSE is stored once
@@ -227,6 +203,7 @@ def paged_attention_with_lse_triton(
     block_n: int | None = None,
     use_dot: bool | None = None,
     num_splits: int | None = None,
+    num_warps: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Triton twin of `reference.paged_attention_with_lse`.
 
@@ -281,9 +258,16 @@ def paged_attention_with_lse_triton(
     d_pad, dv_pad = next_pow2(d1), next_pow2(Dv)
     dr_pad = next_pow2(D - Dv) if mla else 0
     d_max = max(d_pad, dv_pad) + dr_pad  # columns a key row's tiles hold
-    if use_dot:
+    warps = 4  # Triton's default
+    if use_dot and mla:
+        dot_h, dot_n, warps = _mla_dot_tiles(group)
+        block_h, block_n = _tiles(group, d_max, block_h or dot_h, block_n or dot_n)
+    elif use_dot:
         dot_h, dot_n = _dot_tiles(group, d_max)
         block_h, block_n = _tiles(group, d_max, block_h or dot_h, block_n or dot_n)
+        # 64 heads x 64 keys at D 128 spill 64 B on sm_80 with 4 warps, none with 8
+        # (tools/aot_cuda_check.py --production, docs/kernels_aot.md).
+        warps = 8 if block_h >= 64 else 4
     else:
         block_h, block_n = _tiles(group, d_max, block_h, block_n)
     n_hblk = triton.cdiv(group, block_h)
@@ -334,6 +318,7 @@ def paged_attention_with_lse_triton(
         s_po, *part_out.stride()[-3:],
         s_pl, *part_lse.stride()[-2:],
         BLOCK_H=block_h, BLOCK_N=block_n, D_PAD=d_pad, DV_PAD=dv_pad, DR_PAD=dr_pad, USE_DOT=use_dot,
+        **({"num_warps": num_warps or warps} if target == "cuda" else {}),
     )
     if num_splits > 1:
         n_rows = T * Hq
@@ -380,6 +365,26 @@ def _dot_tiles(group: int, d_max: int) -> tuple[int, int]:
         block_h //= 2
     block_n = 64 if d_max <= 128 else 32 if d_max <= 256 else 16
     return block_h, block_n
+
+
+# MLA tl.dot tile (docs/kernels.md "MLA decode tile"): at most 32 heads per tile, 32
+# keys, 8 warps from 32 heads on. The largest tile without spills at production shapes
+# on sm_90a and sm_80 (tools/aot_cuda_check.py --production): 64 heads x 32 keys at 8
+# warps needs 255 registers and spills 60 bytes on sm_90a (the [64, 512] fp32
+# accumulator is 128 registers a thread, the q tile in registers another 64), 16 warps
+# cap a thread at 128 registers and spill more.
+_MLA_BLOCK_H = 32
+_MLA_BLOCK_N = 32
+
+
+def _mla_dot_tiles(heads: int) -> tuple[int, int, int]:
+    """(BLOCK_H, BLOCK_N, num_warps) of the MLA tl.dot path: the rank's heads in one tile
+    up to _MLA_BLOCK_H (padded to >= 16, tl.dot's minimum M), so a key tile's latent row
+    is loaded once for all of them; more heads are head blocks of _MLA_BLOCK_H, which
+    the work order makes neighbours in the grid (the same split's rows, read from L2 by
+    all but the first). 8 warps hold a 32-head [32, 512] fp32 accumulator."""
+    block_h = min(max(16, next_pow2(heads)), _MLA_BLOCK_H)
+    return block_h, _MLA_BLOCK_N, 8 if block_h >= 32 else 4
 
 
 # ----------------------------------------------------------------------------- lowering check

@@ -26,6 +26,7 @@ from cp_compile.ops.core.triton_common import (
     kernel_for,
     next_pow2,
     require_int32_offsets,
+    target_of,
 )
 
 
@@ -130,7 +131,8 @@ def paged_prefill_attention_lse_triton(
         return out, lse
     require_int32_offsets(q=q, k_cache=k_cache, v_cache=v_cache, block_table=block_table, out=out)
     d_pad, dv_pad = max(next_pow2(D), 16), max(next_pow2(Dv), 16)
-    default = 16 if device.type == "cpu" or max(d_pad, dv_pad) > 256 else 64
+    # Sized for the tensors' device, or the one a plan targets (tools/aot_cuda_check --production).
+    default = 16 if target_of(device)[0] == "cpu" or max(d_pad, dv_pad) > 256 else 64
     block_m, block_n = block_m or default, block_n or default
     if min(block_m, block_n) < 16 or block_m & (block_m - 1) or block_n & (block_n - 1):
         raise ValueError(f"block_m={block_m}, block_n={block_n}: powers of two >= 16 (tl.dot tiles)")
@@ -144,6 +146,8 @@ def paged_prefill_attention_lse_triton(
         n_tiles, Hq, Hq // Hkv, k_cache.shape[1], D, Dv,
         *q.stride(), *k_cache.stride(), *v_cache.stride(), block_table.stride(0), *out.stride(), *lse.stride(),
         BLOCK_M=block_m, BLOCK_N=block_n, D_PAD=d_pad, DV_PAD=dv_pad,
+        # 64 x 64 tiles at D 128 spill 28 B on sm_80 with 4 warps (tools/aot_cuda_check.py --production).
+        **({"num_warps": 8} if target_of(device)[0] == "cuda" and block_m >= 64 else {}),
     )
     return out, lse
 

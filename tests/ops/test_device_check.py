@@ -5,7 +5,10 @@
   `aot_cuda_check.py --subset`), registers / spills / smem recorded;
 - the AOT check fails on a kernel that does not compile for CUDA (a fixture);
 - under `slow`: every kernel x every declared launch specialisation x both archs
-  (the table in docs/kernels.md).
+  (the table in docs/kernels.md);
+- `aot_cuda_check.py --production`: the tiles the launchers pick at the production shapes,
+  specialised as the JIT does, spill-free unless named with a reason (the decode tiles by
+  default, every production tile under `slow`; docs/kernels_aot.md).
 
 Subprocesses without TRITON_INTERPRET (the interpreter compiles nothing); this file
 imports no triton.
@@ -72,6 +75,57 @@ def test_aot_check_fails_on_a_compile_error(tmp_path: Path) -> None:
     assert "CompilationError" in rows[0]["message"]
 
 
+def _production(tmp_path: Path, *args: str) -> tuple[subprocess.CompletedProcess, dict]:
+    out = tmp_path / "aot_production.json"
+    proc = subprocess.run([sys.executable, "-m", "tools.aot_cuda_check", "--production", *args, "--json", str(out)],
+                          cwd=REPO, env=_env(), capture_output=True, text=True, timeout=7200)
+    return proc, (json.loads(out.read_text()) if out.exists() else {})
+
+
+def test_aot_production_decode_tiles_do_not_spill(tmp_path: Path) -> None:
+    """The decode attention tiles the launcher picks at batch 8, 32k for GQA (8 q heads per
+    KV head, D 128: 16 x 64 keys) and MLA (128 heads of 512 + 64: 32 heads x 32 keys at 8
+    warps), specialised as the JIT does (unit strides constant, 16-divisible ints
+    marked), compile for sm_90a (the issue's target; sm_80 is in the slow run) with no
+    spill and at least one block per SM."""
+    proc, data = _production(tmp_path, "--subset", "--arch", "90")
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-3000:]
+    rows = data["results"]
+    assert {(r["labels"][0].split(",")[0], r["target"]) for r in rows} == {
+        ("GQA decode 8 q heads per KV head", "sm_90a"), ("MLA decode 128 heads 512+64", "sm_90a")}
+    for r in rows:
+        assert r["status"] == "ok" and r["spill_stores"] == 0 and r["spill_loads"] == 0, r
+        assert r["blocks_per_sm"] >= 1 and r["registers"] <= 255
+    mla = [r["constexprs"] for r in rows if r["labels"][0].startswith("MLA")]
+    assert all((c["BLOCK_H"], c["BLOCK_N"], c["num_warps"]) == (32, 32, 8) for c in mla)
+
+
+def test_aot_production_spill_fails_unless_named() -> None:
+    """The verdict of the production check: a spill fails unless the allow-list names the
+    tile (its reason then shows in the table), a tile no SM can hold fails, a clean one
+    passes; blocks per SM follow registers, shared memory and warps."""
+    from tools.aot_cuda_check import Compiled, blocks_per_sm, production_problems
+    from tools.production_tiles import allowed_spill
+
+    def row(kernel: str, label: str, spill: int, smem: int = 40000, regs: int = 200) -> Compiled:
+        r = Compiled("m", kernel, {"BLOCK_H": 64}, 90, "ok", target="sm_90a", registers=regs, spill_stores=spill,
+                     spill_loads=spill, smem_static=0, smem_dynamic=smem, num_warps=8, labels=[label])
+        r.blocks_per_sm = blocks_per_sm(90, regs, smem, 8)
+        r.allowed = (allowed_spill(kernel, label, 90) or "") if spill else ""
+        return r
+
+    decode = row("_paged_attention_lse_kernel", "MLA decode 128 heads 512+64, batch 8, 32k", spill=60)
+    problems = production_problems([decode])
+    assert len(problems) == 1 and "spills 60/60 B" in problems[0] and "ALLOWED_SPILLS" in problems[0]
+    assert production_problems([row("_paged_attention_lse_kernel", "MLA decode", spill=0)]) == []
+    sparse = row("_sparse_mla_kernel", "sparse MLA top-2048 16 heads, batch 8", spill=40)
+    assert sparse.allowed and production_problems([sparse]) == []
+    too_big = row("_paged_attention_lse_kernel", "GQA decode", spill=0, smem=240000)
+    assert too_big.blocks_per_sm == 0 and "no SM holds one block" in production_problems([too_big])[0]
+    assert blocks_per_sm(90, 190, 76032, 8) == 1 and blocks_per_sm(90, 154, 39168, 4) == 3
+    assert blocks_per_sm(80, 32, 0, 4) == 16  # warps bound it: 64 warps an SM
+
+
 @pytest.mark.slow
 def test_aot_every_specialisation_both_archs(tmp_path: Path) -> None:
     out = tmp_path / "aot.json"
@@ -99,3 +153,23 @@ def test_decode_plan_splits_the_dcp_decode_shape() -> None:
     assert after["launches"][0]["constexprs"]["USE_DOT"] is True
     assert after["launches"][0]["bytes_read"] >= 8 * 32768 * 2 * 128 * 2  # every key's K and V row
     assert after["predicted_fraction_of_4.8TBps"] > 5 * before["predicted_fraction_of_4.8TBps"]
+    # MLA: 16 heads are one tile; 128 heads four 32-head blocks whose latent rows the model
+    # reads from HBM once per split (the blocks are grid neighbours), never once per block.
+    mla16 = rows[("MLA 16 heads, 512+64", 8, 32768, "split")]
+    mla128 = rows[("MLA 128 heads, 512+64", 8, 32768, "split")]
+    assert (mla16["block_h"], mla16["head_blocks"]) == (16, 1)
+    assert (mla128["block_h"], mla128["head_blocks"]) == (32, 4) and mla128["grid"] >= 2 * decode_plan.SMS
+    latent = 8 * 32768 * 576 * 2
+    assert latent <= mla128["launches"][0]["bytes_read"] < 1.05 * latent  # + each item's q tile (4 %)
+
+
+@pytest.mark.slow
+def test_aot_production_every_tile_both_archs(tmp_path: Path) -> None:
+    """Every production tile (tools/production_tiles.py) x sm_80 / sm_90a: compiled, and
+    no spill outside the allow-list (the table of docs/kernels_aot.md)."""
+    proc, data = _production(tmp_path)
+    assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
+    kernels = {r["kernel"] for r in data["results"]}
+    assert {"_paged_attention_lse_kernel", "_split_merge_kernel", "_paged_prefill_kernel", "_sparse_mla_kernel",
+            "_index_scores_kernel", "_merge_partials_kernel", "_lse_rescale_kernel"} <= kernels
+    assert data["problems"] == []

@@ -397,6 +397,60 @@ def test_split_kv_mla_latent_and_rope_products(dtype: torch.dtype, use_dot: bool
     assert_close_report("mla split lse", lse, ref_lse, atol=tol, rtol=tol)
 
 
+def mla_split_case(gen: torch.Generator, seq_lens: list[int], H: int, L: int, R: int, BS: int, width: int,
+                   dtype: torch.dtype) -> tuple[tuple, tuple]:
+    """(kernel args, fp32 reference args) of an MLA decode batch: one latent + rope cache
+    tensor (the latent view shares its storage), pages shuffled, NaN in every slot no
+    request owns."""
+    B = len(seq_lens)
+    NB = B * width + 1
+    pages = torch.randperm(NB, generator=gen)[: B * width].view(B, width).to(torch.int32)
+    cache = torch.full((NB, BS, L + R), NAN)
+    for b, n in enumerate(seq_lens):
+        for j in range(n):
+            cache[int(pages[b, j // BS]), j % BS] = torch.randn(L + R, generator=gen)
+    q = torch.randn(B, H, L + R, generator=gen).to(dtype)
+    c = cache.to(dtype)
+    meta = (pages, torch.arange(B + 1, dtype=torch.int32), torch.tensor(seq_lens, dtype=torch.int32), 0.15)
+    return ((q, c.unsqueeze(2), c[..., :L].unsqueeze(2), *meta),
+            (q.float(), c.float().unsqueeze(2), c.float()[..., :L].unsqueeze(2), *meta))
+
+
+@interp
+@pytest.mark.parametrize("dtype,use_dot,num_splits", [(torch.float32, True, 5), (torch.float16, True, None),
+                                                       (torch.bfloat16, False, 5)])
+def test_split_kv_mla_head_blocks(dtype: torch.dtype, use_dot: bool, num_splits: int | None) -> None:
+    """MLA decode with 48 heads: the tl.dot tile holds 32 heads (`_mla_dot_tiles`), so two
+    head blocks (the second half masked) share each split's keys, neighbours in the
+    grid. Four requests: 37 keys (5 splits of 10 over a 48-key table: every split ends
+    inside a page of 4 and inside a 32-key tile), an empty shard (0 keys), a one-token
+    context and 9 keys (its last splits empty); NaN in every slot no request owns.
+    num_splits None: the default count (kv_splits on CPU_MAX_PROGRAMS cores). bf16 runs
+    the broadcast product (the interpreter's tl.dot misreads bf16) with the same 32-head
+    tile."""
+    from cp_compile.ops.core.triton_common import capture_launches
+
+    gen = torch.Generator().manual_seed(18)
+    H, L, R = 48, 40, 12
+    args, ref_args = mla_split_case(gen, [37, 0, 1, 9], H, L, R, BS=4, width=12, dtype=dtype)
+    kw = dict(num_splits=num_splits, use_dot=use_dot, **({} if use_dot else dict(block_h=32, block_n=8)))
+    with capture_launches() as launches:
+        paged_attention_with_lse_triton(*args, **kw)
+    att = launches[0]
+    splits = att.args[13]
+    assert att.kwargs["BLOCK_H"] == 32 and att.args[12] == 2  # two head blocks of 32
+    assert att.args[9] == 4 * splits * 2 and (num_splits is None) == (splits != 5) and splits > 1
+    if use_dot:
+        assert att.kwargs["BLOCK_N"] == 32
+    out, lse = paged_attention_with_lse_triton(*args, **kw)
+    ref_out, ref_lse = paged_reference.paged_attention_with_lse(*ref_args)
+    tol = {torch.float32: 1e-5, torch.float16: 5e-3, torch.bfloat16: 2e-2}[dtype]
+    assert not bool(torch.isnan(out).any()) and not bool(torch.isnan(lse).any())
+    assert bool((out[1] == 0).all()) and bool((lse[1] == NEG_INF).all())  # the empty shard (decision 47)
+    assert_close_report("mla head blocks out", out.float(), ref_out, atol=tol, rtol=tol)
+    assert_close_report("mla head blocks lse", lse, ref_lse, atol=tol, rtol=tol)
+
+
 @interp
 def test_split_kv_bf16() -> None:
     """bf16 q / cache, fp32 partials, bf16 out (broadcast product: the interpreter's tl.dot
@@ -543,6 +597,53 @@ def test_local_slot_mapping(dcp: int) -> None:
 
 
 # ----------------------------------------------------------------------------- fallback
+
+
+# A kernel module decorated outside interpreter mode, run on CPU tensors once triton.language
+# is interpreted: `kernel_for` builds interpreted twins, whose jitted helpers (the shared
+# LSE merge of core/attention_tile.py, the online-softmax step) must be twinned too.
+_TWIN_SCRIPT = """
+import os, sys, torch
+os.environ["TRITON_INTERPRET"] = "1"
+import triton.language  # noqa: F401  (decorated in interpreter mode)
+del os.environ["TRITON_INTERPRET"]
+from triton.runtime.jit import JITFunction
+from cp_compile.ops.merge import reference as mref
+from cp_compile.ops.merge.triton_merge import _merge_partials_kernel, lse_rescale_triton, merge_partials_triton
+from cp_compile.ops.paged import reference as pref
+from cp_compile.ops.paged.triton_decode import paged_attention_with_lse_triton
+assert isinstance(_merge_partials_kernel, JITFunction), type(_merge_partials_kernel)  # not interpreted: a twin runs
+os.environ["TRITON_INTERPRET"] = "1"  # set again at launch (triton 3.9's gluon asserts it when first imported)
+g = torch.Generator().manual_seed(3)
+outs, lses = torch.randn(3, 4, 2, 8, generator=g), torch.randn(3, 4, 2, generator=g)
+lses[0, 1, 0] = float("-inf")
+lse_out = torch.empty(4, 2)
+got = merge_partials_triton(outs, lses, lse_out=lse_out)
+want, want_lse = mref.merge_partials(outs, lses), torch.logsumexp(lses, 0)
+torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+torch.testing.assert_close(lse_out, want_lse, atol=1e-5, rtol=1e-5)
+summed = sum(lse_rescale_triton(outs[n], lses[n], lses) for n in range(3))
+torch.testing.assert_close(summed, want, atol=1e-5, rtol=1e-5)
+q, kv = torch.randn(2, 4, 16, generator=g), torch.randn(6, 4, 1, 16, generator=g)
+bt, qsl, kl = torch.arange(6, dtype=torch.int32).view(2, 3), torch.arange(3, dtype=torch.int32), torch.tensor([9, 12], dtype=torch.int32)
+o, l = paged_attention_with_lse_triton(q, kv, kv, bt, qsl, kl, 0.25, num_splits=3)
+ro, rl = pref.paged_attention_with_lse(q, kv, kv, bt, qsl, kl, 0.25)
+torch.testing.assert_close(o, ro, atol=1e-5, rtol=1e-5)
+torch.testing.assert_close(l, rl, atol=1e-5, rtol=1e-5)
+print("TWIN OK")
+"""
+
+
+@pytest.mark.skipif(not triton_available(), reason="needs triton")
+def test_interpreted_twin_runs_jitted_helpers() -> None:
+    """Kernels decorated without TRITON_INTERPRET, launched on CPU tensors after
+    triton.language was imported with it: their twins call the shared @triton.jit helpers
+    (the LSE merge, the online softmax) as interpreted functions too, and the DCP merge,
+    the LSE rescale and a split decode match the references (a fresh interpreter)."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, "-c", _TWIN_SCRIPT], cwd=Path(__file__).resolve().parents[2], env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0 and "TWIN OK" in proc.stdout, proc.stdout[-3000:] + proc.stderr[-3000:]
 
 
 @pytest.mark.skipif(IN_PROCESS or os.environ.get(_CHILD_ENV) == "1",
