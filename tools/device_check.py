@@ -35,17 +35,17 @@ def _steps() -> list:
     from tools.devcheck.runner import Step
 
     return [
-        Step("env", 20, 60, "GPU, SM count, clocks, versions, device-to-device copy GB/s (the streaming roof)",
+        Step("env", 15, 60, "GPU, SM count, clocks, versions, device-to-device copy GB/s (the streaming roof)",
              step_env.run),
         Step("kernels", 70, 600, "every cp:: op through torch.ops.cp vs its reference: production shapes (bf16) "
              "and op_cases edges (fp32, bf16); NaN / inf fail", step_kernels.run),
-        Step("decode_bandwidth", 80, 300, "decode GB/s at the DCP shapes vs SDPA (flash pinned) on contiguous KV, "
+        Step("decode_bandwidth", 70, 300, "decode GB/s at the DCP shapes vs SDPA (flash pinned) on contiguous KV, "
              "same scale, outputs compared, CUDA-graph timed", step_bandwidth.run),
-        Step("dcp_emulation", 60, 300, "DCP N = 2 / 4 / 8 on one device: shards, localisation, partials, merge "
+        Step("dcp_emulation", 50, 300, "DCP N = 2 / 4 / 8 on one device: shards, localisation, partials, merge "
              "kernels == the one-device op; one CUDA graph, metadata mutated between replays", step_dcp.run),
-        Step("compiled_step", 60, 300, "the cp_ascend-compiled decode step of an example model (validation off) "
+        Step("compiled_step", 90, 300, "the cp_ascend-compiled decode step of an example model (validation off) "
              "captured and replayed with mutated metadata vs eager", step_compiled.run),
-        Step("prefill", 40, 300, "prefill kernel TFLOPS at 8k / 32k vs SDPA flash, outputs compared",
+        Step("prefill", 35, 300, "prefill kernel TFLOPS at 8k / 32k vs SDPA flash, outputs compared",
              step_prefill.run),
     ]
 
@@ -79,7 +79,7 @@ def main(argv: list[str] | None = None) -> int:
 
         return decode_plan.main(["--markdown"] + (["--json", str(a.json)] if a.json else []))
     from tools.devcheck.common import Ctx
-    from tools.devcheck.runner import run_all
+    from tools.devcheck.runner import cuda_available_in_child, run_all
 
     only = {n for o in a.only or [] for n in o.split(",")}
     steps = [s for s in _steps() if not only or s.name in only]
@@ -87,7 +87,9 @@ def main(argv: list[str] | None = None) -> int:
         from tools.devcheck import dry_run
 
         return dry_run.main(steps, a.out)
-    if not a.rehearse and not torch.cuda.is_available():
+    # This process never touches CUDA (not even is_available: cuInit before a fork breaks
+    # CUDA in every child); the steps run in forked children that do.
+    if not a.rehearse and not cuda_available_in_child():
         print("device_check: no CUDA device; run with --rehearse (CPU, interpreter) or --dry-run", file=sys.stderr)
         return 2
     device = torch.device("cpu" if a.rehearse else "cuda")

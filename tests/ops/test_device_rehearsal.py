@@ -119,3 +119,37 @@ def test_torchrun_dcp_step_on_two_gloo_ranks() -> None:
     assert out["world"] == 2 and out["ok"] is True
     assert {(r["rank"], r["merge"]) for r in out["rows"]} == {(0, "ag_rs"), (0, "a2a"), (1, "ag_rs"), (1, "a2a")}
     assert all(r["max_err_vs_one_device"] <= 1e-5 for r in out["rows"])
+
+
+_SPY = """
+import json, os, sys
+sys.path.insert(0, {repo!r})
+import torch
+parent, calls = os.getpid(), []
+def spy(name, fn):
+    def wrapped(*a, **k):
+        if os.getpid() == parent:
+            calls.append(name)
+        return fn(*a, **k)
+    return wrapped
+torch.cuda.is_available = spy("is_available", torch.cuda.is_available)
+torch.cuda.device_count = spy("device_count", torch.cuda.device_count)
+if hasattr(torch._C, "_cuda_getDeviceCount"):  # CUDA builds only
+    torch._C._cuda_getDeviceCount = spy("_cuda_getDeviceCount", torch._C._cuda_getDeviceCount)
+from tools import device_check
+rc = device_check.main(["--out", {out!r}])
+print(json.dumps({{"rc": rc, "calls": calls}}))
+"""
+
+
+def test_the_parent_never_asks_cuda(tmp_path: Path) -> None:
+    """The GPU run's parent process forks every step: a cudaGetDeviceCount (cuInit) in it,
+    e.g. torch.cuda.is_available(), would leave CUDA unusable in every child. Here (no GPU)
+    the run stops at the availability probe, which must have run in a child."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, "-c", _SPY.format(repo=str(REPO), out=str(tmp_path))], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    res = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert res == {"rc": 2, "calls": []}, res
+    assert "no CUDA device" in proc.stderr

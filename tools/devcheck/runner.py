@@ -48,6 +48,25 @@ def _child(step: Step, ctx: Ctx, rows_path: str) -> None:
     os._exit(code)  # no atexit / CUDA teardown that could hang
 
 
+def cuda_available_in_child() -> bool:
+    """torch.cuda.is_available(), asked in a forked child: in this process it would call
+    cudaGetDeviceCount, which runs cuInit, and CUDA cannot be used in a child forked after
+    that (torch's "poisoned fork"): every step would fail on the GPU machine."""
+    def probe() -> None:
+        import torch
+
+        os._exit(0 if torch.cuda.is_available() else 3)
+
+    proc = multiprocessing.get_context("fork").Process(target=probe)
+    proc.start()
+    proc.join(60)
+    if proc.is_alive():
+        proc.kill()
+        proc.join()
+        return False
+    return proc.exitcode == 0
+
+
 def run_step(step: Step, ctx: Ctx, work: Path) -> dict[str, Any]:
     """{status: ok | failed | timed_out, rows, seconds, limit_s[, error]}."""
     limit = step.rehearse_limit_s if ctx.rehearse else step.limit_s
