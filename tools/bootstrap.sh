@@ -4,6 +4,11 @@
 #                  and nixl-cu12 (the KV-transfer transport, cp_compile.serving.kv_transfer): --no-deps, since
 #                  its requirements are torch and numpy, both already here; unpinned deps would pull
 #                  a CUDA torch (the `nixl` meta-package pulls CUDA torch and both cu12 / cu13 builds)
+#   .venv-device   not a venv: triton 3.6.0 (the GPU machine's version) and numpy 2.3.5, `pip install --target`;
+#                  tools/device_python.sh runs .venv's python with -S (no site, so no editable
+#                  cp-compile: the repository imports as laid out, as on the bare GPU machine) and
+#                  this triton ahead of .venv's packages, for the device check's rehearsal
+#                  (tests/ops/test_device_check.py; docs/decisions.md 59). ~10 s with a warm pip cache.
 #   .venv-ascend   with --with-ascend: the CPU torch, triton-ascend 3.2.0 + pybind11 and
 #                  cp-compile (editable), for the Triton-Ascend lowering check
 #                  (python -m tools.ascend_check). triton-ascend owns the
@@ -34,6 +39,12 @@ echo "[bootstrap] .venv: torch (CPU), cp-compile[test]" >&2
 .venv/bin/pip install -q torch==2.13.0
 .venv/bin/pip install -q -c "$pins" -e '.[test]'
 .venv/bin/pip install -q -c "$pins" --no-deps nixl-cu12
+
+echo "[bootstrap] .venv-device: triton 3.6.0 (the GPU machine's) for the device check's rehearsal" >&2
+rm -rf .venv-device
+# numpy 2.3: triton 3.6's interpreter calls int() on 1-element arrays, an error from numpy 2.4 on
+# (the GPU machine compiles, so its numpy 2.5 never meets the interpreter; decisions.md 59)
+.venv/bin/pip install -q --no-deps --target .venv-device triton==3.6.0 numpy==2.3.5
 
 if [ "$with_ascend" = 1 ]; then
   echo "[bootstrap] .venv-ascend: torch (CPU), triton-ascend, cp-compile" >&2

@@ -56,7 +56,8 @@ def _int8_matmul_kernel(
                         mask=m_mask[:, None] & k_mask[None, :], other=0)
             b = tl.load(b_ptr + g * s_bg + k[:, None] * s_bk + n[None, :] * s_bn,
                         mask=k_mask[:, None] & n_mask[None, :], other=0)
-            acc = tl.dot(a, b, acc)  # int8 x int8 -> int32
+            # out_dtype named: triton 3.6 (the GPU machine's) defaults it to fp32 and asserts acc matches
+            acc = tl.dot(a, b, acc, out_dtype=tl.int32)  # int8 x int8 -> int32
         tl.store(c_ptr + g * s_cg + m[:, None] * s_cm + n[None, :] * s_cn, acc, mask=m_mask[:, None] & n_mask[None, :])
 
 

@@ -47,22 +47,24 @@ def _jitted_kernels() -> set[str]:
     return names - helpers
 
 
+DEVICE_STEPS = ["env", "kernels", "decode_bandwidth", "dcp_emulation", "compiled_step", "prefill"]
+
+
 def test_device_check_dry_run(tmp_path: Path) -> None:
     proc = subprocess.run([sys.executable, "tools/device_check.py", "--dry-run", "--out", str(tmp_path)], cwd=REPO,
                           env=_env(), capture_output=True, text=True, timeout=1200)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-3000:]
     data = json.loads((tmp_path / "device_check.json").read_text())
     steps = data["steps"]
-    assert list(steps) == ["env", "aot", "pytest", "kernels", "decode_bandwidth", "cuda_graph"]
+    assert list(steps) == DEVICE_STEPS + ["aot"]
     assert all(s["status"] == "ok" for s in steps.values()), {k: s.get("error") for k, s in steps.items()}
     for name in steps:
-        assert f"== step {name} (dry run)" in proc.stdout
+        assert f"== step {name} (dry run" in proc.stdout
+    assert data["limits_sum_s"] <= 330  # + start-up: the whole run within 6 minutes
     aot = steps["aot"]["rows"]
     assert {(r["kernel"], r["target"]) for r in aot} == {(k, t) for k in _jitted_kernels() for t in ("sm_80", "sm_90a")}
     assert all(r["status"] == "ok" and r["registers"] > 0 for r in aot)
-    assert len(steps["kernels"]["rows"]) == 3 * len({r["op"] for r in steps["kernels"]["rows"]}) >= 3 * 16
-    assert [r["context"] for r in steps["decode_bandwidth"]["rows"]] == [8192, 32768, 131072]
-    assert (tmp_path / "device_check.md").read_text().count("### ") == 6
+    assert (tmp_path / "device_check.md").read_text().count("### ") == 7
 
 
 def test_aot_check_fails_on_a_compile_error(tmp_path: Path) -> None:
