@@ -1,5 +1,6 @@
-"""A minimal greedy serving loop over the example models (shared by the quick start,
-the compiled-model tests and the benchmark).
+"""A fixed greedy serving schedule over the example models (shared by the quick start,
+the compiled-model tests and the benchmark), stepped by the one step loop
+(`cp_compile.serving.loop.step_loop.StepLoop`).
 
 Requests join and leave between steps, so the batch composition and the token
 count change every step: prefills of joining requests ride in the same flattened
@@ -18,6 +19,10 @@ from cp_compile.base.config import CPConfig
 from cp_compile.runtime.kv_cache import KVCache
 from cp_compile.serving.kv_transfer import KVConsumer, KVProducer, KVTransferConfig
 from cp_compile.runtime.metadata_build import BlockAllocator, build_attention_metadata
+from cp_compile.base.sampling import SamplingParams
+from cp_compile.serving.loop.forward_executor import ForwardExecutor
+from cp_compile.serving.loop.scheduler import Scheduler, Sequence
+from cp_compile.serving.loop.step_loop import RequestState, StepLoop
 
 
 def layer_caches(cache: KVCache) -> list[tuple[torch.Tensor, ...]]:
@@ -64,38 +69,44 @@ def tiny_schedule(vocab: int, seed: int = 0, num_steps: int = 10) -> Schedule:
 def run_schedule(forward: Callable[..., torch.Tensor], kv_layers: list[tuple[torch.Tensor, ...]], cfg: CPConfig,
                  num_blocks: int, schedule: Schedule, max_blocks_per_req: int = 8,
                  on_step: Callable[[int, Any], None] | None = None) -> list[StepResult]:
-    """Greedy decoding through `forward(input_ids, positions, kv_layers, meta)`.
+    """Greedy decoding through `forward(input_ids, positions, kv_layers, meta)`, stepped
+    by the one step loop (`cp_compile.serving.loop.step_loop.StepLoop`) over a
+    `ForwardExecutor`: its scheduler admits each request at its join step with a budget
+    of the steps it runs (so it leaves, and its blocks are freed, at its leave step),
+    and the one `Sampler` picks the greedy tokens.
 
     `cfg` gives the virtual block size (block_size * dcp), the same on every rank
-    and for the single-device reference with pages of that size.
+    and for the single-device reference with pages of that size. `on_step(step, meta)`
+    sees each step's metadata; the batch order is the order of joining.
     """
-    alloc = BlockAllocator(num_blocks, cfg.virtual_block_size)
-    tokens: dict[int, list[int]] = {}
-    cached: dict[int, int] = {}
+    vbs = cfg.virtual_block_size
+    executor = ForwardExecutor(forward, kv_layers, BlockAllocator(num_blocks, vbs), padding=schedule.padding,
+                               max_blocks_per_req=max_blocks_per_req)
+    loop = StepLoop(executor, Scheduler(num_blocks, vbs, max_batch=max(len(schedule.prompts), 1)))
+    leave_at = {rid: step for step, rids in schedule.leaves.items() for rid in rids}
+    greedy = SamplingParams(temperature=0, max_tokens=None)
     results: list[StepResult] = []
     for step in range(schedule.num_steps):
-        for rid in schedule.leaves.get(step, []):
-            tokens.pop(rid)
-            cached.pop(rid)
-            alloc.free(rid)
-        for rid in schedule.joins.get(step, []):
-            tokens[rid] = list(schedule.prompts[rid])
-            cached[rid] = 0
-        rids = sorted(tokens)
-        reqs = [(cached[r], len(tokens[r]) - cached[r]) for r in rids]
-        meta = build_attention_metadata(reqs, alloc, req_ids=rids, num_padding_tokens=schedule.padding,
-                                        max_blocks_per_req=max_blocks_per_req)
-        ids = torch.tensor([t for r in rids for t in tokens[r][cached[r]:]] + [0] * schedule.padding)
-        with torch.no_grad():
-            logits = forward(ids, meta.positions, kv_layers, meta)  # [T, vocab]
-        last = logits[meta.query_start_loc[1:].long() - 1]  # [B, vocab]
-        nxt = last.argmax(-1).tolist()
-        for r, t in zip(rids, nxt):
-            cached[r] = len(tokens[r])
-            tokens[r].append(t)
-        results.append(StepResult(rids, last.clone(), nxt))
+        joining = []
+        for rid in sorted(schedule.joins.get(step, [])):
+            steps = leave_at.get(rid, schedule.num_steps) - step  # the tokens it generates
+            if steps < 1:
+                raise ValueError(f"schedule: request {rid} joins at step {step} and leaves at step "
+                                 f"{leave_at.get(rid)}. Fix: leave after the join step")
+            joining.append(loop.submit(Sequence(rid, list(schedule.prompts[rid]), steps,
+                                                payload=RequestState(greedy, None))))
+        ran = loop.step()
+        late = [s.rid for s in joining if s not in ran]
+        if late:
+            raise ValueError(f"schedule step {step}: requests {late} cannot join: their prompt + steps need more "
+                             f"KV blocks of {vbs} tokens than are left of {num_blocks}. Fix: more blocks")
+        if not ran:
+            results.append(StepResult([], torch.empty(0), []))
+            continue
+        results.append(StepResult([s.rid for s in ran], torch.stack(executor.last).clone(),
+                                  [s.tokens[-1] for s in ran]))
         if on_step is not None:
-            on_step(step, meta)
+            on_step(step, executor.meta)
     return results
 
 
