@@ -56,12 +56,19 @@ def test_draft_slots_admission_and_a_join_beside_a_verify_step():
     g = torch.Generator().manual_seed(5)
     prompts = {r: torch.randint(0, VOCAB, (7,), generator=g).tolist() for r in range(3)}
 
+    held: list[tuple[int, int, int]] = []  # per rollback: (blocks the request holds, its tokens need, given back)
+
     def run(k: int, seqs: dict[int, list[int]] | None = None):
         models = spec.build(cfg, hf.config, sd, "draft" if k else None, k, NUM_BLOCKS, draft_hf=(dcfg, dsd),
                             padding=1, max_blocks_per_req=4)
         if k:
             _Drafts(models.proposer, seqs)
-        dec = spec.decoder(models, cfg, NUM_BLOCKS, padding=1, max_blocks_per_req=4)
+
+        def rolled_back(r: Any) -> None:
+            held.append((len(dec.alloc.blocks(r.req_id)), -(-(r.old_len + r.num_accepted + 1) // BLOCK),
+                         len(r.freed)))
+
+        dec = spec.decoder(models, cfg, NUM_BLOCKS, padding=1, max_blocks_per_req=4, on_rollback=rolled_back)
         return dec.generate(prompts, NEW), dec
 
     base, _ = run(0)
@@ -71,4 +78,7 @@ def test_draft_slots_admission_and_a_join_beside_a_verify_step():
     assert per_step[0] == [K, 0]  # requests 0 and 1 only: request 2 waits for blocks
     joined = next(i for i, step in enumerate(per_step) if len(step) == 1)  # request 0 left; 2 prefills beside 1
     assert per_step[joined] == [0] and len(per_step[joined + 1]) == 2, per_step
+    # Rejected draft slots rolled back through the plan: each request then holds exactly
+    # the blocks of its committed tokens (some rounds give a block back).
+    assert held and all(h == n for h, n, _ in held) and any(f for _, _, f in held), held
     assert dec.alloc.num_free == NUM_BLOCKS
