@@ -18,7 +18,7 @@ import torch
 from cp_compile.base.config import CPConfig
 from cp_compile.runtime.kv_cache import KVCache
 from cp_compile.serving.kv_transfer import KVConsumer, KVProducer, KVTransferConfig
-from cp_compile.runtime.metadata_build import BlockAllocator, build_attention_metadata
+from cp_compile.runtime.metadata_build import BlockAllocator
 from cp_compile.base.sampling import SamplingParams
 from cp_compile.serving.loop.forward_executor import ForwardExecutor
 from cp_compile.serving.loop.scheduler import Scheduler, Sequence
@@ -129,21 +129,36 @@ def make_kv_role(kv_transfer_config: Any, cfg: CPConfig, cache: KVCache, model: 
     return KVConsumer(kv, cfg, cache, spec, attention, rank, allocator, group=group)
 
 
+def _greedy_loop(forward: Callable[..., torch.Tensor], kv_layers: list[tuple[torch.Tensor, ...]],
+                 allocator: BlockAllocator, max_batch: int, padding: int = 0,
+                 max_blocks_per_req: int | None = None) -> tuple[StepLoop, ForwardExecutor]:
+    """The one step loop over `forward` and an allocator that may already hold the
+    requests' blocks (PD disaggregation: the prefilled or imported KV)."""
+    executor = ForwardExecutor(forward, kv_layers, allocator, padding=padding, max_blocks_per_req=max_blocks_per_req)
+    return StepLoop(executor, Scheduler(allocator.num_blocks, allocator.block_tokens, max(max_batch, 1))), executor
+
+
+def _admit_all(loop: StepLoop, seqs: list[Sequence]) -> None:
+    """One step that must run every request of `seqs` (the PD examples batch them all)."""
+    ran = loop.step()
+    if [s.rid for s in ran] != [s.rid for s in seqs]:
+        raise ValueError(f"requests {[s.rid for s in seqs if s not in ran]} do not fit the "
+                         f"{loop.scheduler.num_blocks} KV blocks beside the others. Fix: more blocks")
+
+
 def prefill_and_export(forward: Callable[..., torch.Tensor], kv_layers: list[tuple[torch.Tensor, ...]],
                        allocator: BlockAllocator, prompts: dict[int, list[int]], producer: Any,
                        padding: int = 0, max_blocks_per_req: int = 64) -> dict[int, torch.Tensor]:
-    """Producer role: prefill every prompt in one batch, export each request (its block
-    table and greedy first token). Returns each request's last-token logits."""
-    rids = sorted(prompts)
-    meta = build_attention_metadata([(0, len(prompts[r])) for r in rids], allocator, req_ids=rids,
-                                    num_padding_tokens=padding, max_blocks_per_req=max_blocks_per_req)
-    ids = torch.tensor([t for r in rids for t in prompts[r]] + [0] * padding)
-    with torch.no_grad():
-        logits = forward(ids, meta.positions, kv_layers, meta)  # [T, vocab]
-    last = logits[meta.query_start_loc[1:].long() - 1]  # [B, vocab]
-    for r, row in zip(rids, last):
-        producer.export(r, len(prompts[r]), allocator.blocks(r), int(row.argmax()))
-    return {r: row.clone() for r, row in zip(rids, last)}
+    """Producer role: prefill every prompt in one batch (one step of the step loop: each
+    request leaves after its greedy first token), export each request (its block table
+    and that token). Returns each request's last-token logits."""
+    loop, executor = _greedy_loop(forward, kv_layers, allocator, len(prompts), padding, max_blocks_per_req)
+    greedy = SamplingParams(temperature=0, max_tokens=None)
+    seqs = [loop.submit(Sequence(r, list(prompts[r]), 1, payload=RequestState(greedy, None))) for r in sorted(prompts)]
+    _admit_all(loop, seqs)  # their blocks stay held (no next plan) until `release_exported`
+    for s in seqs:
+        producer.export(s.rid, len(s.prompt), allocator.blocks(s.rid), s.tokens[-1])
+    return {s.rid: row.clone() for s, row in zip(seqs, executor.last)}
 
 
 def release_exported(producer: Any, allocator: BlockAllocator, req_ids: list[int]) -> dict[int, str]:
@@ -159,21 +174,22 @@ def import_and_decode(forward: Callable[..., torch.Tensor], kv_layers: list[tupl
                       allocator: BlockAllocator, consumer: Any, req_ids: list[int], num_steps: int
                       ) -> tuple[dict[int, list[int]], list[torch.Tensor], dict[int, Any]]:
     """Consumer role: import each request's KV, then greedy-decode all of them together
-    for `num_steps` steps from the prefill's first token. Returns (tokens per request:
-    the first token then the decoded ones, last logits per step [B, vocab], imports)."""
+    for `num_steps` steps of the step loop from the prefill's first token (each request
+    starts at `cached` = its imported tokens). Returns (tokens per request: the first
+    token then the decoded ones, last logits per step [B, vocab], imports)."""
     imported = {r: consumer.import_request(r) for r in req_ids}
-    tokens = {r: [imp.first_token] for r, imp in imported.items()}
-    cached = {r: imp.num_tokens for r, imp in imported.items()}
+    loop, executor = _greedy_loop(forward, kv_layers, allocator, len(imported), max_blocks_per_req=64)
+    greedy = SamplingParams(temperature=0, max_tokens=None)
+    seqs = []
+    for r in sorted(imported):
+        imp = imported[r]
+        # The imported positions' tokens are not needed (their KV is cached): placeholders.
+        seq = Sequence(r, [0] * imp.num_tokens + [imp.first_token], max(num_steps, 1),
+                       payload=RequestState(greedy, None))
+        seq.cached = imp.num_tokens
+        seqs.append(loop.submit(seq))
     steps = []
     for _ in range(num_steps):
-        rids = sorted(tokens)
-        meta = build_attention_metadata([(cached[r], 1) for r in rids], allocator, req_ids=rids,
-                                        max_blocks_per_req=64)
-        ids = torch.tensor([tokens[r][-1] for r in rids])
-        with torch.no_grad():
-            logits = forward(ids, meta.positions, kv_layers, meta)  # [B, vocab]: one token per request
-        for r, row in zip(rids, logits):
-            cached[r] += 1
-            tokens[r].append(int(row.argmax()))
-        steps.append(logits.clone())
-    return tokens, steps, imported
+        _admit_all(loop, seqs)
+        steps.append(torch.stack(executor.last).clone())  # [B, vocab]: one token per request
+    return {s.rid: [imported[s.rid].first_token] + s.output for s in seqs}, steps, imported
