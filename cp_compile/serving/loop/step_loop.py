@@ -103,8 +103,8 @@ class StepLoop:
                 return []
             tokens = self._choose(running, run, out)
             # The draft slots each item wrote: the ones past its committed tokens roll back.
-            drafts = [len(r[2]) - len(p[2]) for r, p in zip(run.items, plan.items)]
-            self.scheduler.commit(tokens, drafts)
+            drafts = [len(r[2]) - len(p[2]) for r, p in zip(run.items, plan.items, strict=True)]
+            self.scheduler.commit(tokens, drafts if any(drafts) else None)
             for seq in running:
                 cb = getattr(seq.payload, "on_token", None)
                 if cb is not None:  # also for a request that just finished: its last token's text
