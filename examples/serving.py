@@ -1,5 +1,6 @@
-"""A minimal greedy serving loop over the example models (shared by the quick start,
-the compiled-model tests and the benchmark).
+"""A fixed greedy serving schedule over the example models (shared by the quick start,
+the compiled-model tests and the benchmark), stepped by the one step loop
+(`cp_compile.serving.loop.step_loop.StepLoop`).
 
 Requests join and leave between steps, so the batch composition and the token
 count change every step: prefills of joining requests ride in the same flattened
@@ -17,7 +18,11 @@ import torch
 from cp_compile.base.config import CPConfig
 from cp_compile.runtime.kv_cache import KVCache
 from cp_compile.serving.kv_transfer import KVConsumer, KVProducer, KVTransferConfig
-from cp_compile.runtime.metadata_build import BlockAllocator, build_attention_metadata
+from cp_compile.runtime.metadata_build import BlockAllocator
+from cp_compile.base.sampling import SamplingParams
+from cp_compile.serving.loop.forward_executor import ForwardExecutor
+from cp_compile.serving.loop.scheduler import Scheduler, Sequence
+from cp_compile.serving.loop.step_loop import RequestState, StepLoop
 
 
 def layer_caches(cache: KVCache) -> list[tuple[torch.Tensor, ...]]:
@@ -64,38 +69,44 @@ def tiny_schedule(vocab: int, seed: int = 0, num_steps: int = 10) -> Schedule:
 def run_schedule(forward: Callable[..., torch.Tensor], kv_layers: list[tuple[torch.Tensor, ...]], cfg: CPConfig,
                  num_blocks: int, schedule: Schedule, max_blocks_per_req: int = 8,
                  on_step: Callable[[int, Any], None] | None = None) -> list[StepResult]:
-    """Greedy decoding through `forward(input_ids, positions, kv_layers, meta)`.
+    """Greedy decoding through `forward(input_ids, positions, kv_layers, meta)`, stepped
+    by the one step loop (`cp_compile.serving.loop.step_loop.StepLoop`) over a
+    `ForwardExecutor`: its scheduler admits each request at its join step with a budget
+    of the steps it runs (so it leaves, and its blocks are freed, at its leave step),
+    and the one `Sampler` picks the greedy tokens.
 
     `cfg` gives the virtual block size (block_size * dcp), the same on every rank
-    and for the single-device reference with pages of that size.
+    and for the single-device reference with pages of that size. `on_step(step, meta)`
+    sees each step's metadata; the batch order is the order of joining.
     """
-    alloc = BlockAllocator(num_blocks, cfg.virtual_block_size)
-    tokens: dict[int, list[int]] = {}
-    cached: dict[int, int] = {}
+    vbs = cfg.virtual_block_size
+    executor = ForwardExecutor(forward, kv_layers, BlockAllocator(num_blocks, vbs), padding=schedule.padding,
+                               max_blocks_per_req=max_blocks_per_req)
+    loop = StepLoop(executor, Scheduler(num_blocks, vbs, max_batch=max(len(schedule.prompts), 1)))
+    leave_at = {rid: step for step, rids in schedule.leaves.items() for rid in rids}
+    greedy = SamplingParams(temperature=0, max_tokens=None)
     results: list[StepResult] = []
     for step in range(schedule.num_steps):
-        for rid in schedule.leaves.get(step, []):
-            tokens.pop(rid)
-            cached.pop(rid)
-            alloc.free(rid)
-        for rid in schedule.joins.get(step, []):
-            tokens[rid] = list(schedule.prompts[rid])
-            cached[rid] = 0
-        rids = sorted(tokens)
-        reqs = [(cached[r], len(tokens[r]) - cached[r]) for r in rids]
-        meta = build_attention_metadata(reqs, alloc, req_ids=rids, num_padding_tokens=schedule.padding,
-                                        max_blocks_per_req=max_blocks_per_req)
-        ids = torch.tensor([t for r in rids for t in tokens[r][cached[r]:]] + [0] * schedule.padding)
-        with torch.no_grad():
-            logits = forward(ids, meta.positions, kv_layers, meta)  # [T, vocab]
-        last = logits[meta.query_start_loc[1:].long() - 1]  # [B, vocab]
-        nxt = last.argmax(-1).tolist()
-        for r, t in zip(rids, nxt):
-            cached[r] = len(tokens[r])
-            tokens[r].append(t)
-        results.append(StepResult(rids, last.clone(), nxt))
+        joining = []
+        for rid in sorted(schedule.joins.get(step, [])):
+            steps = leave_at.get(rid, schedule.num_steps) - step  # the tokens it generates
+            if steps < 1:
+                raise ValueError(f"schedule: request {rid} joins at step {step} and leaves at step "
+                                 f"{leave_at.get(rid)}. Fix: leave after the join step")
+            joining.append(loop.submit(Sequence(rid, list(schedule.prompts[rid]), steps,
+                                                payload=RequestState(greedy, None))))
+        ran = loop.step()
+        late = [s.rid for s in joining if s not in ran]
+        if late:
+            raise ValueError(f"schedule step {step}: requests {late} cannot join: their prompt + steps need more "
+                             f"KV blocks of {vbs} tokens than are left of {num_blocks}. Fix: more blocks")
+        if not ran:
+            results.append(StepResult([], torch.empty(0), []))
+            continue
+        results.append(StepResult([s.rid for s in ran], torch.stack(executor.last).clone(),
+                                  [s.tokens[-1] for s in ran]))
         if on_step is not None:
-            on_step(step, meta)
+            on_step(step, executor.meta)
     return results
 
 
@@ -118,21 +129,36 @@ def make_kv_role(kv_transfer_config: Any, cfg: CPConfig, cache: KVCache, model: 
     return KVConsumer(kv, cfg, cache, spec, attention, rank, allocator, group=group)
 
 
+def _greedy_loop(forward: Callable[..., torch.Tensor], kv_layers: list[tuple[torch.Tensor, ...]],
+                 allocator: BlockAllocator, max_batch: int, padding: int = 0,
+                 max_blocks_per_req: int | None = None) -> tuple[StepLoop, ForwardExecutor]:
+    """The one step loop over `forward` and an allocator that may already hold the
+    requests' blocks (PD disaggregation: the prefilled or imported KV)."""
+    executor = ForwardExecutor(forward, kv_layers, allocator, padding=padding, max_blocks_per_req=max_blocks_per_req)
+    return StepLoop(executor, Scheduler(allocator.num_blocks, allocator.block_tokens, max(max_batch, 1))), executor
+
+
+def _admit_all(loop: StepLoop, seqs: list[Sequence]) -> None:
+    """One step that must run every request of `seqs` (the PD examples batch them all)."""
+    ran = loop.step()
+    if [s.rid for s in ran] != [s.rid for s in seqs]:
+        raise ValueError(f"requests {[s.rid for s in seqs if s not in ran]} do not fit the "
+                         f"{loop.scheduler.num_blocks} KV blocks beside the others. Fix: more blocks")
+
+
 def prefill_and_export(forward: Callable[..., torch.Tensor], kv_layers: list[tuple[torch.Tensor, ...]],
                        allocator: BlockAllocator, prompts: dict[int, list[int]], producer: Any,
                        padding: int = 0, max_blocks_per_req: int = 64) -> dict[int, torch.Tensor]:
-    """Producer role: prefill every prompt in one batch, export each request (its block
-    table and greedy first token). Returns each request's last-token logits."""
-    rids = sorted(prompts)
-    meta = build_attention_metadata([(0, len(prompts[r])) for r in rids], allocator, req_ids=rids,
-                                    num_padding_tokens=padding, max_blocks_per_req=max_blocks_per_req)
-    ids = torch.tensor([t for r in rids for t in prompts[r]] + [0] * padding)
-    with torch.no_grad():
-        logits = forward(ids, meta.positions, kv_layers, meta)  # [T, vocab]
-    last = logits[meta.query_start_loc[1:].long() - 1]  # [B, vocab]
-    for r, row in zip(rids, last):
-        producer.export(r, len(prompts[r]), allocator.blocks(r), int(row.argmax()))
-    return {r: row.clone() for r, row in zip(rids, last)}
+    """Producer role: prefill every prompt in one batch (one step of the step loop: each
+    request leaves after its greedy first token), export each request (its block table
+    and that token). Returns each request's last-token logits."""
+    loop, executor = _greedy_loop(forward, kv_layers, allocator, len(prompts), padding, max_blocks_per_req)
+    greedy = SamplingParams(temperature=0, max_tokens=None)
+    seqs = [loop.submit(Sequence(r, list(prompts[r]), 1, payload=RequestState(greedy, None))) for r in sorted(prompts)]
+    _admit_all(loop, seqs)  # their blocks stay held (no next plan) until `release_exported`
+    for s in seqs:
+        producer.export(s.rid, len(s.prompt), allocator.blocks(s.rid), s.tokens[-1])
+    return {s.rid: row.clone() for s, row in zip(seqs, executor.last)}
 
 
 def release_exported(producer: Any, allocator: BlockAllocator, req_ids: list[int]) -> dict[int, str]:
@@ -148,21 +174,22 @@ def import_and_decode(forward: Callable[..., torch.Tensor], kv_layers: list[tupl
                       allocator: BlockAllocator, consumer: Any, req_ids: list[int], num_steps: int
                       ) -> tuple[dict[int, list[int]], list[torch.Tensor], dict[int, Any]]:
     """Consumer role: import each request's KV, then greedy-decode all of them together
-    for `num_steps` steps from the prefill's first token. Returns (tokens per request:
-    the first token then the decoded ones, last logits per step [B, vocab], imports)."""
+    for `num_steps` steps of the step loop from the prefill's first token (each request
+    starts at `cached` = its imported tokens). Returns (tokens per request: the first
+    token then the decoded ones, last logits per step [B, vocab], imports)."""
     imported = {r: consumer.import_request(r) for r in req_ids}
-    tokens = {r: [imp.first_token] for r, imp in imported.items()}
-    cached = {r: imp.num_tokens for r, imp in imported.items()}
+    loop, executor = _greedy_loop(forward, kv_layers, allocator, len(imported), max_blocks_per_req=64)
+    greedy = SamplingParams(temperature=0, max_tokens=None)
+    seqs = []
+    for r in sorted(imported):
+        imp = imported[r]
+        # The imported positions' tokens are not needed (their KV is cached): placeholders.
+        seq = Sequence(r, [0] * imp.num_tokens + [imp.first_token], max(num_steps, 1),
+                       payload=RequestState(greedy, None))
+        seq.cached = imp.num_tokens
+        seqs.append(loop.submit(seq))
     steps = []
     for _ in range(num_steps):
-        rids = sorted(tokens)
-        meta = build_attention_metadata([(cached[r], 1) for r in rids], allocator, req_ids=rids,
-                                        max_blocks_per_req=64)
-        ids = torch.tensor([tokens[r][-1] for r in rids])
-        with torch.no_grad():
-            logits = forward(ids, meta.positions, kv_layers, meta)  # [B, vocab]: one token per request
-        for r, row in zip(rids, logits):
-            cached[r] += 1
-            tokens[r].append(int(row.argmax()))
-        steps.append(logits.clone())
-    return tokens, steps, imported
+        _admit_all(loop, seqs)
+        steps.append(torch.stack(executor.last).clone())  # [B, vocab]: one token per request
+    return {s.rid: [imported[s.rid].first_token] + s.output for s in seqs}, steps, imported

@@ -19,7 +19,7 @@ of the `logprobs` most likely ones, from the model's raw logits (log_softmax bef
 temperature / top-k / top-p, vLLM's default "raw_logprobs"); `token_logprobs` computes them.
 
 Every rank samples the same token because only one sampler runs: the step loop's
-(`cp_compile.serving.hf.scheduler.StepLoop`, under the driver of `LLM` and the server, and
+(`cp_compile.serving.loop.step_loop.StepLoop`, under the driver of `LLM` and the server, and
 under `hf.Engine.generate`), on the logits rank 0 returns; the token reaches every
 rank in the next step's plan. A seeded request owns a `torch.Generator` seeded with
 `seed`, so its tokens do not depend on what else is in the batch.

@@ -38,7 +38,7 @@ from cp_compile.serving.entrypoints.driver import Driver
 from cp_compile.serving.entrypoints.executors import LocalExecutor
 from cp_compile.serving.entrypoints.kv_driver import ConsumerSide
 from cp_compile.serving.hf.engine import Engine
-from cp_compile.serving.hf.scheduler import Scheduler, StepPlan
+from cp_compile.serving.loop.scheduler import Scheduler, StepPlan
 from cp_compile.serving.kv_transfer import KVTransferConfig
 from examples.hf_generate import tiny_hf
 

@@ -6,7 +6,7 @@
         driver.step()            # one plan to every rank, rank 0's last logits back, one token each
 
 Shared by the offline `LLM` and the server, so both produce the same tokens for the
-same requests. The loop itself is `cp_compile.serving.hf.scheduler.StepLoop` (also under
+same requests. The loop itself is `cp_compile.serving.loop.step_loop.StepLoop` (also under
 `hf.Engine.generate`); the driver adds the request checks, request ids, and the
 PD-disaggregation hooks. Sampling happens in the loop only
 (`cp_compile.base.sampling.Sampler`): every rank gets the chosen tokens in the next plan,
@@ -22,12 +22,13 @@ from typing import Any, Callable, Protocol
 import torch
 
 from cp_compile.serving.entrypoints.kv_driver import ProducerSide
-from cp_compile.serving.hf import scheduler as hf_scheduler
-from cp_compile.serving.hf.scheduler import Scheduler, Sequence, StepLoop, StepPlan
+from cp_compile.serving.loop import step_loop
+from cp_compile.serving.loop.scheduler import Scheduler, Sequence, StepPlan
+from cp_compile.serving.loop.step_loop import StepLoop
 from cp_compile.base.sampling import RequestError, SamplingParams, token_ids
 
 
-class Executor(hf_scheduler.Executor, Protocol):
+class Executor(step_loop.Executor, Protocol):
     def close(self) -> None: ...
 
 
@@ -44,7 +45,7 @@ class Limits:
 
 
 @dataclass
-class RequestState(hf_scheduler.RequestState):
+class RequestState(step_loop.RequestState):
     """The driver's per-request state (Sequence.payload): the loop's, and PD disaggregation's."""
 
     kv_import: Any = None  # consumer: the request's KV comes from the producer (kv_driver.Imported)

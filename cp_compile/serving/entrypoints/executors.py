@@ -34,7 +34,7 @@ import torch
 from cp_compile.base.config import CPConfig
 from cp_compile.serving.entrypoints.driver import Limits
 from cp_compile.serving.hf.engine import Engine
-from cp_compile.serving.hf.scheduler import StepPlan
+from cp_compile.serving.loop.scheduler import StepPlan
 from cp_compile.serving.entrypoints import kv_rank
 from cp_compile.serving.hf.support import attention_spec
 from cp_compile.serving.kv_transfer import KVTransferConfig

@@ -33,7 +33,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from cp_compile.serving.hf.scheduler import Scheduler, Sequence, StepPlan
+from cp_compile.serving.loop.scheduler import Scheduler, Sequence, StepPlan
 from cp_compile.serving.kv_transfer import KVTransferConfig, KVTransferError
 from cp_compile.serving.kv_transfer.exchange import Exchange
 from cp_compile.base.sampling import RequestError, SamplingParams

@@ -28,7 +28,7 @@ from cp_compile.serving.entrypoints.driver import Driver
 from cp_compile.serving.entrypoints.executors import EngineArgs, LocalExecutor, SpawnedExecutor, build_engine
 from cp_compile.serving.entrypoints.kv_driver import ProducerSide, make_side, rank_config
 from cp_compile.serving.kv_transfer import KVTransferConfig
-from cp_compile.serving.hf.scheduler import Sequence
+from cp_compile.serving.loop.scheduler import Sequence
 from cp_compile.runtime.parallel_state import destroy_parallel
 from cp_compile.base.sampling import Logprob, RequestError, SamplingParams, is_list_like
 

@@ -47,7 +47,7 @@ from typing import Any, AsyncIterator
 from cp_compile.serving.entrypoints import openai_logprobs
 from cp_compile.serving.entrypoints.executors import SpawnedExecutor
 from cp_compile.serving.entrypoints.llm import LLM, TextState
-from cp_compile.serving.hf.scheduler import Sequence
+from cp_compile.serving.loop.scheduler import Sequence
 from cp_compile.serving.kv_transfer import KVTransferError
 from cp_compile.base.sampling import RequestError, SamplingParams, token_ids
 

@@ -23,9 +23,10 @@ from cp_compile.compiler.decorator import compile_model
 from cp_compile.serving.hf.attention import GQA_NAME, MLA_NAME, register
 from cp_compile.serving.hf.cache import PagedCache
 from cp_compile.serving.hf.moe import EXPERTS_IMPLEMENTATION, is_moe_block
-from cp_compile.serving.hf.scheduler import RequestState, Scheduler, StepLoop, StepPlan
+from cp_compile.serving.loop.scheduler import Scheduler, StepPlan
 from cp_compile.serving.hf.sfa import route_sfa_layers
-from cp_compile.serving.hf.scheduler import Sequence as SchedSequence
+from cp_compile.serving.loop.scheduler import Sequence as SchedSequence
+from cp_compile.serving.loop.step_loop import RequestState, StepLoop
 from cp_compile.serving.hf.support import attention_spec, check_supported, head_dim
 from cp_compile.serving.hf.tp import shard_model
 from cp_compile.runtime.kv_cache import KVCacheSpec, allocate_kv_cache, tp_kv_head_ids
@@ -163,11 +164,14 @@ class Engine:
 
     # ---- serving ------------------------------------------------------------------
     def execute(self, plan: StepPlan) -> list[torch.Tensor]:
-        """Run one step: free `plan.free`'s blocks, then one forward over `plan.items`;
-        returns each item's last-token logits [vocab] (fp32). Every rank runs the same
-        plans in the same order (its allocator state is then the same everywhere)."""
+        """Run one step: free `plan.free`'s blocks (and roll back `plan.truncate`'s), then
+        one forward over `plan.items`; returns each item's last-token logits [vocab]
+        (fp32). Every rank runs the same plans in the same order (its allocator state is
+        then the same everywhere)."""
         for rid in plan.free:
             self.alloc.free(rid)
+        for rid, keep in plan.truncate:
+            self.alloc.truncate(rid, keep)
         if not plan.items:
             return []
         # Each item's table before this step: a step that raises (metadata build, the
@@ -256,14 +260,14 @@ class Engine:
         """Greedy-decode each prompt (every rank calls this with the same arguments);
         returns the generated token ids per prompt.
 
-        Continuous batching (`scheduler.py`): requests join as soon as a batch slot and
+        Continuous batching (`cp_compile.serving.loop.scheduler`): requests join as soon as a batch slot and
         their whole KV budget (prompt + max_new_tokens) are free, and leave when done
         (max_new_tokens or EOS). `arrivals[i]`: the step before which prompt i may not
         join (to exercise joins mid-run); default all at step 0. For sampling, text
         and ranks started for you, use `cp_compile.LLM`."""
         prompts, max_new, arrivals = self._check_generate(prompts, max_new_tokens, arrivals)
         n = len(prompts)
-        # The one step loop (scheduler.StepLoop, as under LLM and the server) with this
+        # The one step loop (loop.step_loop.StepLoop, as under LLM, the server and spec decode) with this
         # engine as its in-process executor; greedy: the sampler's argmax of each row.
         loop = StepLoop(self, self.scheduler())
         eos = frozenset(self.eos)

@@ -1,21 +1,29 @@
-"""The speculative decoding loop: propose, verify in one target step, accept, roll back.
+"""Speculative decoding through the one step loop (`cp_compile.serving.loop.step_loop.StepLoop`).
 
-Per request the runner keeps the committed tokens; the last one is not in the
-target's cache yet (it is the first input of the next step). A round:
+Per request the loop's `Sequence` keeps the committed tokens; the last one is not in
+the target's cache yet (it is the first input of the next step). A step of
+`SpecLoop`:
 
-1. the proposer drafts k tokens per request (`proposer.DraftProposer`);
-2. the target scores the last committed token and the k drafts in one step of
-   k + 1 tokens per request (the "verify" batch kind: attention over the sharded
-   cache with k + 1 queries per request, each query's rank-local causal length its
-   own, any interleave);
-3. `acceptance.greedy_accept` (temperature 0) or `acceptance.rejection_sample`
-   picks a + 1 tokens per request;
-4. rollback: the request now holds len(tokens) positions (the last one still
-   pending), so `BlockAllocator.truncate` gives back every block past them, in the
-   target's and the draft's cache alike (one allocator); the slots past them in a
-   kept block are stale and never read, because each step writes every position it
-   attends that is not cached, before attending it. `on_rollback` sees the stale
-   positions (a test poisons them).
+1. plan: the scheduler (`draft_slots=k`: a request joins only when its blocks cover
+   its k draft slots) carries the previous step's frees and rollbacks;
+2. proposer phase (`SpecExecutor.propose`, on this rank): the rollbacks are applied
+   first, then the proposer drafts k tokens per decoding request
+   (`proposer.DraftProposer`), appended to its plan item (k + 1 tokens);
+3. execute: the target scores the items in one step (the "verify" batch kind:
+   attention over the sharded cache with k + 1 queries per decoding request, each
+   query's rank-local causal length its own, any interleave; a joining request's
+   prompt rides beside them) and returns each item's k + 1 (or, for a prompt, 1)
+   last logits, and the target's hidden states for an MTP proposer;
+4. choose: `acceptance.greedy_accept` (temperature 0) or `acceptance.rejection_sample`
+   with the one `Sampler` and its seeded generator picks a + 1 tokens per decoding
+   request, a prompt's first token is the `Sampler`'s; rank 0's tokens on every rank
+   (`share`, one broadcast per batch);
+5. commit: the scheduler appends the a + 1 tokens and records the rollback; the next
+   plan's `truncate` makes `BlockAllocator.truncate` give back every block past the
+   committed tokens, in the target's and the draft's cache alike (one allocator);
+   the slots past them in a kept block are stale and never read, because each step
+   writes every position it attends that is not cached, before attending it.
+   `on_rollback` sees the stale positions (a test poisons them).
 
 Without a proposer the same loop decodes one token per request and step, the
 baseline that speculation must reproduce token for token under greedy decoding.
@@ -29,10 +37,14 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from cp_compile.runtime.metadata_build import BlockAllocator, build_attention_metadata
+from cp_compile.base.sampling import Sampler, share
+from cp_compile.runtime.metadata_build import BlockAllocator
+from cp_compile.serving.loop.forward_executor import ForwardExecutor
+from cp_compile.serving.loop.scheduler import Scheduler, StepPlan
+from cp_compile.serving.loop.scheduler import Sequence as Request
+from cp_compile.serving.loop.step_loop import StepLoop
 from cp_compile.serving.spec_decode.acceptance import Accepted, greedy_accept, rejection_sample
 from cp_compile.serving.spec_decode.proposer import DraftProposer
-from cp_compile.base.sampling import Sampler, share
 
 
 @dataclass
@@ -86,14 +98,154 @@ class SpecResult:
     stats: SpecStats
 
 
-def _split(out: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
-    return (out[0], out[1]) if isinstance(out, tuple) else (out, None)
+@dataclass
+class Scored:
+    """One plan item's output of the target: logits [n, V] of its last n positions (k + 1
+    for a decoding request with drafts, else 1); draft_logits [k, V] of its drafts, or
+    None when it had none."""
+
+    logits: torch.Tensor
+    draft_logits: torch.Tensor | None = None
+
+
+class SpecExecutor(ForwardExecutor):
+    """The target on this rank (every rank runs its own `SpecLoop` on the same
+    requests), with the proposer phase and the rollback of rejected draft slots."""
+
+    def __init__(self, target: Callable[..., Any], target_caches: Sequence[tuple[torch.Tensor, ...]],
+                 alloc: BlockAllocator, proposer: DraftProposer | None, sampler: Sampler, padding: int = 0,
+                 max_blocks_per_req: int | None = None, device: torch.device | str = "cpu",
+                 on_rollback: Callable[[Rollback], None] | None = None) -> None:
+        super().__init__(target, target_caches, alloc, padding, max_blocks_per_req, device)
+        self.proposer = proposer
+        self.sampler = sampler
+        self.on_rollback = on_rollback
+        self.k = proposer.k if proposer is not None else 0
+        self.hidden: dict[int, torch.Tensor] = {}  # request -> the target's hidden states of its last step (MTP)
+        self.old_len: dict[int, int] = {}  # request -> committed tokens before its verify step in flight
+        self.draft_logits: dict[int, torch.Tensor] = {}  # request -> [k, V] of this step's drafts
+
+    def _free(self, rid: int) -> None:
+        self.alloc.free(rid)
+        self.hidden.pop(rid, None)
+        self.old_len.pop(rid, None)
+        if self.proposer is not None:
+            self.proposer.drop(rid)
+
+    def _truncate(self, rid: int, keep: int) -> None:
+        """Request `rid` wrote positions old_len - 1 .. old_len - 1 + k and kept the
+        `keep` = old_len + a + 1 tokens (the last one pending): the rollback."""
+        old_len = self.old_len.pop(rid)
+        a = keep - old_len - 1
+        table = self.alloc.blocks(rid)
+        draft_stale = self.proposer.after_verify(rid, old_len, a) if self.proposer is not None else (0, -1)
+        freed = self.alloc.truncate(rid, keep)
+        if rid in self.hidden:  # positions old_len - 1 .. old_len - 1 + a: the MTP's next catch-up
+            self.hidden[rid] = self.hidden[rid][:a + 1]
+        if self.on_rollback is not None:
+            self.on_rollback(Rollback(rid, old_len, a, table, (keep - 1, old_len - 1 + self.k), draft_stale, freed))
+
+    def propose(self, plan: StepPlan, tokens: dict[int, list[int]]) -> StepPlan:
+        """The proposer phase: the plan's frees and rollbacks first (the draft catch-up
+        reads the blocks they change), then k drafts for each request of `tokens` (its
+        committed tokens; the last one pending) appended to its item."""
+        plan = self.release(plan)
+        if self.proposer is None or not tokens:
+            return plan
+        rids = [rid for rid, _, _ in plan.items if rid in tokens]
+        drafts, draft_logits = self.proposer.propose(rids, tokens, self.hidden or None, self.alloc, self.sampler,
+                                                     self.device)  # [B, k], [B, k, V]
+        row = {r: i for i, r in enumerate(rids)}
+        items = []
+        for rid, cached, new in plan.items:
+            if rid in row:
+                self.old_len[rid] = len(tokens[rid])
+                self.draft_logits[rid] = draft_logits[row[rid]]
+                new = new + drafts[row[rid]].tolist()
+            items.append((rid, cached, new))
+        return StepPlan(items)
+
+    def execute(self, plan: StepPlan) -> list[Scored]:  # type: ignore[override]
+        plan = self.release(plan)
+        if not plan.items:
+            return []
+        logits, hidden, qsl = self.run(plan)
+        out = []
+        for i, (rid, _, _) in enumerate(plan.items):
+            start, end = int(qsl[i]), int(qsl[i + 1])
+            if hidden is not None:
+                self.hidden[rid] = hidden[start:end]
+            draft_logits = self.draft_logits.pop(rid, None)
+            n = 1 if draft_logits is None else self.k + 1
+            out.append(Scored(logits[end - n:end], draft_logits))
+        return out
+
+
+class SpecLoop(StepLoop):
+    """The step loop with a proposer phase and acceptance (module doc); counts `stats`."""
+
+    def __init__(self, executor: SpecExecutor, scheduler: Scheduler, sampler: Sampler, stats: SpecStats) -> None:
+        super().__init__(executor, scheduler, sampler=sampler)
+        self.executor: SpecExecutor = executor
+        self.stats = stats
+        self._t0 = 0.0
+        self._decoding: set[int] = set()
+
+    def _propose(self, plan: StepPlan, running: list[Request]) -> StepPlan:
+        self._t0 = time.perf_counter()
+        decoding = [s for s in running if s.output]  # a first token: its prompt is cached
+        self._decoding = {s.rid for s in decoding}
+        return self.executor.propose(plan, {s.rid: s.tokens for s in decoding})
+
+    def _accept(self, drafts: torch.Tensor, draft_logits: torch.Tensor, target_logits: torch.Tensor) -> Accepted:
+        if self.sampler.greedy:
+            acc = greedy_accept(drafts, target_logits)
+        else:
+            acc = rejection_sample(drafts, self.sampler.probs(draft_logits).cpu(),
+                                   self.sampler.probs(target_logits).cpu(), self.sampler.generator)
+        packed = share(torch.cat([acc.num_accepted[:, None], acc.tokens], dim=1).cpu().contiguous())
+        return Accepted(packed[:, 0], packed[:, 1:])
+
+    def _choose(self, running: list[Request], plan: StepPlan, out: list[Scored]) -> list[list[int]]:
+        """A prompt's first token from its last logits; a decoding request's a + 1 tokens
+        from acceptance over its k drafts (without a proposer: k = 0, one token)."""
+        tokens: list[list[int]] = [[] for _ in running]
+        first = [i for i, s in enumerate(running) if s.rid not in self._decoding]
+        if first:
+            for i, t in zip(first, self.sampler.choose(torch.stack([out[i].logits[-1] for i in first])).tolist()):
+                tokens[i] = [t]
+        dec = [i for i, s in enumerate(running) if s.rid in self._decoding]
+        if not dec:
+            return tokens
+        k = self.executor.k
+        rows = torch.stack([out[i].logits for i in dec])  # [B, k + 1, V]
+        if k == 0:
+            acc = Accepted(torch.zeros(len(dec), dtype=torch.int64), self.sampler.choose(rows[:, 0])[:, None])
+        else:
+            drafts = torch.tensor([plan.items[i][2][1:] for i in dec], dtype=torch.int64)  # [B, k]
+            acc = self._accept(drafts, torch.stack([out[i].draft_logits for i in dec]), rows)
+        st = self.stats
+        st.steps += 1
+        st.request_steps += len(dec)
+        st.proposed += k * len(dec)
+        st.accepted += int(acc.num_accepted.sum())
+        st.accepted_per_step.append(acc.num_accepted.tolist())
+        emitted = [acc.emitted(j) for j in range(len(dec))]
+        st.emitted += sum(map(len, emitted))
+        st.round_tokens.append(sum(map(len, emitted)) / len(dec))
+        for i, new in zip(dec, emitted):
+            tokens[i] = new
+        return tokens
+
+    def _after_commit(self, running: list[Request]) -> None:
+        if self._decoding:  # a round: draft + verify + accept + commit
+            self.stats.round_s.append(time.perf_counter() - self._t0)
 
 
 class SpecDecoder:
     """Greedy or sampled generation through `target(input_ids, positions, kv_caches, meta)`
     (logits [T, V], or (logits, hidden [T, D]) for an MTP proposer), with an optional
-    proposer sharing `allocator`'s block tables."""
+    proposer sharing `allocator`'s block tables, stepped by `SpecLoop`."""
 
     def __init__(self, target: Callable[..., Any], target_caches: Sequence[tuple[torch.Tensor, ...]],
                  allocator: BlockAllocator, proposer: DraftProposer | None = None, sampler: Sampler | None = None,
@@ -110,88 +262,17 @@ class SpecDecoder:
         self.on_rollback = on_rollback
         self.k = proposer.k if proposer is not None else 0
 
-    def _target_step(self, reqs: list[tuple[int, int]], rids: list[int], ids: list[int]
-                     ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
-        meta = build_attention_metadata(reqs, self.alloc, req_ids=rids, num_padding_tokens=self.padding,
-                                        max_blocks_per_req=self.max_blocks_per_req, device=self.device)
-        with torch.no_grad():
-            logits, hidden = _split(self.target(torch.tensor(ids + [0] * self.padding, device=self.device),
-                                                meta.positions, self.target_caches, meta))
-        return logits, hidden, meta.query_start_loc.long().cpu()
-
-    def _accept(self, drafts: torch.Tensor, draft_logits: torch.Tensor, target_logits: torch.Tensor) -> Accepted:
-        if self.sampler.greedy:
-            acc = greedy_accept(drafts, target_logits)
-        else:
-            acc = rejection_sample(drafts, self.sampler.probs(draft_logits).cpu(),
-                                   self.sampler.probs(target_logits).cpu(), self.sampler.generator)
-        packed = share(torch.cat([acc.num_accepted[:, None], acc.tokens], dim=1).cpu().contiguous())
-        return Accepted(packed[:, 0], packed[:, 1:])
-
     def generate(self, prompts: dict[int, list[int]], max_new_tokens: int) -> SpecResult:
-        """Every request prefills together, then rounds until each has max_new_tokens."""
+        """Every request joins at once while its blocks (prompt + max_new_tokens + the
+        draft slots) fit, the rest as blocks come back; each generates max_new_tokens."""
         if max_new_tokens < 1:
             raise ValueError(f"max_new_tokens={max_new_tokens} must be >= 1")
-        tokens = {r: list(p) for r, p in prompts.items()}
-        prompt_len = {r: len(p) for r, p in prompts.items()}
         stats = SpecStats()
-        rids = sorted(tokens)
-        # Prefill: every prompt token; the first generated token comes from the last one.
-        logits, hidden, qsl = self._target_step([(0, len(tokens[r])) for r in rids], rids,
-                                                [t for r in rids for t in tokens[r]])
-        first = self.sampler.choose(logits[qsl[1:] - 1])
-        hid = {r: hidden[qsl[i]:qsl[i + 1]] for i, r in enumerate(rids)} if hidden is not None else None
-        for r, t in zip(rids, first.tolist()):
-            tokens[r].append(t)
-        done = lambda r: len(tokens[r]) - prompt_len[r] >= max_new_tokens  # noqa: E731
-        while True:
-            for r in [r for r in rids if done(r)]:
-                self.alloc.free(r)
-                if self.proposer is not None:
-                    self.proposer.drop(r)
-            rids = [r for r in rids if not done(r)]
-            if not rids:
-                break
-            t0 = time.perf_counter()
-            old_len = {r: len(tokens[r]) for r in rids}
-            if self.proposer is None:
-                drafts = torch.zeros(len(rids), 0, dtype=torch.int64)
-                draft_logits = None
-            else:
-                drafts, draft_logits = self.proposer.propose(rids, tokens, hid, self.alloc, self.sampler,
-                                                             self.device)
-            ids = [t for i, r in enumerate(rids) for t in [tokens[r][-1]] + drafts[i].tolist()]
-            logits, hidden, qsl = self._target_step([(old_len[r] - 1, self.k + 1) for r in rids], rids, ids)
-            rows = logits[:qsl[-1]].view(len(rids), self.k + 1, -1)  # [B, k + 1, V]
-            if self.proposer is None:
-                acc = Accepted(torch.zeros(len(rids), dtype=torch.int64), self.sampler.choose(rows[:, 0])[:, None])
-            else:
-                acc = self._accept(drafts, draft_logits, rows)
-            stats.steps += 1
-            stats.request_steps += len(rids)
-            stats.proposed += self.k * len(rids)
-            stats.accepted += int(acc.num_accepted.sum())
-            stats.accepted_per_step.append(acc.num_accepted.tolist())
-            hid = {} if hidden is not None else None
-            for i, r in enumerate(rids):
-                new = acc.emitted(i)
-                stats.emitted += len(new)
-                tokens[r] += new
-                a = len(new) - 1
-                if hid is not None:
-                    hid[r] = hidden[qsl[i]:qsl[i] + a + 1]  # positions old_len - 1 .. old_len - 1 + a
-                self._rollback(r, old_len[r], a)
-            stats.round_s.append(time.perf_counter() - t0)
-            stats.round_tokens.append(sum(len(acc.emitted(i)) for i in range(len(rids))) / len(rids))
-        out = {r: tokens[r][prompt_len[r]: prompt_len[r] + max_new_tokens] for r in prompts}
-        return SpecResult(out, stats)
-
-    def _rollback(self, r: int, old_len: int, a: int) -> None:
-        """Request r wrote positions old_len - 1 .. old_len - 1 + k and kept a + 1 of them."""
-        table = self.alloc.blocks(r)
-        length = old_len + a + 1  # committed tokens; the last one (at length - 1) is pending
-        target_stale = (length - 1, old_len - 1 + self.k)
-        draft_stale = self.proposer.after_verify(r, old_len, a) if self.proposer is not None else (0, -1)
-        freed = self.alloc.truncate(r, length)
-        if self.on_rollback is not None:
-            self.on_rollback(Rollback(r, old_len, a, table, target_stale, draft_stale, freed))
+        executor = SpecExecutor(self.target, self.target_caches, self.alloc, self.proposer, self.sampler,
+                                self.padding, self.max_blocks_per_req, self.device, self.on_rollback)
+        scheduler = Scheduler(self.alloc.num_free, self.alloc.block_tokens, max_batch=max(len(prompts), 1),
+                              draft_slots=self.k)
+        loop = SpecLoop(executor, scheduler, self.sampler, stats)
+        seqs = {r: loop.submit(Request(r, list(prompts[r]), max_new_tokens)) for r in sorted(prompts)}
+        loop.run_until_done()
+        return SpecResult({r: seqs[r].output for r in prompts}, stats)

@@ -7,7 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cp_compile.serving.hf.scheduler import RequestState, Scheduler, Sequence, StepLoop, StepPlan
+from cp_compile.serving.loop.scheduler import Scheduler, Sequence, StepPlan
+from cp_compile.serving.loop.step_loop import RequestState, StepLoop
 from cp_compile.base.sampling import SamplingParams
 from cp_compile.testing.multirank import run_on_ranks
 
@@ -93,3 +94,39 @@ def test_step_loop_drop_frees_every_request_now():
     loop.drop(seqs)
     assert ex.freed == [0] and not loop.has_work() and loop.scheduler.reserved == 0
     assert [s.finish_reason for s in seqs] == ["abort", "abort"]
+
+
+def test_draft_slots_delay_a_join_until_its_blocks_cover_them():
+    """Speculative decoding (k = 3): a request's last step writes k - 1 positions past its
+    budget, so it joins only when those blocks are free too; one that can never fit is
+    refused at add, naming the draft slots."""
+    s = Scheduler(num_blocks=5, virtual_block_size=4, max_batch=4, draft_slots=3)
+    a, b = Sequence(0, [1, 2, 3], max_tokens=5), Sequence(1, [4, 5, 6], max_tokens=5)  # 8 (+ 2) tokens: 3 blocks
+    s.add(a), s.add(b)
+    plan = s.plan()
+    assert [i[0] for i in plan.items] == [0] and s.reserved == 3 and list(s.waiting) == [b]
+    with pytest.raises(ValueError, match=r"max_tokens=5 \+ 2 draft slots need 3 KV blocks"):
+        Scheduler(num_blocks=2, virtual_block_size=4, max_batch=4, draft_slots=3).add(Sequence(2, [1] * 3, 5))
+
+
+def test_commit_of_accepted_drafts_rolls_back_through_the_next_plan():
+    """A verify step's a + 1 tokens: all but the last are cached, the last is the next
+    input, and the next plan carries the rollback (tokens kept) of every request that
+    wrote draft slots and goes on; tokens past a stop token or the length are dropped."""
+    s = Scheduler(num_blocks=10, virtual_block_size=4, max_batch=4, draft_slots=2)
+    a = Sequence(0, [1, 2, 3], max_tokens=8)
+    b = Sequence(1, [4], max_tokens=8, eos=frozenset({9}))
+    c = Sequence(2, [5], max_tokens=3)
+    for q in (a, b, c):
+        s.add(q)
+    s.plan()
+    s.commit([7, 8, 6])  # the prompts' first tokens: no draft slots, no rollback
+    plan = s.plan()
+    assert plan.truncate == [] and plan.items == [(0, 3, [7]), (1, 1, [8]), (2, 1, [6])]
+    # a: 1 of 2 drafts accepted + its token; b: a stop token among its tokens; c: its length.
+    done = s.commit([[10, 11], [12, 9, 13], [14, 15, 16]], drafts=[2, 2, 2])
+    assert a.tokens == [1, 2, 3, 7, 10, 11] and a.cached == 5
+    assert b.output == [8, 12, 9] and c.output == [6, 14, 15]
+    assert {q.rid: q.finish_reason for q in done} == {1: "stop", 2: "length"}
+    plan = s.plan()
+    assert plan.truncate == [(0, 6)] and plan.free == [1, 2] and plan.items == [(0, 5, [11])]
