@@ -26,7 +26,8 @@ prints (summary note) the axis -> case table and each case's seconds.
 CI budget of the default draw: 150 s on the shared 2-core CI box (one 2-rank world for
 four cases, one 4-rank world for the PCP case, one pair of 2-rank worlds for the P/D
 pair; 1-layer models, eager lowering but one; measured 51-74 s under load before the
-P/D pair), plus 30 s for `test_fuzz_catches_mla_context_lens`
+P/D pair; with it 558 s at load average 25, where the five other cases took 4-8 times
+their earlier figures and the pair 114 s: not measured quiet yet), plus 30 s for `test_fuzz_catches_mla_context_lens`
 (measured 9-21 s): the MLA DCP case with issue 35's bug put back in the spawned ranks
 must fail the comparison. `-m slow`: a wider random sweep on 2 and 4 ranks with
 2-layer models.
@@ -38,8 +39,8 @@ dcp 1 or 2, D tp2 with dcp 1 or 2, interleaves, block sizes) and the prompts are
 from the seed. Accepted: both layouts refused by `validate_for` before any process
 starts, or D's greedy tokens equal to one device on every D rank, every logit (P's
 prefill and D's decode steps) within 1e-4, the bytes D read equal to the formula and P
-told "ok". The default draw has one pair (`DEFAULT_PD`, ~20-30 s: 1-layer model, 2
-decode steps); `-m slow` draws more. Wider pair matrices and the transfer's faults are
+told "ok". The default draw has one pair (`DEFAULT_PD`: 1-layer model, one prompt, 2
+decode steps, P uncompiled); `-m slow` draws more. Wider pair matrices and the transfer's faults are
 in `tests/cp_compile/test_pd_disagg.py`. Rollback and draft proposers of speculative
 decoding are in `tests/spec_decode/test_spec_decode_model.py`; here the verify graphs
 run teacher-forced.
