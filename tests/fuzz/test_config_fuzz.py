@@ -27,7 +27,8 @@ CI budget of the default draw: 150 s on the shared 2-core CI box (one 2-rank wor
 four cases, one 4-rank world for the PCP case, one pair of 2-rank worlds for the P/D
 pair; 1-layer models, eager lowering but one; measured 51-74 s under load before the
 P/D pair; with it 558 s at load average 25, where the five other cases took 4-8 times
-their earlier figures and the pair 114 s: not measured quiet yet), plus 30 s for `test_fuzz_catches_mla_context_lens`
+their earlier figures and the pair 114 s; the pair alone 38 s at load 11; not measured
+quiet yet), plus 30 s for `test_fuzz_catches_mla_context_lens`
 (measured 9-21 s): the MLA DCP case with issue 35's bug put back in the spawned ranks
 must fail the comparison. `-m slow`: a wider random sweep on 2 and 4 ranks with
 2-layer models.
