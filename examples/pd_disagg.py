@@ -65,6 +65,7 @@ class Case:
     fault: str = ""  # "", "mismatch" (D serves another model), "ownership" (D drops the request mid-transfer),
     # "kill" (P rank 1 dies mid-transfer), "stall" (P rank 1 stays alive but never reports request 0 ready)
     timeout_s: float = 30.0
+    num_layers: int = 2  # the fuzz's P/D pair runs 1 layer (tests/fuzz/test_config_fuzz.py)
 
     def name(self) -> str:
         return f"{self.kind} P({self.p.describe()}) -> D({self.d.describe()})" + (f" [{self.fault}]" if self.fault else "")
@@ -276,7 +277,7 @@ def run_cases(cases: list[Case], timeout: float = 600.0, save_dir: str | None = 
     """Both worlds over `cases` (same P and D world sizes); returns (P results, D results,
     models). `save_dir`: see `prefill_world` (a "kill" case must be the last)."""
     assert all(c.fault != "kill" for c in cases[:-1]), "a case that kills a P rank must be the last"
-    hfs = [hf_model(c.kind, c.num_kv_heads) for c in cases]
+    hfs = [hf_model(c.kind, c.num_kv_heads, c.num_layers) for c in cases]
     models = [(h.config, {k: v.detach().clone() for k, v in h.state_dict().items()}) for h in hfs]
     p_world, d_world = cases[0].p.tp * cases[0].p.pcp, cases[0].d.tp * cases[0].d.pcp
     assert all(c.p.tp * c.p.pcp == p_world and c.d.tp * c.d.pcp == d_world for c in cases)
@@ -291,7 +292,7 @@ def _decode_model(case: Case, model: tuple) -> tuple:
     (one more layer: a different model, refused before any byte moves)."""
     if case.fault != "mismatch":
         return model
-    h = hf_model(case.kind, case.num_kv_heads, num_layers=3)
+    h = hf_model(case.kind, case.num_kv_heads, num_layers=case.num_layers + 1)
     return h.config, {k: v.detach().clone() for k, v in h.state_dict().items()}
 
 
@@ -299,7 +300,7 @@ def check_layouts(case: Case) -> str:
     """Both layouts against the model's attention, before any process starts ("" if fine)."""
     from examples.models.tiny import example_from_config
 
-    h = hf_model(case.kind, case.num_kv_heads)
+    h = hf_model(case.kind, case.num_kv_heads, case.num_layers)
     attention = example_from_config(h.config, h.state_dict()).attention_spec()
     for who, side in (("prefill", case.p), ("decode", case.d)):
         try:

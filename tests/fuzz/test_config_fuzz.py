@@ -23,18 +23,26 @@ read from what ran, not from the pins: a case counts for an axis only if it ran 
 refused), matched one device, and the pass that implements the axis rewrote its graphs
 (the passes' history on the ranks). The test fails if an axis is left uncovered, and
 prints (summary note) the axis -> case table and each case's seconds.
-CI budget of the default draw: 120 s on the shared 2-core CI box (one 2-rank world for
-four cases, one 4-rank world for the PCP case; 1-layer models, eager lowering but
-one; measured 51-74 s under load), plus 30 s for `test_fuzz_catches_mla_context_lens`
+CI budget of the default draw: 150 s on the shared 2-core CI box (one 2-rank world for
+four cases, one 4-rank world for the PCP case, one pair of 2-rank worlds for the P/D
+pair; 1-layer models, eager lowering but one; measured 51-74 s under load before the
+P/D pair; with it 558 s at load average 25, where the five other cases took 4-8 times
+their earlier figures and the pair 114 s; the pair alone 38 s at load 11; not measured
+quiet yet), plus 30 s for `test_fuzz_catches_mla_context_lens`
 (measured 9-21 s): the MLA DCP case with issue 35's bug put back in the spawned ranks
 must fail the comparison. `-m slow`: a wider random sweep on 2 and 4 ranks with
 2-layer models.
 
-P/D disaggregation is not drawn here: it needs two separate worlds, a TCPStore and a
-NIXL transport per layout pair (tens of seconds each on this box), which does not fit
-the budget; `tests/cp_compile/test_pd_disagg.py` (default `EXACT`: a GQA token-path pair
-P(tp1,pcp2) -> D(tp2,dcp1) and an MLA block-path pair P(tp2,dcp1) -> D(tp2,dcp2))
-checks P/D layout pairs against one device. Rollback and draft proposers of speculative
+P/D disaggregation (`draw_pd`, `fuzz_pd`): a prefill instance at one layout exports
+to a decode instance at another (two separate 2-rank worlds, a TCPStore, NIXL over
+DRAM; examples/pd_disagg.py's harness): the kind, both layouts (P tp1/pcp2 or tp2 with
+dcp 1 or 2, D tp2 with dcp 1 or 2, interleaves, block sizes) and the prompts are drawn
+from the seed. Accepted: both layouts refused by `validate_for` before any process
+starts, or D's greedy tokens equal to one device on every D rank, every logit (P's
+prefill and D's decode steps) within 1e-4, the bytes D read equal to the formula and P
+told "ok". The default draw has one pair (`DEFAULT_PD`: 1-layer model, one prompt, 2
+decode steps, P uncompiled); `-m slow` draws more. Wider pair matrices and the transfer's faults are
+in `tests/cp_compile/test_pd_disagg.py`. Rollback and draft proposers of speculative
 decoding are in `tests/spec_decode/test_spec_decode_model.py`; here the verify graphs
 run teacher-forced.
 """
@@ -57,6 +65,13 @@ from cp_compile.passes import dcp_attention
 from cp_compile.runtime.metadata import batch_kind
 from cp_compile.testing.multirank import run_on_ranks
 from examples.models.tiny import VOCAB, example_from_config, hf_deepseek_sfa, hf_deepseek_v3, hf_qwen3
+from examples.pd_disagg import Case as PDCase
+from examples.pd_disagg import Side as PDSide
+from examples.pd_disagg import check_layouts as pd_check_layouts
+from examples.pd_disagg import compare as pd_compare
+from examples.pd_disagg import geometry_of as pd_geometry_of
+from examples.pd_disagg import reference as pd_reference
+from examples.pd_disagg import run_cases as pd_run_cases
 from examples.serving import layer_caches
 
 NUM_BLOCKS = 24
@@ -277,7 +292,7 @@ def _reference(c: Case, hf) -> list[StepResult]:
 # passes' history on rank 0 (pass name -> total rewrites; the merges the DCP / PCP
 # passes chose for graphs they rewrote) and the steps' batch kinds.
 REQUIRED_AXES = ("GQA DCP", "MLA DCP", "SFA DCP", "DSA-CP", "PCP with DCP", "merge ag_rs", "merge a2a",
-                 "merge replicate", "interleave 1", "interleave = block", "spec verify k>=2")
+                 "merge replicate", "interleave 1", "interleave = block", "spec verify k>=2", "P/D layout pair")
 
 
 def covered_axes(c: Case, out: dict) -> set[str]:
@@ -307,7 +322,9 @@ def covered_axes(c: Case, out: dict) -> set[str]:
     return axes
 
 
-def describe(c: Case) -> str:
+def describe(c: "Case | PDDraw") -> str:
+    if isinstance(c, PDDraw):
+        return f"seed {c.seed}: P/D {c.case.name()}, prompts {list(c.case.prompt_lens)}, {c.case.steps} decode steps"
     return (f"seed {c.seed}: {c.kind} w{c.world} tp{c.tp} dcp{c.dcp} pcp{c.pcp} {c.merge} "
             f"il{c.interleave}/bs{c.block}{' dsa_cp' if c.dsa_cp else ''}{f' k{c.spec_k}' if c.spec_k else ''} "
             f"{c.lowering}")
@@ -316,7 +333,8 @@ def describe(c: Case) -> str:
 @dataclass
 class FuzzReport:
     counts: dict[str, int]
-    rows: list[tuple[Case, str, float, set[str]]]  # case, verdict, rank-0 seconds, axes covered
+    rows: list[tuple["Case | PDDraw", str, float, set[str]]]  # case, verdict, rank-0 seconds (P/D: the pair's
+    # wall time), axes covered
     secs: float
 
     def coverage(self) -> dict[str, list[int]]:
@@ -369,6 +387,77 @@ def fuzz(seeds: list[int] | list[tuple[int, dict[str, Any]]], world: int, num_la
     return report
 
 
+# --------------------------------------------------------------------------- P/D layout pairs
+
+
+@dataclass(frozen=True)
+class PDDraw:
+    """A drawn P/D layout pair: `case` is examples.pd_disagg's (kind, P side, D side, prompts)."""
+
+    seed: int
+    case: PDCase
+
+
+def draw_pd(seed: int, num_layers: int = 1, pins: dict[str, Any] | None = None) -> PDDraw:
+    """P/D pair `seed` on a 2-rank P world and a 2-rank D world. `pins` fixes axes by
+    name (kind, p_tp, p_dcp, p_interleave, p_block, d_dcp, d_interleave, d_block; an
+    interleave may be "block"); a pinned axis still consumes its draw, as in `draw`."""
+    pins = pins or {}
+    r = random.Random(f"pd-{seed}")
+
+    def pick(name: str, options: Sequence[Any]) -> Any:
+        drawn = r.choice(list(options))
+        return pins.get(name, drawn)
+
+    kind = pick("kind", ["gqa", "mla", "sfa"])
+    p_tp = pick("p_tp", [1, 2])
+    p_dcp = pick("p_dcp", [1, 2]) if p_tp == 2 else (pick("p_dcp", [1, 2]), 1)[1]  # tp 1: pcp 2, dcp 1
+    p_block, d_block = pick("p_block", [4, 8]), pick("d_block", [4, 8])
+    p_il, d_il = pick("p_interleave", [1, "block"]), pick("d_interleave", [1, "block"])
+    d_dcp = pick("d_dcp", [1, 2])
+    prompts = tuple(r.randint(3, 13) for _ in range(r.randint(1, 2)))
+    p = PDSide(p_tp, 2 // p_tp, p_dcp, p_block if p_il == "block" else p_il, p_block)
+    d = PDSide(2, 1, d_dcp, d_block if d_il == "block" else d_il, d_block)
+    return PDDraw(seed, PDCase(kind, p, d, prompt_lens=prompts, steps=2, num_layers=num_layers))
+
+
+def fuzz_pd(draws: list[tuple[int, dict[str, Any]]], num_layers: int = 1) -> FuzzReport:
+    """Each drawn pair: refused by `validate_for` on both sides before any process starts
+    (examples.pd_disagg.check_layouts), or run (P world exports, D world imports and
+    decodes) and checked against one device; raises on the first mismatch."""
+    rows = []
+    counts = {"ran": 0, "refused": 0}
+    t_all = time.perf_counter()
+    for seed, pins in draws:
+        draw_ = draw_pd(seed, num_layers, pins)
+        case = draw_.case
+        where = f"fuzz P/D pair seed={seed} ({CP_FUZZ_RERUN}{seed}): {case}"
+        t0 = time.perf_counter()
+        bad = pd_check_layouts(case)
+        if bad:
+            counts["refused"] += 1
+            rows.append((draw_, f"refused ({bad[:200]})", time.perf_counter() - t0, set()))
+            continue
+        p_out, d_out, models = pd_run_cases([case], timeout=600.0)
+        for out, who in ((p_out, "prefill"), (d_out, "decode")):
+            if isinstance(out, BaseException):
+                raise AssertionError(f"the {who} world failed: {out}\n{where}") from out
+        ref = pd_reference(case, *models[0])
+        res = pd_compare(case, ref, [o[0] for o in p_out], [o[0] for o in d_out], pd_geometry_of(*models[0]))
+        assert res["equal"], f"D's greedy tokens {[o[0]['tokens'] for o in d_out]} != one device's " \
+                             f"{ref['tokens']}: {where}"
+        assert res["max_logit_diff"] < 1e-4, f"max |logit diff| {res['max_logit_diff']:.2e}: {where}"
+        assert res["bytes"] == res["formula"], f"D read {res['bytes']} B, the formula says {res['formula']}: {where}"
+        assert set(res["verdicts"].values()) == {"ok"}, f"P's verdicts {res['verdicts']}: {where}"
+        counts["ran"] += 1
+        axes = {"P/D layout pair"} if case.p != case.d else set()
+        rows.append((draw_, "ran", time.perf_counter() - t0, axes))
+    report = FuzzReport(counts, rows, time.perf_counter() - t_all)
+    print(f"\nconfig fuzz (P/D pairs): {len(draws)} pairs, {counts['ran']} ran and matched one device, "
+          f"{counts['refused']} refused before any process started; {report.secs:.0f} s\n" + "\n".join(report.table()))
+    return report
+
+
 CP_FUZZ_RERUN = "rerun: CP_FUZZ_SEEDS="
 # The default draw: (seed, pins) per world. The pins make the cases cover
 # REQUIRED_AXES between them (which the test checks from what ran); every unpinned axis
@@ -395,6 +484,16 @@ DEFAULT_DRAW: dict[int, list[tuple[int, dict[str, Any]]]] = {
 }
 
 
+# The default draw's P/D pair: P at (tp 2, dcp 1) exports to D at (tp 2, dcp 2) with
+# interleave 1: D's CP ranks each read every other token of P's whole blocks (the
+# default pairs of test_pd_disagg.py are P pcp 2 -> D dcp 1 and, MLA, P dcp 1 -> D dcp 2
+# with interleave = block size). P at dcp 1 runs uncompiled, which keeps the pair cheap.
+# The kind, block sizes, P's interleave and the prompts come from the seed.
+DEFAULT_PD: list[tuple[int, dict[str, Any]]] = [
+    (506, dict(p_tp=2, p_dcp=1, d_dcp=2, d_interleave=1)),
+]
+
+
 def _seeds(default: list[int]) -> list[int]:
     env = os.environ.get("CP_FUZZ_SEEDS")
     return [int(s) for s in env.split(",")] if env else default
@@ -402,17 +501,29 @@ def _seeds(default: list[int]) -> list[int]:
 
 def _default_draw(world: int) -> list[tuple[int, dict[str, Any]]]:
     """DEFAULT_DRAW[world]; under CP_FUZZ_SEEDS the listed seeds instead: a default
-    seed with its pins on its own world, any other seed unpinned on 2 ranks."""
+    seed with its pins on its own world, any other seed unpinned on 2 ranks (but
+    DEFAULT_PD's seeds, which `_default_pd` runs)."""
     if not os.environ.get("CP_FUZZ_SEEDS"):
         return DEFAULT_DRAW[world]
     home = {s: (w, p) for w, draws in DEFAULT_DRAW.items() for s, p in draws}
-    return [(s, home.get(s, (2, {}))[1]) for s in _seeds([]) if home.get(s, (2, {}))[0] == world]
+    pd = {s for s, _ in DEFAULT_PD}  # P/D pairs: `_default_pd`
+    return [(s, home.get(s, (2, {}))[1]) for s in _seeds([]) if home.get(s, (2, {}))[0] == world and s not in pd]
+
+
+def _default_pd() -> list[tuple[int, dict[str, Any]]]:
+    """DEFAULT_PD; under CP_FUZZ_SEEDS only its seeds that are listed."""
+    if not os.environ.get("CP_FUZZ_SEEDS"):
+        return DEFAULT_PD
+    return [(s, p) for s, p in DEFAULT_PD if s in _seeds([])]
 
 
 def test_config_fuzz_default(summary_note: Callable[[str], None]) -> None:
     reports = [fuzz(draws, world, num_layers=1) for world in sorted(DEFAULT_DRAW) if (draws := _default_draw(world))]
+    if pd := _default_pd():
+        reports.append(fuzz_pd(pd, num_layers=1))
     summary_note(f"config fuzz default draw: {sum(r.secs for r in reports):.0f} s "
-                 f"(worlds {', '.join(f'{len(r.rows)} cases {r.secs:.0f} s' for r in reports)}); rank 0 per case:")
+                 f"(worlds {', '.join(f'{len(r.rows)} cases {r.secs:.0f} s' for r in reports)}); rank 0 per case "
+                 "(P/D: the pair's wall time):")
     for r in reports:
         for line in r.case_lines():
             summary_note(line)
@@ -422,7 +533,6 @@ def test_config_fuzz_default(summary_note: Callable[[str], None]) -> None:
         seeds = [s for r in reports for s in r.coverage()[axis]]
         summary_note(f"    {axis:<20} <- {', '.join(f'seed {s}' for s in seeds) or 'NOT COVERED'}")
         uncovered += [] if seeds else [axis]
-    summary_note("    P/D layout pair      <- tests/cp_compile/test_pd_disagg.py (EXACT; two worlds, not drawn here)")
     if not os.environ.get("CP_FUZZ_SEEDS"):
         assert not uncovered, f"default draw leaves {uncovered} uncovered"
 
@@ -449,3 +559,4 @@ def test_fuzz_catches_mla_context_lens(summary_note: Callable[[str], None]) -> N
 def test_config_fuzz_wide():
     fuzz(_seeds(list(range(100, 140))), 2)
     fuzz(_seeds(list(range(200, 216))), 4)
+    fuzz_pd([(s, {}) for s in _seeds(list(range(300, 306)))], num_layers=2)

@@ -91,6 +91,14 @@ MUTATIONS = [
      '"sparse_indices": reshape(cast(indices, I32), [T, 1, K]),',
      '"sparse_indices": reshape(cast(ge.Slice(indices, const([0, 0], I64), const([-1, K - 1], I64)), I32), '
      '[T, 1, K - 1]),', "cp::sparse_mla_rows_attention"),
+    # inputs (issue 35): passed while the indexers' index cache was all zero (every score
+    # tied, the top-k the first positions whichever pages were read); the random cache
+    # catches it. LightningIndexer's helper is shared; the DSA-CP rows op is the one that
+    # passed (the single-device indexer's own cache write already showed it).
+    ("LightningIndexer: every request reads block-table row 0", f"{OPS}.sparse.ge",
+     '"actual_seq_lengths_key": key_lens,\n            "block_table": cast(block_table, I32),',
+     '"actual_seq_lengths_key": key_lens,\n            "block_table": ge.GatherV2(cast(block_table, I32), '
+     'ge.ZerosLike(key_lens), const(0, I64)),', "cp::lightning_indexer_topk_rows"),
 ]
 
 

@@ -35,6 +35,9 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--host", default="127.0.0.1")
     s.add_argument("--port", type=int, default=8000)
     s.add_argument("--served-model-name", default=None)
+    s.add_argument("--step-timeout-s", type=float, default=300.0,
+                   help="the most one engine step may take on the worker ranks (compile included) before the "
+                   "server fails every request in flight, answers /health 503 and exits 1 (a hung worker)")
     s.add_argument("--kv-transfer-config", type=_json_dict, default=None,
                    help="PD disaggregation role as JSON (vLLM's keys), e.g. '{\"kv_role\": \"kv_producer\", "
                    "\"engine_id\": \"prefill-0\", \"kv_port\": 5600, \"kv_connector_extra_config\": "
@@ -62,7 +65,7 @@ def main(argv: list[str] | None = None) -> int:
               cp_kv_cache_interleave_size=args.cp_kv_cache_interleave_size, block_size=args.block_size,
               dtype=args.dtype, max_model_len=args.max_model_len, enable_dsa_cp=args.enable_dsa_cp,
               max_num_seqs=args.max_num_seqs, num_kv_blocks=args.num_kv_blocks, seed=args.seed,
-              lowering=args.lowering, kv_transfer_config=args.kv_transfer_config)
+              lowering=args.lowering, kv_transfer_config=args.kv_transfer_config, step_timeout_s=args.step_timeout_s)
     print(f"cp-compile serve: {args.served_model_name or args.model} on http://{args.host}:{args.port} "
           f"(tp={args.tensor_parallel_size}, dcp={args.decode_context_parallel_size}, "
           f"pcp={args.prefill_context_parallel_size}"

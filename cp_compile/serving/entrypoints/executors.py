@@ -26,12 +26,12 @@ import sys
 import threading
 import time
 from dataclasses import asdict, dataclass
-from multiprocessing.connection import Connection, Listener
+from multiprocessing.connection import Connection, Listener, wait
 from typing import Any
 
 import torch
 
-from cp_compile.base.config import CPConfig
+from cp_compile.base.config import CPConfig, ConfigError
 from cp_compile.serving.entrypoints.driver import Limits
 from cp_compile.serving.hf.engine import Engine
 from cp_compile.serving.loop.scheduler import StepPlan
@@ -60,6 +60,11 @@ class EngineArgs:
     lowering: str = "auto"
     device: str = "cpu"
     kv_transfer_config: dict | None = None  # PD disaggregation role (kv_rank.py), as given to LLM
+    # The most one step may take on the spawned ranks before the driver gives up on them
+    # (a rank alive but not answering: stopped, deadlocked, or waiting in a collective on
+    # such a peer); vLLM's multiproc executor bounds a step at 300 s too. It includes a
+    # first step's compile, hence the margin. Decision 57.
+    step_timeout_s: float = 300.0
 
     @property
     def world_size(self) -> int:
@@ -80,6 +85,11 @@ class EngineArgs:
         hf_config = transformers.AutoConfig.from_pretrained(self.model)
         self.cp_config().validate_for(attention_spec(hf_config))
         self.torch_dtype()
+        t = self.step_timeout_s
+        if not isinstance(t, (int, float)) or isinstance(t, bool) or not 0 < t < float("inf"):
+            raise ConfigError("step_timeout_s is a positive number of seconds", f"step_timeout_s={t!r}",
+                              "pass step_timeout_s > 0 (default 300): the most one engine step may take on the "
+                              "worker ranks, compile included")
         if self.kv_transfer_config is not None:
             KVTransferConfig.from_dict(self.kv_transfer_config)
 
@@ -158,6 +168,21 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _proc_state(pid: int) -> str:
+    """A process's state letter from /proc, spelt out ("state T (stopped)"); "" where unknown."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            letter = f.read().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return "state unknown"
+    names = {"R": "running", "S": "sleeping", "D": "disk sleep", "T": "stopped", "t": "tracing stop", "Z": "zombie"}
+    return f"state {letter} ({names.get(letter, '?')})"
+
+
+# How long one compile on a rank may take (it says when it starts and ends one: worker.py);
+# the step's own bound, step_timeout_s, is counted without it. As long as the start allows.
+COMPILE_TIMEOUT_S = 900.0
+
 # How long a rank's reported failure waits for a peer's death to become visible (the
 # dead peer is then named as the cause); only failing steps pay it.
 PEER_DEATH_GRACE_S = 2.0
@@ -172,6 +197,9 @@ class SpawnedExecutor:
 
     def __init__(self, args: EngineArgs, start_timeout: float = 900.0) -> None:
         self.world = args.world_size
+        self.step_timeout_s = args.step_timeout_s
+        self.steps_sent = 0
+        self.broken: WorkerError | None = None  # set by the first failure (`_replies`)
         key = secrets.token_bytes(16)
         self._listener = Listener(("127.0.0.1", 0), authkey=key)
         host, port = self._listener.address
@@ -186,7 +214,7 @@ class SpawnedExecutor:
             self._accept_all(start_timeout)
             for conn in self.conns:
                 send_obj(conn, asdict(args))
-            replies = [self._recv(r, start_timeout) for r in range(self.world)]
+            replies = self._wait_replies("building the engine", start_timeout, f"{start_timeout:.0f} s")
         except BaseException:
             self.close(force=True)
             raise
@@ -228,45 +256,106 @@ class SpawnedExecutor:
                 return WorkerError(f"worker rank {r} (pid {p.pid}) exited with {how} (its stderr is above)")
         return None
 
-    def _recv(self, rank: int, timeout: float | None = None) -> Any:
-        conn = self.conns[rank]
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while not conn.poll(0.25):
-            # Any rank, not only `rank`: a live rank blocked in a collective with a dead one
-            # may never answer (gloo's own timeout is 30 min), so the driver would wait forever.
+    def _error_reply(self, rank: int, payload: str) -> WorkerError:
+        """Rank `rank` reported a failure (its traceback in `payload`)."""
+        # A rank whose collective broke because a peer died reports first; the dead peer
+        # is the cause to name (its own traceback never comes). The peer's exit can be
+        # seen a moment after its sockets closed (the broken collective), so wait a
+        # short grace for it before blaming the reporting rank.
+        dead = self.dead_worker(besides=rank)
+        deadline = time.monotonic() + PEER_DEATH_GRACE_S
+        while dead is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+            dead = self.dead_worker(besides=rank)
+        if dead is not None:
+            last = (payload.strip().splitlines() or [""])[-1]
+            return WorkerError(f"{dead}; worker rank {rank} failed with it ({last})")
+        return WorkerError(f"worker rank {rank} failed:\n{payload}")
+
+    def _lost(self, rank: int, exc: BaseException) -> WorkerError:
+        """Rank `rank`'s connection closed: the dead rank named once its exit is visible
+        (PEER_DEATH_GRACE_S), else the broken connection itself."""
+        deadline = time.monotonic() + PEER_DEATH_GRACE_S
+        while (dead := self.dead_worker()) is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        return dead or WorkerError(f"worker rank {rank} (pid {self.procs[rank].pid}): its connection to the driver "
+                                   f"broke ({type(exc).__name__}: {exc})")
+
+    def _silent(self, silent: list[int], what: str, bound: str) -> WorkerError:
+        """The wait for `what` ran out: the ranks that did not answer, with pid and process
+        state (a stopped rank shows as T; a rank waiting in a collective on a hung peer is
+        silent too, so every silent rank is named)."""
+        ranks = ", ".join(f"rank {r} (pid {self.procs[r].pid}, {_proc_state(self.procs[r].pid)})" for r in silent)
+        return WorkerError(f"{what}: no answer within {bound} from worker {ranks}: alive but hung (stopped, "
+                           "deadlocked, or waiting in a collective on a hung peer); if steps are legitimately this "
+                           "slow, raise step_timeout_s (LLM) / --step-timeout-s (serve)")
+
+    def _wait_replies(self, what: str, bound_s: float | None, bound: str) -> list[Any]:
+        """Every rank's reply to the command just sent, waiting on all ranks at once.
+        `bound_s` (None: no bound) limits the wait; a rank that starts a compile
+        ("compiling" notice, worker.py) extends it to COMPILE_TIMEOUT_S from then, and once
+        no rank compiles the rest of the command has `bound_s` again from the last notice.
+        A dead rank is reported within a fraction of a second whichever rank it is: a
+        live rank blocked in a collective with a dead one may never answer (gloo's own
+        timeout is 30 min)."""
+        replies: dict[int, Any] = {}
+        compiling: set[int] = set()
+        deadline = None if bound_s is None else time.monotonic() + bound_s
+        while len(replies) < self.world:
+            pending = {self.conns[r]: r for r in range(self.world) if r not in replies}
+            for conn in wait(list(pending), timeout=0.25):
+                r = pending[conn]
+                try:
+                    kind, payload = recv_obj(conn)
+                except (EOFError, OSError) as exc:  # its end closed: the rank died (its exit named)
+                    raise self._lost(r, exc) from exc
+                if kind in ("compiling", "compiled"):
+                    (compiling.add if kind == "compiling" else compiling.discard)(r)
+                    if deadline is not None:
+                        deadline = time.monotonic() + (COMPILE_TIMEOUT_S if compiling else bound_s)
+                elif kind == "error":
+                    raise self._error_reply(r, payload)
+                else:
+                    replies[r] = payload
             dead = self.dead_worker()
             if dead is not None:
                 raise dead
-            if deadline is not None and time.monotonic() > deadline:
-                raise WorkerError(f"worker rank {rank} did not answer within {timeout:.0f} s")
-        kind, payload = recv_obj(conn)
-        if kind == "error":
-            # A rank whose collective broke because a peer died reports first; the dead peer
-            # is the cause to name (its own traceback never comes). The peer's exit can be
-            # seen a moment after its sockets closed (the broken collective), so wait a
-            # short grace for it before blaming the reporting rank.
-            dead = self.dead_worker(besides=rank)
-            deadline = time.monotonic() + PEER_DEATH_GRACE_S
-            while dead is None and time.monotonic() < deadline:
-                time.sleep(0.05)
-                dead = self.dead_worker(besides=rank)
-            if dead is not None:
-                last = (payload.strip().splitlines() or [""])[-1]
-                raise WorkerError(f"{dead}; worker rank {rank} failed with it ({last})")
-            raise WorkerError(f"worker rank {rank} failed:\n{payload}")
-        return payload
+            if deadline is not None and time.monotonic() > deadline and len(replies) < self.world:
+                silent = [r for r in range(self.world) if r not in replies]
+                raise self._silent(silent, what, f"COMPILE_TIMEOUT_S={COMPILE_TIMEOUT_S:g} (compiling: ranks "
+                                   f"{sorted(compiling)})" if compiling else bound)
+        return [replies[r] for r in range(self.world)]
+
+    def _replies(self, what: str, bound_s: float | None, bound: str) -> list[Any]:
+        """`_wait_replies`; a failure (a rank died, failed or did not answer in time)
+        breaks the executor for good: the ranks' replies are out of step with the
+        commands from then on, so every later command raises the same error at once (not
+        after another step_timeout_s: the loop's cleanup plan after a failed step,
+        StepLoop.fail, would wait that long again)."""
+        try:
+            return self._wait_replies(what, bound_s, bound)
+        except WorkerError as exc:
+            self.broken = exc
+            raise
+
+    def _send(self, msg: tuple) -> None:
+        if self.broken is not None:
+            raise WorkerError(f"the worker ranks failed earlier: {self.broken}")
+        for conn in self.conns:
+            send_obj(conn, msg)
 
     def execute(self, plan: StepPlan) -> list[torch.Tensor]:
-        for conn in self.conns:
-            send_obj(conn, ("step", plan))
-        replies = [self._recv(r) for r in range(self.world)]
+        self.steps_sent += 1
+        self._send(("step", plan))
+        # One bound for the whole step on every rank (issue 35: a hung rank must not hang the server).
+        replies = self._replies(f"step {self.steps_sent}", self.step_timeout_s,
+                                f"step_timeout_s={self.step_timeout_s:g}")
         return list(replies[0]) if replies[0] is not None else []
 
     def call(self, kind: str, payload: Any, timeout: float | None = None) -> list[Any]:
         """A driver command (kv_rank.handle) on every rank; every rank's reply."""
-        for conn in self.conns:
-            send_obj(conn, (kind, payload))
-        return [self._recv(r, timeout) for r in range(self.world)]
+        self._send((kind, payload))
+        return self._replies(kind, timeout, f"{timeout or 0:g} s")
 
     def close(self, force: bool = False) -> None:
         for conn in self.conns:

@@ -16,8 +16,10 @@ by each D rank over NIXL from the P ranks that hold its tokens (cp_compile.servi
 
 Producer: a request is prefilled (max_tokens 1: the prefill's token), exported on
 every rank (`kv_rank`), then held: its blocks stay reserved until the consumer's
-verdict is in the store (or `handoff_timeout_s` passed), checked before each step,
-when a waiting request needs the blocks, and at `close`. Consumer: a request with
+verdict is in the store, checked before each step, when a waiting request needs the
+blocks, and at `close`; or until the verdict cannot come any more (nobody claimed it
+within `handoff_timeout_s`, or consumer ranks claimed it and then said nothing for
+transfer_timeout_s + VERDICT_GRACE_S: `ProducerSide._overdue`). Consumer: a request with
 `kv_transfer_params` is admitted like any other (its whole KV budget reserved),
 imported on every rank before the step that would prefill it, and decodes from
 `cached = prompt length` with P's token as its first output. A failed import (P
@@ -56,10 +58,18 @@ def rank_config(kv: KVTransferConfig) -> dict:
                 kv_port=kv.kv_port, kv_connector_extra_config=extra)
 
 
+# After transfer_timeout_s, how much longer a consumer rank may still be on a request it
+# claimed (its agreement and the verdict's store call) before the producer stops waiting.
+VERDICT_GRACE_S = 5.0
+
+
 @dataclass
 class Held:
     seq: Sequence
     since: float
+    claims: int = 0  # consumer-rank claims last seen (the producer looks once the verdict is late)
+    claims_at: float = 0.0  # when `claims` was first seen at that count
+    fenced_at: float | None = None  # when the producer expired it (later claims read nothing)
 
 
 class ProducerSide:
@@ -106,16 +116,19 @@ class ProducerSide:
             s.payload.kv_transfer_params = self.params_of(s)
 
     def release_consumed(self, scheduler: Scheduler, wait_s: float = 0.0) -> int:
-        """Free the held requests the consumer is done with (or that waited
-        handoff_timeout_s); with wait_s, wait up to that long for the first one."""
+        """Free the held requests the consumer is done with, or whose verdict cannot come
+        any more (`_overdue`); with wait_s, wait up to that long for the first one."""
         deadline = time.monotonic() + wait_s
         while True:
             released = 0
             for rid, h in list(self.held.items()):
                 verdict = self.exchange.poll_consumed(rid)
-                if verdict is None and time.monotonic() - h.since > self.kv.handoff_timeout_s and \
-                        self.exchange.expire(rid):  # no consumer is reading it (else: wait for its verdict)
-                    verdict = f"timeout: no consumer verdict within handoff_timeout_s={self.kv.handoff_timeout_s}"
+                if verdict is not None and h.fenced_at is None:
+                    # Fenced before its blocks go back: a replay of its kv_transfer_params (a
+                    # consumer's retry after a failed verdict) is refused instead of reading them.
+                    self.exchange.expire(rid)
+                elif verdict is None:
+                    verdict = self._overdue(rid, h, time.monotonic())
                 if verdict is not None:
                     self.verdicts[rid] = verdict
                     scheduler.release(h.seq)
@@ -124,6 +137,43 @@ class ProducerSide:
             if released or not self.held or time.monotonic() >= deadline:
                 return released
             time.sleep(_IDLE_S)
+
+    def _overdue(self, rid: int, h: Held, now: float) -> str | None:
+        """Why a held request's verdict will not come (its blocks may be freed), or None.
+
+        - Nobody claimed it within handoff_timeout_s: the producer fences it (expire) and
+          frees it ("timeout").
+        - Consumer ranks claimed it but no verdict came (its rank 0 could not reach the
+          store, or the consumer died after its reads): a claimed rank's reads end within
+          transfer_timeout_s of its claim, so once the claims have not moved for
+          transfer_timeout_s + VERDICT_GRACE_S the producer fences it and frees it ("lost");
+          a claim that slipped in before the fence gets that long again after it.
+        Before this, a claimed request with no verdict was held forever: the expiry freed
+        only unclaimed ones."""
+        bound = self.kv.transfer_timeout_s + VERDICT_GRACE_S
+        if h.fenced_at is not None:
+            if now - h.fenced_at <= bound:
+                return None
+            return (f"lost: consumer ranks claimed it ({h.claims} claims) but no verdict came; freed "
+                    f"transfer_timeout_s={self.kv.transfer_timeout_s} + {VERDICT_GRACE_S:g} s after it was expired")
+        if now - h.since <= min(bound, self.kv.handoff_timeout_s):
+            return None  # the usual case: the verdict follows the reads
+        claims = self.exchange.claims(rid)
+        if claims != h.claims:
+            h.claims, h.claims_at = claims, now
+        if claims == 0:
+            if now - h.since <= self.kv.handoff_timeout_s:
+                return None
+        elif now - h.claims_at <= bound:
+            return None
+        before = self.exchange.expire(rid)
+        if before == 0:
+            return f"timeout: no consumer verdict within handoff_timeout_s={self.kv.handoff_timeout_s}"
+        if before == h.claims and claims > 0:
+            return (f"lost: consumer ranks claimed it ({claims} claims) but no verdict came within "
+                    f"transfer_timeout_s={self.kv.transfer_timeout_s} + {VERDICT_GRACE_S:g} s of the last claim")
+        h.claims, h.fenced_at = before, now  # a claim came just before the fence: its reads may still run
+        return None
 
     def idle(self, scheduler: Scheduler) -> None:
         """Nothing could run: a waiting request needs blocks the held ones keep."""

@@ -13,7 +13,8 @@ imports the KV they name and decodes. A failed import answers that request with 
 500 naming the cause (its blocks freed); the server keeps serving.
 
 An engine that cannot step any more (a worker rank died: the executor notices any dead
-rank within a fraction of a second) fails every request in flight or still arriving
+rank within a fraction of a second; or a rank hung: no answer to a step within
+`--step-timeout-s`, compiles not counted, decision 57) fails every request in flight or still arriving
 (HTTP 503, or an error event on a stream), `/health` answers 503 with the reason (while
 healthy it lists the `worker_pids`), and `serve` returns 1 after `EXIT_GRACE_S`, which
 `cp-compile serve` exits with, for a process manager to restart it (decision 55).

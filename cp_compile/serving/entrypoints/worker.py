@@ -11,11 +11,24 @@ from __future__ import annotations
 import os
 import traceback
 
-from multiprocessing.connection import Client
+from multiprocessing.connection import Client, Connection
 
 from cp_compile.serving.entrypoints import kv_rank
 from cp_compile.serving.entrypoints.executors import EngineArgs, build_engine, limits_of, recv_obj, send_obj
 from cp_compile.runtime.parallel_state import destroy_parallel
+
+
+def _notify_compiles(conn: Connection) -> None:
+    """Tell the driver when a dynamo compile starts and ends on this rank ("compiling" /
+    "compiled" before the step's reply; same thread, so in order): the driver's bound on a
+    step (step_timeout_s) then does not count compiles, which get COMPILE_TIMEOUT_S
+    (executors.py). Without dynamo's callback API the driver just sees a slower step."""
+    try:
+        from torch._dynamo.callback import callback_handler
+    except ImportError:  # noqa: BLE001 - a torch without it: plain bound
+        return
+    callback_handler.register_start_callback(lambda _args: send_obj(conn, ("compiling", None)))
+    callback_handler.register_end_callback(lambda _args: send_obj(conn, ("compiled", None)))
 
 
 def main() -> None:
@@ -27,6 +40,7 @@ def main() -> None:
     try:
 
         args = EngineArgs(**recv_obj(conn))
+        _notify_compiles(conn)
         engine = build_engine(args)
         send_obj(conn, ("ok", {"limits": limits_of(engine), "capacity": engine.capacity()}))
         while True:

@@ -28,7 +28,7 @@ from cp_compile.base.config import AttentionSpec, CPConfig
 from cp_compile.base.errors import CapacityError, ConfigError
 from cp_compile.runtime.kv_cache import KVCache, KVCacheSpec
 from cp_compile.serving.kv_transfer.config import KVTransferConfig
-from cp_compile.serving.kv_transfer.exchange import Exchange, RankInfo, ReadyRequest
+from cp_compile.serving.kv_transfer.exchange import EXPIRED, Exchange, RankInfo, ReadyRequest
 from cp_compile.serving.kv_transfer.layout import KVGeometry, KVLayout, check_compatible
 from cp_compile.serving.kv_transfer.nixl import NixlTransport
 from cp_compile.serving.kv_transfer.plan import RankPlan, plan_rank
@@ -38,6 +38,8 @@ from cp_compile.serving.kv_transfer.transport import KVAlreadyImportedError, KVO
 from cp_compile.runtime.metadata_build import BlockAllocator
 
 _POLL_S = 0.0005
+# What a consumer rank got fetching the producer's description (agreed: the lowest wins).
+_REFUSED, _FAILED, _FETCHED = 0, 1, 2
 
 
 def _tensors(cache: KVCache) -> list[torch.Tensor]:
@@ -125,18 +127,58 @@ class KVConsumer(_Role):
         self._staging_reg: Any = None
         self._retired: list[torch.Tensor] = []  # staging buffers an unreleasable read may still write
 
-    # -- producer description, checked once
+    # -- producer description, fetched and checked once, agreed by every consumer rank
     def producer(self) -> dict[int, RankInfo]:
+        """The producer's rank descriptions, checked against this consumer's geometry.
+
+        Collective over `group` until it succeeds (every consumer rank calls it at the same
+        point: `import_request` does): each rank fetches, then the ranks agree on one
+        outcome before any acts on it (issue 35): refused (a `ConfigError` on any rank),
+        failed (a `KVTransferError` on any rank: the store did not answer one of them), or
+        fetched on all. Only then is it cached, on every rank alike, so the next call is a
+        collective on all ranks or on none. Before, a rank whose fetch failed raised
+        alone while the others went on to claim and read the request and waited in the
+        verdict's all-reduce for it: split verdicts, and a hang."""
         if self._producer is None:
-            infos = self.exchange.fetch_ranks(self.kv.handoff_timeout_s)
-            layouts = {i.layout for i in infos.values()}
-            if len(layouts) != 1 or len(infos) != next(iter(layouts)).world_size:
-                raise ConfigError("producer ranks publish one layout over its whole world",
-                                  f"layouts {sorted(map(str, layouts))} from {len(infos)} ranks",
-                                  "restart the producer instance: its ranks disagree")
-            check_compatible(infos[0].geometry, self.geometry)
+            infos: dict[int, RankInfo] | None = None
+            error: Exception | None = None
+            try:
+                infos = self._fetch_producer()
+            except (ConfigError, KVTransferError) as exc:
+                error = exc
+            agreed = self._agree(_FETCHED if error is None else
+                                 _FAILED if isinstance(error, KVTransferError) else _REFUSED)
+            if agreed == _REFUSED:
+                if isinstance(error, ConfigError):
+                    raise error
+                raise ConfigError("the producer's description suits every consumer rank",
+                                  f"producer {self.kv.remote_engine_id!r} refused by another consumer rank"
+                                  + (f" (this rank: {error})" if error is not None else ""),
+                                  "see the refusing rank's error: the instances serve different models or layouts")
+            if agreed == _FAILED:
+                why = str(error) if error is not None else "another consumer rank could not fetch it"
+                raise KVTransferError(f"producer {self.kv.remote_engine_id!r}'s description: {why}")
+            assert infos is not None
             self._producer = infos
         return self._producer
+
+    def _fetch_producer(self) -> dict[int, RankInfo]:
+        infos = self.exchange.fetch_ranks(self.kv.handoff_timeout_s)
+        layouts = {i.layout for i in infos.values()}
+        if len(layouts) != 1 or len(infos) != next(iter(layouts)).world_size:
+            raise ConfigError("producer ranks publish one layout over its whole world",
+                              f"layouts {sorted(map(str, layouts))} from {len(infos)} ranks",
+                              "restart the producer instance: its ranks disagree")
+        check_compatible(infos[0].geometry, self.geometry)
+        return infos
+
+    def _agree(self, code: int) -> int:
+        """The lowest of every consumer rank's `code` (one all-reduce over `group`; this
+        rank's own code without torch.distributed)."""
+        t = torch.tensor([code], dtype=torch.int32, device=_tensors(self.cache)[0].device)
+        if dist.is_initialized():
+            dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.group)
+        return int(t)
 
     def _peer(self, src: int) -> str:
         if src not in self._peers:
@@ -252,10 +294,14 @@ class KVConsumer(_Role):
         in the same order)."""
         mine = req_id if local_id is None else local_id
         try:
-            infos = self.producer()  # geometry checked: refuses before any byte moves
+            infos = self.producer()  # agreed by every rank; geometry checked: refuses before any byte moves
         except ConfigError as exc:
             self._tell_producer(req_id, f"refused: {exc}")
             raise
+        except KVTransferError as exc:  # every rank alike; nothing claimed, allocated or read
+            msg = f"request {req_id}: KV transfer from {self.kv.remote_engine_id!r} failed on consumer rank " \
+                  f"{self.rank}: {exc}. The request is not scheduled; no decode block was allocated"
+            raise KVTransferError(msg + self._tell_producer(req_id, f"failed: {msg}")) from exc
         src_layout = infos[0].layout
         error: BaseException | None = None
         moved, ndesc, t0, plan = 0, 0, time.perf_counter(), None
@@ -269,7 +315,8 @@ class KVConsumer(_Role):
             if claims > world:  # before anything is allocated or read
                 raise KVAlreadyImportedError(
                     f"request {req_id} of producer {self.kv.remote_engine_id!r} was already imported by a consumer "
-                    f"or expired on the producer ({claims} claims for {world} consumer ranks): its producer blocks "
+                    f"or expired on the producer ({'expired by the producer' if claims >= EXPIRED else f'{claims} claims'}"
+                    f" for {world} consumer ranks): its producer blocks "
                     "may hold another request's KV now. Fix: prefill the prompt on the producer again and send its "
                     "new kv_transfer_params (each is good for one import)")
             self.allocator.ensure(mine, ready.num_tokens)  # CapacityError: nothing allocated, nothing moved

@@ -8,9 +8,13 @@ Keys (pickled values), under `cpkv/<producer engine_id>/`:
 - `req/<id>/consumed`: the consumer's verdict ("ok" or the error), set by consumer
   rank 0 after every consumer rank finished; the producer frees its blocks then;
 - `req/<id>/claims`: a counter (`TCPStore.add`, atomic): each consumer rank adds 1
-  before it reads, a producer giving up on the request adds `EXPIRED`. A request is
-  read by one consumer instance, once: a rank that counts past its own world size
-  (a replayed `kv_transfer_params`, or a request the producer expired) reads nothing.
+  before it reads, a producer giving up on the request adds `EXPIRED` (once: the
+  fence). A request is read by one consumer instance, once: a rank that counts past
+  its own world size (a replayed `kv_transfer_params`, or a request the producer
+  expired) reads nothing. A rank that claimed before the fence finishes its reads
+  within transfer_timeout_s of its claim (its read deadline starts before it), so
+  the producer may free the blocks transfer_timeout_s after the fence whatever the
+  consumer's verdict (kv_driver.ProducerSide: a verdict that cannot arrive).
 
 The store is hosted by one instance (the producer's driver, `store_master`), so it can
 go away with that instance. No store call may take the other instance down with it
@@ -199,12 +203,18 @@ class Exchange:
         key = self._key("req", req_id, "claims")
         return int(self._call(f"request {req_id}: claiming it", lambda st: st.add(key, 1)))
 
-    def expire(self, req_id: int) -> bool:
-        """The producer gives up on `req_id` (no verdict in time): True if no consumer rank
-        had claimed it (its blocks may be freed: any later claim counts past EXPIRED);
-        False if one is reading it (wait for its verdict instead)."""
+    def claims(self, req_id: int) -> int:
+        """How many consumer-rank claims `req_id` has so far (the producer's look; no claim)."""
         key = self._key("req", req_id, "claims")
-        return int(self._call(f"request {req_id}: expiring it", lambda st: st.add(key, EXPIRED))) == EXPIRED
+        return int(self._call(f"request {req_id}: reading its claims", lambda st: st.add(key, 0)))
+
+    def expire(self, req_id: int) -> int:
+        """The producer gives up on `req_id` (call once per request: the fence). Any claim
+        after it counts past EXPIRED and reads nothing. Returns the claims made before it:
+        0 = nobody read, the blocks may be freed now; more = those ranks may still be
+        reading, for at most transfer_timeout_s (see the module doc)."""
+        key = self._key("req", req_id, "claims")
+        return int(self._call(f"request {req_id}: expiring it", lambda st: st.add(key, EXPIRED))) - EXPIRED
 
     def publish_consumed(self, req_id: int, verdict: str) -> None:
         self._set(self._key("req", req_id, "consumed"), verdict, f"request {req_id}: telling the producer the verdict")
