@@ -24,7 +24,7 @@ from typing import Any
 
 from cp_compile.serving.entrypoints import kv_driver
 from cp_compile.serving.entrypoints.kv_driver import ProducerSide
-from cp_compile.serving.hf.scheduler import Scheduler, Sequence
+from cp_compile.serving.loop.scheduler import Scheduler, Sequence
 from cp_compile.serving.kv_transfer import KVTransferConfig
 from cp_compile.serving.kv_transfer.exchange import Exchange
 from tests.entrypoints.http_util import free_port
