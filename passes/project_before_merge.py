@@ -31,7 +31,7 @@ from cp_compile.ops.parallel import dcp as dcp_compose
 from cp_compile.passes.base import CPPass
 from cp_compile.passes.context import CompileContext
 from cp_compile.passes.dcp_attention import DCPAttentionPass
-from cp_compile.passes.fx_utils import VALUE_KEY, ShapedProxy, graph_fake_mode
+from cp_compile.passes.fx_utils import VALUE_KEY, ShapedProxy, fake_value, graph_fake_mode
 from cp_compile.passes.projection_match import MERGE_SITE_KEY, MergeSite, find_projection
 from cp_compile.passes.query_replication import _ancestors, _declare_to_aot, _mutates, parameter_value
 from cp_compile.passes.sfa_dcp import SFADCPPass
@@ -110,6 +110,8 @@ class ProjectBeforeMergePass(CPPass):
             gm.register_buffer(name, weight)
             _declare_to_aot(gm, name)
             self.decision["gathered_weight_bytes"] += sum(p.numel() * p.element_size() for p in parts[1:])
+            # The head dim the merge moves: the partial's (MLA: the latent L) -> the projection's (Dv).
+            self.decision["merged_head_dim"] = [int(fake_value(site.out).shape[-1]), proj.out_dim]
             with graph.inserting_before(proj.user):
                 w_node = graph.get_attr(name)
                 if mode is not None:

@@ -22,7 +22,8 @@ from cp_compile.base.config import ConfigError
 from cp_compile.runtime.metadata_build import BlockAllocator, build_attention_metadata
 from cp_compile.testing.metered import MeterSlot, metered
 from cp_compile.testing.multirank import run_on_ranks
-from examples.models.tiny import VOCAB, example_from_config, hf_deepseek_v3
+from examples.models.tiny import VOCAB, example_from_config, hf_deepseek_sfa, hf_deepseek_v3
+from examples.serving import layer_caches
 
 BLOCK = 4
 NUM_BLOCKS = 16
@@ -38,8 +39,10 @@ STEPS = [
 ]
 
 
-def _hf(num_heads: int = 4):
-    # kv_lora_rank 32 = 4 x v_head_dim 8 would be DeepSeek's ratio; the tiny config has L = 32, Dv = 12.
+def _hf(num_heads: int = 4, kind: str = "mla"):
+    # The tiny configs' latent / V head dims: MLA 32 / 12, SFA (V3.2) latent 32 / 12.
+    if kind == "sfa":
+        return hf_deepseek_sfa("deepseek_v32", num_heads=num_heads)
     return hf_deepseek_v3(q_lora_rank=None, num_heads=num_heads)
 
 
@@ -74,7 +77,7 @@ def _world(rank: int, world: int, cases: list[tuple], hf_config, state_dict) -> 
         cache = cp_compile.allocate_kv_cache(cfg, model.kv_cache_spec(), NUM_BLOCKS, attention=model.attention_spec())
         compiled = cp_compile.compile_model(model, lowering=lowering)
         slot = metered(compiled)
-        logits = run_steps(compiled, cache.layers, BLOCK * dcp, slot)
+        logits = run_steps(compiled, layer_caches(cache), BLOCK * dcp, slot)
         pms = compiled.backend.pass_managers
         results.append(dict(logits=logits, graphs=len(pms), sent=dict(slot.meter.sent), calls=dict(slot.meter.calls),
                             history=[(h.name, h.rewrites, h.before, h.after, h.decision) for h in pms[0].history]))
@@ -87,7 +90,7 @@ def _reference(hf_config, state_dict, dcp: int) -> list[torch.Tensor]:
     model = example_from_config(hf_config, state_dict)
     cfg = cp_compile.CPConfig(block_size=BLOCK * dcp)
     cache = cp_compile.allocate_kv_cache(cfg, model.kv_cache_spec(), NUM_BLOCKS)
-    return run_steps(model, cache.layers, BLOCK * dcp)
+    return run_steps(model, layer_caches(cache), BLOCK * dcp)
 
 
 def _count(hist: dict[str, int], needle: str) -> int:
@@ -100,7 +103,7 @@ def check_case(out: dict, ref: list[torch.Tensor], layers: int, merge: str, proj
     for step, (got, want) in enumerate(zip(out["logits"], ref)):
         torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4, msg=f"rank {rank} step {step} ({merge})")
     hist = {name: (rw, before, after, decision) for name, rw, before, after, decision in out["history"]}
-    dcp_decision = hist["dcp_attention"][3]
+    dcp_decision = (hist.get("sfa_dcp") or hist["dcp_attention"])[3]
     assert bool(dcp_decision.get("project")) == projected, dcp_decision
     if not projected:
         assert "project_before_merge" not in hist
@@ -115,7 +118,12 @@ def check_case(out: dict, ref: list[torch.Tensor], layers: int, merge: str, proj
                                  c.v_head_dim, 4, dcp, merge)
         for kind in ("all_to_all", "reduce_scatter"):
             assert out["sent"].get(kind, 0) == layers * sum(b for k, b in want if k == kind), (kind, out["sent"])
-    assert decision["gathered_weight_bytes"] > 0
+    # The other rank's W_UV of every layer, gathered at compile time (fp32 [H, L, Dv] each).
+    if hf_config is not None:
+        c = hf_config
+        h = c.num_attention_heads // tp
+        assert decision["gathered_weight_bytes"] == layers * (dcp - 1) * h * c.kv_lora_rank * c.v_head_dim * 4
+        assert decision["merged_head_dim"] == [c.kv_lora_rank, c.v_head_dim]
     # One W_UV einsum per layer before and after (moved onto the partial), the merge's collectives
     # rebuilt one for one, no leftover of the old merge.
     assert _count(before, "einsum") == _count(after, "einsum")
@@ -142,10 +150,13 @@ def test_project_before_merge_mla_tp2_dcp2_exact() -> None:
 @pytest.mark.parametrize("tp,cases", [
     (4, [(2, "a2a", "on", "aot_eager"), (2, "ag_rs", "on", "aot_eager")]),
     (2, [(2, "a2a", "on", "inductor"), (2, "replicate", "on", "aot_eager")]),
+    ("sfa", [(2, "a2a", "on", "aot_eager"), (2, "ag_rs", "on", "aot_eager")]),
 ])
-def test_project_before_merge_mla_wide(tp: int, cases: list[tuple]) -> None:
-    """tp 4 / dcp 2 (two DCP groups), Inductor, and query replication + projection."""
-    hf = _hf(num_heads=8)
+def test_project_before_merge_mla_wide(tp: int | str, cases: list[tuple]) -> None:
+    """tp 4 / dcp 2 (two DCP groups), Inductor, query replication + projection, SFA DCP at tp = dcp = 2."""
+    kind = "sfa" if tp == "sfa" else "mla"
+    tp = 2 if tp == "sfa" else tp
+    hf = _hf(num_heads=8 if kind == "mla" else 4, kind=kind)
     sd = {k: v.detach().clone() for k, v in hf.state_dict().items()}
     per_rank = run_on_ranks(_world, tp, cases, hf.config, sd, timeout=900)
     ref = _reference(hf.config, sd, 2)
