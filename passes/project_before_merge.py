@@ -104,7 +104,8 @@ class ProjectBeforeMergePass(CPPass):
             proj = find_projection(merged, site.heads)
             if isinstance(proj, str):  # the DCP pass proved it on the same readers; a later pass changed them
                 raise RuntimeError(f"project_before_merge: {proj}")
-            parts = group.all_gather(parameter_value(proj.weight))  # group rank order (collective)
+            gathered = group.all_gather(parameter_value(proj.parameter))  # group rank order (collective)
+            parts = [proj.weight_of(p).contiguous() for p in gathered]  # each rank's operand (its views re-run)
             weight = torch.cat(parts, dim=proj.head_axis)  # [N*H, L, Dv] (per the equation's order)
             name = f"_cp_project_w_{merged.name}"
             gm.register_buffer(name, weight)
@@ -115,7 +116,9 @@ class ProjectBeforeMergePass(CPPass):
             with graph.inserting_before(proj.user):
                 w_node = graph.get_attr(name)
                 if mode is not None:
-                    w_node.meta[VALUE_KEY] = mode.from_tensor(weight)
+                    # Static sizes: a fresh symbol per dim would have no source in the frame, and a
+                    # guard the einsum puts on one (HF's "thl,hvl->thv") breaks Dynamo's guard building.
+                    w_node.meta[VALUE_KEY] = mode.from_tensor(weight, static_shapes=True)
                 out = ShapedProxy(site.out, tracer)
                 projected = torch.einsum(proj.equation, out, ShapedProxy(w_node, tracer))  # [T, N*H, Dv]
                 new = dcp_compose.merge_partial(

@@ -10,8 +10,11 @@ The DCP merge is linear in each rank's partial: `out = sum_r w_r * out_r` with
   token and head letters, contracts the last dim and adds one new dim (`thl,hlv->thv`,
   any letters, the weight's dims in any order): per head, linear, nothing non-linear
   between;
-- the weight is a parameter with a real value in the graph (gathered over the group at
-  compile time, passes/project_before_merge.py), with the attention's head count.
+- the weight is a parameter with a real value in the graph, or a view of one through
+  constant-argument re-indexing ops only (view, reshape, slicing, transpose, ...: the HF
+  engine slices W_UV out of kv_b_proj.weight), with the attention's head count; the
+  parameter is gathered over the group at compile time and the views re-run on every rank's
+  value (passes/project_before_merge.py).
 Anything else is refused with the reason (a string), which the DCP pass keeps in its
 decision (`PassRecord.decision["not_projectable"]`).
 
@@ -21,6 +24,7 @@ so the projection pass finds the partial and re-merges it projected.
 
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass
 
 import torch
@@ -50,13 +54,61 @@ class MergeSite:
 
 @dataclass(frozen=True)
 class Projection:
-    """The per-head linear map reading an attention's output: `einsum(equation, output, weight)`."""
+    """The per-head linear map reading an attention's output: `einsum(equation, output, weight)`,
+    the weight a parameter or a view of one (`views`: the view ops from the parameter to the
+    operand, in order; the HF engine slices W_UV out of kv_b_proj.weight)."""
 
     user: fx.Node  # the einsum node
-    weight: fx.Node  # its parameter operand
+    weight: fx.Node  # its weight operand
     equation: str
     head_axis: int  # the weight's head dim (where the group's weights are concatenated)
     out_dim: int  # the new per-head dim (MLA: Dv)
+    parameter: fx.Node | None = None  # the parameter the weight is a view of (None: the operand itself)
+    views: tuple[fx.Node, ...] = ()
+
+    def weight_of(self, param: torch.Tensor) -> torch.Tensor:
+        """The operand computed from a (gathered) value of the parameter: the view ops re-run on it."""
+        x = param
+        for n in self.views:
+            args = tuple(x if a is (n.args[0]) else a for a in n.args)
+            if n.op == "call_method":
+                x = getattr(x, str(n.target))(*args[1:], **n.kwargs)
+            else:
+                x = n.target(x, *args[1:], **n.kwargs)
+        return x
+
+
+# Ops that only re-index a tensor: a weight computed from a parameter through these alone is a
+# view of it, so every rank's operand is the same ops applied to that rank's parameter.
+_VIEW_METHODS = {"view", "reshape", "transpose", "permute", "contiguous", "t", "narrow", "select", "unflatten",
+                 "flatten", "squeeze", "unsqueeze", "__getitem__"}
+_VIEW_FUNCTIONS = {operator.getitem, torch.transpose, torch.reshape, torch.narrow, torch.select, torch.permute,
+                   torch.flatten, torch.squeeze, torch.unsqueeze}
+
+
+def _constant(a: object) -> bool:
+    if isinstance(a, (tuple, list)):
+        return all(_constant(x) for x in a)
+    if isinstance(a, slice):
+        return all(_constant(x) for x in (a.start, a.stop, a.step))
+    return a is None or isinstance(a, (int, float, bool, type(Ellipsis)))
+
+
+def _view_chain(weight: fx.Node) -> tuple[fx.Node, tuple[fx.Node, ...]] | None:
+    """(parameter, view ops in order) when `weight` is a parameter re-indexed by constant-argument
+    view ops only, else None."""
+    chain: list[fx.Node] = []
+    n = weight
+    while _real(n) is None:
+        is_view = (n.op == "call_method" and str(n.target) in _VIEW_METHODS) or (
+            n.op == "call_function" and n.target in _VIEW_FUNCTIONS)
+        if not is_view or not n.args or not isinstance(n.args[0], fx.Node) or n.kwargs:
+            return None
+        if not all(_constant(a) for a in n.args[1:]):
+            return None
+        chain.append(n)
+        n = n.args[0]
+    return n, tuple(reversed(chain))
 
 
 def _operands(node: fx.Node) -> tuple[str, list] | None:
@@ -96,12 +148,13 @@ def find_projection(node: fx.Node, heads: int) -> Projection | str:
     if out != t + h + v:
         return f"{u.name} ({eq}): the output must keep [T, H] and add the new dim ([T, H, Dv])"
     weight = ops[1]
-    if not isinstance(weight, fx.Node) or _real(weight) is None:
+    chain = _view_chain(weight) if isinstance(weight, fx.Node) else None
+    if chain is None:
         name = weight.name if isinstance(weight, fx.Node) else repr(weight)
-        return (f"{u.name}'s weight {name} is not a parameter with a real value in the graph (computed, or a "
-                "graph input): its other ranks' values cannot be gathered at compile time")
+        return (f"{u.name}'s weight {name} is not a parameter (or a view of one) with a real value in the graph "
+                "(computed, or a graph input): its other ranks' values cannot be gathered at compile time")
     w = fake_value(weight)
     shape = tuple(w.shape) if w is not None else tuple(_real(weight).shape)
     if int(shape[b.index(h)]) != heads:
         return f"{u.name}'s weight {weight.name} {list(shape)} has {shape[b.index(h)]} heads, the attention {heads}"
-    return Projection(u, weight, eq, b.index(h), int(shape[b.index(v)]))
+    return Projection(u, weight, eq, b.index(h), int(shape[b.index(v)]), chain[0], chain[1])

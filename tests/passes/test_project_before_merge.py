@@ -163,3 +163,28 @@ def test_project_before_merge_mla_wide(tp: int | str, cases: list[tuple]) -> Non
     for rank, outs in enumerate(per_rank):
         for (dcp, merge, project, _), out in zip(cases, outs):
             check_case(out, ref, hf.config.num_hidden_layers, merge, True, rank, hf.config, tp, dcp)
+
+
+@pytest.mark.slow
+def test_project_before_merge_hf_engine_mla() -> None:
+    """The HF engine's MLA (W_UV a slice of kv_b_proj.weight: a view of a parameter) projected
+    ("on") at tp 2 / dcp 2: greedy tokens and logits equal HF's own single-device generate."""
+    import copy
+
+    from examples.hf_generate import hf_reference, serve, tiny_hf
+    from tests.hf.test_hf_engine import ARRIVALS, BLOCK as HF_BLOCK, MAX_NEW, NUM_BLOCKS as HF_BLOCKS, _prompts
+
+    hf = tiny_hf("deepseek_v3", num_kv_heads=4)
+    sd = {k: v.detach().clone() for k, v in hf.state_dict().items()}
+    prompts = _prompts()
+    outs = run_on_ranks(serve, 2, copy.deepcopy(hf.config), sd, prompts, MAX_NEW, 2, HF_BLOCK, HF_BLOCKS,
+                        "aot_eager", ARRIVALS, config_kw={"dcp_project_before_merge": "on"}, timeout=900)
+    ref_tokens, ref_logits = hf_reference(hf, prompts, max(MAX_NEW))
+    layers = hf.config.num_hidden_layers
+    for rank, out in enumerate(outs):
+        assert dict(out["history"])["project_before_merge"] == layers, out["history"]
+        assert out["decisions"]["dcp_attention"]["project"] is True
+        for i in range(len(prompts)):
+            n = MAX_NEW[i]
+            assert out["tokens"][i] == ref_tokens[i][:n], f"rank {rank} prompt {i}"
+            torch.testing.assert_close(out["logits"][i], ref_logits[i][:n], atol=1e-4, rtol=1e-4)

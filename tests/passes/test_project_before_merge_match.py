@@ -18,6 +18,7 @@ from cp_compile.base import merge_cost
 from cp_compile.base.comm_stats import decode_comm_bytes_per_layer
 from cp_compile.passes.pass_manager import PassManager
 from cp_compile.passes.projection_match import find_projection
+from cp_compile.passes.query_replication import parameter_value
 from tests.passes.test_pipeline import H, L, LAYERS, R, _ctx, _inputs
 
 DV = 4  # V head dim: L = 16 = 4 x DV, DeepSeek's 512 / 128
@@ -34,6 +35,8 @@ class MLAOut(nn.Module):
         self.q_proj = nn.ModuleList(nn.Linear(H * L, H * L) for _ in range(LAYERS))
         self.w_uv = nn.ParameterList(nn.Parameter(torch.randn(H, L, DV)) for _ in range(LAYERS))
         self.o_proj = nn.ModuleList(nn.Linear(H * DV, H * L) for _ in range(LAYERS))
+        # "view": W_UV sliced out of a kv_b_proj-like weight [H * (3 + DV), L], as the HF engine does.
+        self.kv_b = nn.ParameterList(nn.Parameter(torch.randn(H * (3 + DV), L)) for _ in range(LAYERS))
 
     def forward(self, x: torch.Tensor, caches: list[torch.Tensor], meta: cp_compile.AttentionMetadata):
         args = (meta.slot_mapping, meta.block_table, meta.seq_lens, meta.query_start_loc)
@@ -48,6 +51,8 @@ class MLAOut(nn.Module):
                 w = w * 2
             if self.variant == "sum_heads":  # not per head: sums over the heads
                 v = torch.einsum("thl,hlv->tv", o, w).repeat(1, H)
+            elif self.variant == "view":
+                v = torch.einsum("thl,hvl->thv", o, self.kv_b[i].view(H, 3 + DV, L)[:, 3:])
             else:
                 v = torch.einsum("thl,hlv->thv", o, w)  # [T, H, DV]
             if self.variant == "two_readers":  # the latent is read besides the projection
@@ -117,6 +122,27 @@ def test_the_projection_is_proven_on_the_mla_pattern() -> None:
     assert on_error is not None and "no process group" in str(on_error)
     assert "project_before_merge" not in pm.names
     assert "no process group" in pm.history[0].decision["not_projectable"]
+
+
+def test_a_view_of_a_parameter_is_proven_and_rebuilt_per_rank() -> None:
+    """W_UV sliced out of a parameter (HF's kv_b_proj): proven, and the slice re-run on a value of
+    the parameter gives the operand (what every rank's gathered parameter goes through)."""
+    model = MLAOut("view")
+
+    def fn(gm):
+        out = []
+        for n in _attention_nodes(gm):
+            proj = find_projection(n, H)
+            assert not isinstance(proj, str), proj
+            out.append((proj.equation, proj.head_axis, proj.out_dim, len(proj.views),
+                        proj.weight_of(parameter_value(proj.parameter))))
+        return out
+
+    found = in_backend(model, fn)
+    assert len(found) == LAYERS
+    for i, (eq, axis, dv, views, w) in enumerate(found):
+        assert (eq, axis, dv) == ("thl,hvl->thv", 0, DV) and views >= 2
+        assert torch.equal(w, model.kv_b[i].view(H, 3 + DV, L)[:, 3:])
 
 
 @pytest.mark.parametrize("variant,why", [
