@@ -150,6 +150,9 @@ class DCPAttentionPass(CPPass):
             return None, None
         if any(p.partial is None for _, p in nodes):
             return None, NOTHING_TO_PROJECT
+        if self.ctx.pcp.size > 1:  # decode graphs over the pcp * dcp cache ranks: not checked against one device
+            return None, ("project before the merge is not built for decode graphs at "
+                          "prefill_context_parallel_size > 1 (no exactness test over the pcp * dcp ranks)")
         found = []
         for node, pattern in nodes:
             heads = int(fake_value(pattern.bind(node)["q_nope"]).shape[1])
