@@ -70,9 +70,11 @@ def hf_reference(model: transformers.PreTrainedModel, prompts: list[list[int]], 
 
 def serve(rank: int, world: int, hf_config, state_dict, prompts: list[list[int]], max_new_tokens: int,
           dcp: int, block_size: int, num_blocks: int, lowering: str, arrivals: list[int] | None = None,
-          forbid_recompiles: bool = True, progress: bool = False) -> dict:
-    """One rank: init_parallel, rebuild the HF model from its config, serve it."""
-    cfg = cp_compile.CPConfig(tensor_parallel_size=world, decode_context_parallel_size=dcp, block_size=block_size)
+          forbid_recompiles: bool = True, progress: bool = False, config_kw: dict | None = None) -> dict:
+    """One rank: init_parallel, rebuild the HF model from its config, serve it (`config_kw`: more
+    CPConfig fields, e.g. dcp_project_before_merge)."""
+    cfg = cp_compile.CPConfig(tensor_parallel_size=world, decode_context_parallel_size=dcp, block_size=block_size,
+                              **(config_kw or {}))
     if world > 1 or dcp > 1:
         cp_compile.init_parallel(cfg, device="cpu")
     # A copy: the engine points the config at its attention functions, and under torchrun the
@@ -85,7 +87,8 @@ def serve(rank: int, world: int, hf_config, state_dict, prompts: list[list[int]]
     tokens = engine.generate(prompts, max_new_tokens=max_new_tokens, arrivals=arrivals)
     return dict(tokens=tokens, logits=[torch.stack(engine.last_logits[i]) for i in range(len(prompts))],
                 graphs=engine.num_graphs, steps=engine.steps, capacity=engine.capacity(), plan=engine.plan,
-                history=[(h.name, h.rewrites) for h in engine.compiled.backend.pass_managers[0].history])
+                history=[(h.name, h.rewrites) for h in engine.compiled.backend.pass_managers[0].history],
+                decisions={h.name: h.decision for h in engine.compiled.backend.pass_managers[0].history})
 
 
 def main() -> None:

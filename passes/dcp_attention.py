@@ -22,11 +22,16 @@ import torch.fx as fx
 from cp_compile.passes.context import CompileContext
 from cp_compile.ops.parallel import dcp as dcp_compose
 from cp_compile.passes.base import CPPass
-from cp_compile.passes.fx_utils import ShapedProxy, bind_op_args
+from cp_compile.passes.fx_utils import ShapedProxy, bind_op_args, fake_value
+from cp_compile.base.merge_cost import ProjectionWeights
+from cp_compile.passes.projection_match import MERGE_SITE_KEY, MergeSite, find_projection
 from cp_compile.base.config import ConfigError
 from cp_compile.passes.merge_choice import resolve_merge
 from cp_compile.passes.query_replication import (NotReplicable, QueryChain, check_replicated_inputs, query_chain,
                                                  replicate_queries)
+
+
+NOTHING_TO_PROJECT = "GQA: the attention output is already in the V head dim (nothing to project)"
 
 
 class AttentionPattern:
@@ -35,6 +40,9 @@ class AttentionPattern:
     op: torch._ops.OpOverloadPacket
     composition: Callable[..., Any]
     queries: tuple[str, ...] = ("q",)  # the query arguments (replicated under dcp_merge="replicate")
+    # The composition up to the merge (returns `dcp.Partial`), for outputs a per-head projection
+    # may follow (MLA's latent: project before the merge, issue 37); None: already in the V head dim.
+    partial: Callable[..., Any] | None = None
 
     def matches(self, node: fx.Node) -> bool:
         return node.op == "call_function" and node.target in (self.op, self.op.default)
@@ -79,6 +87,7 @@ class GQAPattern(AttentionPattern):
 class MLAPattern(AttentionPattern):
     op = torch.ops.cp.mla_attention
     composition = staticmethod(dcp_compose.dcp_mla_attention)
+    partial = staticmethod(dcp_compose.dcp_mla_partial)
     queries = ("q_nope", "q_pe")
 
 
@@ -133,8 +142,39 @@ class DCPAttentionPass(CPPass):
             return {}, str(why)
         return chains, None
 
+    def projections(self, gm: fx.GraphModule) -> tuple[ProjectionWeights | None, str | None]:
+        """The per-layer projection weights project-before-merge would apply (every attention
+        node's output provably followed by one, passes/projection_match.py), or (None, why not)."""
+        nodes = [(n, p) for n in gm.graph.nodes for p in self.patterns if p.matches(n)]
+        if not nodes:
+            return None, None
+        if any(p.partial is None for _, p in nodes):
+            return None, NOTHING_TO_PROJECT
+        if self.ctx.pcp.size > 1:  # decode graphs over the pcp * dcp cache ranks: not checked against one device
+            return None, ("project before the merge is not built for decode graphs at "
+                          "prefill_context_parallel_size > 1 (no exactness test over the pcp * dcp ranks)")
+        found = []
+        for node, pattern in nodes:
+            heads = int(fake_value(pattern.bind(node)["q_nope"]).shape[1])
+            proj = find_projection(node, heads)
+            if isinstance(proj, str):
+                return None, proj
+            found.append(proj)
+        if self.ctx.cp_collectives is None:
+            return None, "no process group to gather the projection weights over (a context without init_parallel)"
+        w = fake_value(found[0].weight)
+        return ProjectionWeights(bytes=w.numel() * w.element_size(), matrix_elements=w.numel(),
+                                 out_dim=found[0].out_dim), None
+
     def __call__(self, gm: fx.GraphModule) -> int:
         self.prepare(gm)
+        project = self.ctx.config.dcp_project_before_merge
+        projection, not_projectable = self.projections(gm) if project != "off" else (None, None)
+        if project == "on" and not_projectable not in (None, NOTHING_TO_PROJECT):
+            raise ConfigError("dcp_project_before_merge='on' needs each attention output provably followed by a "
+                              "per-head linear projection with parameter weights",
+                              f"{not_projectable} ({self.ctx.describe()})",
+                              "use dcp_project_before_merge='auto' (projects where provable) or 'off'")
         chains, why = {}, None
         # "auto" without measured costs keeps AG+RS (merge_cost.choose): no chain analysis then.
         if self.cp.merge == "replicate" or (self.cp.merge == "auto" and self.ctx.collective_costs is not None):
@@ -145,7 +185,12 @@ class DCPAttentionPass(CPPass):
                               "use dcp_merge='a2a' (the same merge with the query all-gather) or 'auto'")
         first = next(iter(chains.values()), None)
         self.cp, self.decision = resolve_merge(self.ctx, self.cp, gm, self.patterns,
-                                               first.weights if first else None, why)
+                                               first.weights if first else None, why, project=project,
+                                               projection=projection,
+                                               # GQA: nothing to record (the project pass says it)
+                                               not_projectable=None if not_projectable == NOTHING_TO_PROJECT
+                                               else not_projectable)
+        project_here = bool(self.decision and self.decision.get("project"))
         if self.cp.replicated:
             for node, chain in chains.items():
                 for old, new in zip(chain.outputs, replicate_queries(gm, node, chain, self.cp.group.rank,
@@ -157,9 +202,20 @@ class DCPAttentionPass(CPPass):
         # Metadata localisation once per graph (per distinct metadata): every layer reuses it.
         count, _ = rewrite_attention_nodes(
             graph, self.patterns, wrap, lambda *meta: dcp_compose.localize(self.cp, *meta),
-            lambda pattern, args, local: pattern.composition(**args, ctx=self.cp, local=local))
+            lambda pattern, args, local: self._rewrite(pattern, args, local, project_here))
         if count:
             # No dead-code elimination: the cache writes have no users by design.
             graph.lint()
             gm.recompile()
         return count
+
+    def _rewrite(self, pattern: AttentionPattern, args: dict[str, Any], local: Any, project: bool) -> Any:
+        """One attention node's composition; where a partial exists, the merge is built here
+        and marked (`MergeSite`) for the project-before-merge pass."""
+        if pattern.partial is None:
+            return pattern.composition(**args, ctx=self.cp, local=local)
+        part = pattern.partial(**args, ctx=self.cp, local=local)
+        merged = dcp_compose.merge_partial(part, self.cp)
+        merged.node.meta[MERGE_SITE_KEY] = MergeSite(part.out.node, part.lse.node, part.heads, part.dtype,
+                                                     self.cp, project)
+        return merged

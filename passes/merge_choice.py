@@ -50,21 +50,40 @@ def attention_sizes(gm: fx.GraphModule, patterns: tuple) -> dict[str, int] | Non
 
 def resolve_merge(ctx: CompileContext, view: Any, gm: fx.GraphModule, patterns: tuple,
                   query_weights: merge_cost.QueryWeights | None = None,
-                  not_replicable: str | None = None) -> tuple[Any, dict | None]:
+                  not_replicable: str | None = None, *, project: str = "off",
+                  projection: merge_cost.ProjectionWeights | None = None,
+                  not_projectable: str | None = None) -> tuple[Any, dict | None]:
     """(`view` with a concrete merge, the decision) for a DCP / PCP pass's context view.
 
     `query_weights`: the graph's replicable query projection per layer (the DCP pass,
     passes/query_replication.py), making "replicate" a candidate of "auto"; else
-    `not_replicable` says why it is not one (recorded in the decision)."""
-    if view.merge != "auto":
-        return view, {"merge": view.merge, "reason": "explicit dcp_merge"}
+    `not_replicable` says why it is not one (recorded in the decision).
+    `project` (dcp_project_before_merge; "off" for passes that do not build it) with
+    `projection`: the graph's per-head output projection (passes/projection_match.py),
+    making each merge "+project" a candidate; else `not_projectable` says why. The
+    decision's "project" is True where the graph is to be projected before the merge."""
+    # An explicit merge, and nothing for the cost model to decide (projection off, or "auto"
+    # with nothing to project or no measured costs): the merge as given, not projected.
+    if view.merge != "auto" and (project == "off" or project == "auto" and (
+            projection is None or ctx.collective_costs is None)):
+        decision = {"merge": view.merge, "reason": "explicit dcp_merge"}
+        if project != "off" and not_projectable is not None:
+            decision["not_projectable"] = not_projectable
+        return view, decision
     sizes = attention_sizes(gm, patterns)
     if sizes is None:  # nothing to rewrite: any concrete value will do
-        return dataclasses.replace(view, merge="ag_rs"), None
-    choice = merge_cost.choose(ctx.collective_costs, **sizes, query_weights=query_weights)
+        return dataclasses.replace(view, merge="ag_rs" if view.merge == "auto" else view.merge), None
+    choice = merge_cost.choose(ctx.collective_costs, **sizes, query_weights=query_weights, projection=projection,
+                               merge=view.merge, project=project)
     decision = choice.to_json()
+    if view.merge != "auto":
+        decision["reason"] = "explicit dcp_merge; " + decision["reason"]
     if query_weights is not None:
         decision["query_weights"] = dataclasses.asdict(query_weights)
     elif not_replicable is not None:
         decision["not_replicable"] = not_replicable
+    if projection is not None:
+        decision["projection_weights"] = dataclasses.asdict(projection)
+    elif not_projectable is not None and project != "off":
+        decision["not_projectable"] = not_projectable
     return dataclasses.replace(view, merge=choice.merge), decision

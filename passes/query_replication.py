@@ -81,6 +81,9 @@ def _real(node: fx.Node) -> torch.Tensor | None:
     return example if isinstance(example, nn.Parameter) else None
 
 
+parameter_value = _real  # public name: project-before-merge gathers a projection's weights the same way
+
+
 def _is_collective(node: fx.Node) -> bool:
     return node.op == "call_function" and "_c10d_functional" in str(node.target)
 

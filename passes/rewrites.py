@@ -13,6 +13,7 @@ from cp_compile.passes.dsa_cp import DSACPPass
 from cp_compile.passes.mla_preprocess import MLAPreprocessCacheWritePass, MLAPreprocessPass
 from cp_compile.passes.o_proj_dsa_cp import OProjDSACPPass
 from cp_compile.passes.pcp_attention import PCPAttentionPass
+from cp_compile.passes.project_before_merge import ProjectBeforeMergePass
 from cp_compile.passes.sfa_dcp import SFADCPPass
 
 REWRITES: tuple[type[CPPass], ...] = (
@@ -20,6 +21,7 @@ REWRITES: tuple[type[CPPass], ...] = (
     PCPAttentionPass,  # first: it token-shards the prefill graph every later pass sees
     DCPAttentionPass,
     SFADCPPass,
+    ProjectBeforeMergePass,  # after the DCP passes: it rebuilds the merges they marked, projected
     DSACPPass,
     OProjDSACPPass,  # after the attention passes: it rewrites what reads their output
     MLAPreprocessCacheWritePass,  # after the attention passes: folds the latent write they placed

@@ -32,6 +32,7 @@ from cp_compile.passes.fx_utils import CLAIMED_KEY, bind_op_args, fake_value, op
 class SparseMLAPattern(AttentionPattern):
     op = torch.ops.cp.sparse_mla_attention
     composition = staticmethod(dcp_compose.dcp_sfa_attention)
+    partial = staticmethod(dcp_compose.dcp_sfa_partial)
 
 
 class SFADCPPass(DCPAttentionPass):

@@ -60,6 +60,10 @@ class CollectiveMeter(TorchDispatchMode):
     (equal splits) input * (N-1)/N; all-reduce (ring) input * 2(N-1)/N.
     """
 
+    # Compiled graphs (aot_eager) call higher-order ops (auto_functionalized for the cache
+    # writes): they pass through, and the collectives inside the graph are still counted.
+    supports_higher_order_operators = True
+
     def __init__(self) -> None:
         super().__init__()
         self.sent: dict[str, int] = defaultdict(int)

@@ -88,6 +88,15 @@ class CPConfig:
     # each moves, the group's collective costs and the replicated query projection's
     # cost, measured at init_parallel (cp_compile/base/merge_cost.py, issue 26).
     dcp_merge: Literal["auto", "ag_rs", "a2a", "replicate"] = "auto"
+    # Project before the merge (issue 37, decision 61): where a per-head linear map with
+    # parameter weights follows the attention (MLA's W_UV, latent -> V head dim), apply it
+    # to every rank's partial before the merge, so the merge moves the V head dim (MLA: 128
+    # instead of 512 columns per head) at the price of projecting the group's heads (the
+    # other ranks' weights gathered at compile time). "auto": the cost model decides with
+    # the merge (it runs under dcp_merge="auto"; with an explicit merge and no measured
+    # costs, off); "on": wherever provable (a ConfigError where an MLA / SFA attention's
+    # output is not provably followed by one); "off": never. GQA has nothing to project.
+    dcp_project_before_merge: Literal["auto", "on", "off"] = "auto"
     # MLAPO: the `mla_preprocess` pass fuses each MLA layer's pre-attention subgraph
     # (projections, norms, rope, W_UK absorption, latent cache write) into
     # cp::mla_preprocess. Off by default: exact everywhere, but faster only where the
@@ -136,6 +145,10 @@ class CPConfig:
         if self.dcp_merge not in ("auto", "ag_rs", "a2a", "replicate"):
             raise ConfigError("dcp_merge is auto|ag_rs|a2a|replicate", f"dcp_merge={self.dcp_merge!r}",
                               "use 'auto' (the cost model chooses), 'ag_rs', 'a2a' or 'replicate'")
+        if self.dcp_project_before_merge not in ("auto", "on", "off"):
+            raise ConfigError("dcp_project_before_merge is auto|on|off",
+                              f"dcp_project_before_merge={self.dcp_project_before_merge!r}",
+                              "use 'auto' (the cost model decides with the merge), 'on' or 'off'")
 
     @property
     def world_size(self) -> int:

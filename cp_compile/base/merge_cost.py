@@ -18,6 +18,14 @@ the read; 64 rows against a 4 MiB one: the flops). A graph whose
 query projection cannot be replicated (passes/query_replication.py) has no
 `QueryWeights` and `choose` leaves replicate out.
 
+Project before the merge (issue 37, decision 61): the merge is linear in each rank's
+partial (`out = sum_r w_r * out_r`), so a per-head linear map that follows the attention
+(MLA's W_UV, latent L -> V head dim Dv) can be applied to every partial before the merge:
+the merge then moves Dv columns per head instead of L (MLA: 128 against 512), and each
+rank projects the group's N * H heads instead of its H (`ProjectionWeights`: N - 1 more
+W_UV products per layer, the other ranks' W_UV gathered at compile time). Each merge is
+a candidate with and without it (`candidates`); "auto" picks the cheapest pair.
+
 Why measure rather than count collectives: A2A moves fewer bytes and has one
 collective fewer, but an all-to-all is not as well optimised as a ring all-gather on
 every backend (NCCL / HCCL at large messages, gloo's pairwise exchange), so the per
@@ -35,6 +43,10 @@ import torch.distributed as dist
 from cp_compile.base.comm_stats import merge_collectives
 
 MERGES = ("ag_rs", "a2a", "replicate")
+# dcp_project_before_merge: "auto" (the cost model decides with the merge), "on" (wherever
+# provable; an explicit "on" that is not provable is a ConfigError), "off".
+PROJECT = ("auto", "on", "off")
+PROJECTED = "+project"  # the candidate name suffix: "a2a+project"
 KINDS = ("all_gather", "reduce_scatter", "all_to_all")
 # Message sizes of the calibration (bytes each rank sends): a small one for the latency,
 # a large one for the bandwidth. Decode merges send KiB to a few MiB per layer.
@@ -76,44 +88,96 @@ class QueryWeights:
 
 
 @dataclass(frozen=True)
+class ProjectionWeights:
+    """One rank's per-head output projection of one layer (MLA: W_UV [H, L, Dv]) that
+    project-before-merge applies to the group's N * H heads (N - 1 more runs of it per
+    layer). bytes: this rank's (its H heads); matrix_elements: H * L * Dv (2 * T *
+    elements flops per run); out_dim: Dv, the head dim the merge then moves."""
+
+    bytes: int
+    matrix_elements: int
+    out_dim: int
+
+
+def candidate(merge: str, project: bool) -> str:
+    """The name of a (merge, project) candidate: "a2a", "a2a+project", ..."""
+    return merge + (PROJECTED if project else "")
+
+
+def split_candidate(name: str) -> tuple[str, bool]:
+    return (name[: -len(PROJECTED)], True) if name.endswith(PROJECTED) else (name, False)
+
+
+@dataclass(frozen=True)
 class MergeChoice:
     merge: str
-    predicted_s: dict[str, float]  # merge -> predicted seconds per layer
+    predicted_s: dict[str, float]  # candidate ("a2a", "a2a+project", ...) -> predicted seconds per layer
     tokens: int
     reason: str
+    project: bool = False  # project before the merge (issue 37)
 
     def to_json(self) -> dict:
         return asdict(self)
 
 
 def predict(costs: CollectiveCosts, merge: str, *, tokens: int, heads: int, q_dim: int, v_dim: int,
-            dtype_bytes: int, query_weights: QueryWeights | None = None) -> float:
+            dtype_bytes: int, query_weights: QueryWeights | None = None,
+            projection: ProjectionWeights | None = None) -> float:
     """Predicted seconds per layer of `merge` (its Q all-gather included; for "replicate"
-    the N - 1 extra query projections, which need `query_weights`)."""
+    the N - 1 extra query projections, which need `query_weights`). With `projection`
+    (project before the merge): the merge moves `projection.out_dim` columns per head and
+    each rank runs the projection N - 1 more times (the group's heads, not its own)."""
+    merged_dim = v_dim if projection is None else projection.out_dim
     sec = sum(costs.seconds(kind, sent) for kind, sent in
-              merge_collectives(tokens, heads, q_dim, v_dim, dtype_bytes, costs.group_size, merge))
+              merge_collectives(tokens, heads, q_dim, merged_dim, dtype_bytes, costs.group_size, merge))
     if merge == "replicate":
         if query_weights is None:
             raise ValueError("predict('replicate') needs query_weights (the query projection's parameters)")
         sec += (costs.group_size - 1) * costs.matmul_seconds(query_weights.bytes,
                                                               2 * tokens * query_weights.matrix_elements)
+    if projection is not None:
+        sec += (costs.group_size - 1) * costs.matmul_seconds(projection.bytes, 2 * tokens * projection.matrix_elements)
     return sec
 
 
+def candidates(merge: str = "auto", project: str = "auto", *, replicable: bool = True,
+               projectable: bool = False) -> tuple[tuple[str, bool], ...]:
+    """The (merge, project) pairs the config allows: `merge` / `project` explicit or "auto";
+    replicate only where the query chain is `replicable`, projection only where `projectable`."""
+    merges = MERGES if merge == "auto" else (merge,)
+    if not replicable:
+        merges = tuple(m for m in merges if m != "replicate")
+    projects = {"auto": (False, True), "on": (True,), "off": (False,)}[project]
+    if not projectable:
+        projects = tuple(p for p in projects if not p) or (False,)
+    return tuple((m, p) for m in merges for p in projects)
+
+
 def choose(costs: CollectiveCosts | None, *, tokens: int, heads: int, q_dim: int, v_dim: int,
-           dtype_bytes: int, query_weights: QueryWeights | None = None) -> MergeChoice:
-    """The cheapest merge for a graph of `tokens` tokens: AG+RS, A2A and, where the
-    graph's query projection can be replicated (`query_weights` given), replicate.
-    Without measured costs (a context built for a test, no `init_parallel`), AG+RS, the
-    previous default, and the reason says so."""
+           dtype_bytes: int, query_weights: QueryWeights | None = None,
+           projection: ProjectionWeights | None = None, merge: str = "auto", project: str = "auto") -> MergeChoice:
+    """The cheapest candidate for a graph of `tokens` tokens: AG+RS, A2A and, where the
+    graph's query projection can be replicated (`query_weights` given), replicate; each
+    with and without projecting before the merge where the graph's output projection
+    allows it (`projection` given). `merge` / `project` explicit narrow the candidates.
+    Without measured costs (a context built for a test, no `init_parallel`), AG+RS (or the
+    explicit merge), not projected unless `project="on"`, and the reason says so."""
     if costs is None:
-        return MergeChoice("ag_rs", {}, tokens, "no calibrated collective costs (no init_parallel): ag_rs")
-    merges = MERGES if query_weights is not None else tuple(m for m in MERGES if m != "replicate")
-    pred = {m: predict(costs, m, tokens=tokens, heads=heads, q_dim=q_dim, v_dim=v_dim, dtype_bytes=dtype_bytes,
-                       query_weights=query_weights) for m in merges}
-    best = min(merges, key=lambda m: pred[m])
-    why = "" if query_weights is not None else "; replicate not a candidate (query projection not replicable)"
-    return MergeChoice(best, pred, tokens, f"cost model, {costs.backend} group of {costs.group_size}{why}")
+        m = "ag_rs" if merge == "auto" else merge
+        p = project == "on" and projection is not None
+        return MergeChoice(m, {}, tokens, f"no calibrated collective costs (no init_parallel): {candidate(m, p)}", p)
+    cands = candidates(merge, project, replicable=query_weights is not None, projectable=projection is not None)
+    pred = {candidate(m, p): predict(costs, m, tokens=tokens, heads=heads, q_dim=q_dim, v_dim=v_dim,
+                                     dtype_bytes=dtype_bytes, query_weights=query_weights,
+                                     projection=projection if p else None) for m, p in cands}
+    best = min(pred, key=lambda c: pred[c])
+    why = ""
+    if merge == "auto" and query_weights is None:
+        why += "; replicate not a candidate (query projection not replicable)"
+    if project == "auto" and projection is None:
+        why += "; project-before-merge not a candidate"
+    m, p = split_candidate(best)
+    return MergeChoice(m, pred, tokens, f"cost model, {costs.backend} group of {costs.group_size}{why}", p)
 
 
 # torch 2.13 renamed the tensor collectives (`*_single`); older torch has only the old names.

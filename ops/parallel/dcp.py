@@ -215,10 +215,28 @@ def own_heads(q: Tensor, ctx: DCPContext) -> int:
     return q.shape[1] // ctx.group.size if ctx.replicated else q.shape[1]
 
 
-def dcp_mla_attention(q_nope: Tensor, q_pe: Tensor, kv_c: Tensor, k_pe: Tensor, kv_cache: Tensor,
-                      slot_mapping: Tensor, block_table: Tensor, seq_lens: Tensor, query_start_loc: Tensor,
-                      scale: float, ctx: DCPContext, local: LocalMetadata | None = None) -> Tensor:
-    """DCP version of `cp::mla_attention` (absorbed MLA): output [T, H, L] for this rank's heads."""
+class Partial(NamedTuple):
+    """One rank's partial attention over its shard, before the merge: out [T, N*H, Dv]
+    (`dtype`, the group's heads rank-major), lse [T, N*H] fp32, `heads` = this rank's H.
+    The merge is linear in `out` (`out = sum_r w_r * out_r`), so a per-head linear map of
+    `out` commutes with it (project before the merge, passes/project_before_merge.py)."""
+
+    out: Tensor
+    lse: Tensor
+    heads: int
+    dtype: torch.dtype
+
+
+def merge_partial(part: Partial, ctx: DCPContext) -> Tensor:
+    """The merged output [T, H, Dv] of this rank's heads."""
+    return merge_heads(part.out, part.lse, ctx, part.heads, part.dtype)[0]
+
+
+def dcp_mla_partial(q_nope: Tensor, q_pe: Tensor, kv_c: Tensor, k_pe: Tensor, kv_cache: Tensor,
+                    slot_mapping: Tensor, block_table: Tensor, seq_lens: Tensor, query_start_loc: Tensor,
+                    scale: float, ctx: DCPContext, local: LocalMetadata | None = None) -> Partial:
+    """`dcp_mla_attention` up to the merge: local latent write, the group's queries, the
+    partial over the local shard (out [T, N*H, L])."""
     if local is None:
         local = localize(ctx, slot_mapping, query_start_loc, seq_lens)
     _cp.cache_write.default(torch.cat([kv_c, k_pe], dim=-1), kv_cache, local.slot_mapping)
@@ -226,7 +244,15 @@ def dcp_mla_attention(q_nope: Tensor, q_pe: Tensor, kv_c: Tensor, k_pe: Tensor, 
     q_nope, q_pe = group_mla_queries(q_nope, q_pe, ctx)  # [T, N*H, L], [T, N*H, R]
     part = _cp.mla_partial_attention.default(q_nope, q_pe, kv_cache, block_table,
                                              query_start_loc, local.causal_lens, scale)
-    return merge_heads(part[0], part[1], ctx, heads, q_nope.dtype)[0]
+    return Partial(part[0], part[1], heads, q_nope.dtype)
+
+
+def dcp_mla_attention(q_nope: Tensor, q_pe: Tensor, kv_c: Tensor, k_pe: Tensor, kv_cache: Tensor,
+                      slot_mapping: Tensor, block_table: Tensor, seq_lens: Tensor, query_start_loc: Tensor,
+                      scale: float, ctx: DCPContext, local: LocalMetadata | None = None) -> Tensor:
+    """DCP version of `cp::mla_attention` (absorbed MLA): output [T, H, L] for this rank's heads."""
+    return merge_partial(dcp_mla_partial(q_nope, q_pe, kv_c, k_pe, kv_cache, slot_mapping, block_table, seq_lens,
+                                         query_start_loc, scale, ctx, local), ctx)
 
 
 def group_mla_queries(q_nope: Tensor, q_pe: Tensor, ctx: DCPContext) -> tuple[Tensor, Tensor]:
@@ -236,6 +262,22 @@ def group_mla_queries(q_nope: Tensor, q_pe: Tensor, ctx: DCPContext) -> tuple[Te
     L = q_nope.shape[-1]
     q_all = all_gather_heads_fused(q_nope, q_pe, ctx)  # [T, N*H, L+R]
     return q_all[..., :L], q_all[..., L:]
+
+
+def dcp_sfa_partial(q_nope: Tensor, q_pe: Tensor, kv_c: Tensor, k_pe: Tensor, kv_cache: Tensor,
+                    slot_mapping: Tensor, block_table: Tensor, seq_lens: Tensor, query_start_loc: Tensor,
+                    topk_indices: Tensor, scale: float, ctx: DCPContext,
+                    local: LocalMetadata | None = None) -> Partial:
+    """`dcp_sfa_attention` up to the merge (out [T, N*H, L])."""
+    if local is None:
+        local = localize(ctx, slot_mapping, query_start_loc, seq_lens)
+    _cp.cache_write.default(torch.cat([kv_c, k_pe], dim=-1), kv_cache, local.slot_mapping)
+    idx = _cp.dcp_sparse_indices.default(topk_indices, ctx.group.size, ctx.group.rank, ctx.interleave, ctx.block_size)
+    heads = own_heads(q_nope, ctx)
+    q_nope, q_pe = group_mla_queries(q_nope, q_pe, ctx)  # [T, N*H, L], [T, N*H, R]
+    part = _cp.sparse_mla_partial_attention.default(q_nope, q_pe, kv_cache, block_table,
+                                                    query_start_loc, idx, scale)
+    return Partial(part[0], part[1], heads, q_nope.dtype)
 
 
 def dcp_sfa_attention(q_nope: Tensor, q_pe: Tensor, kv_c: Tensor, k_pe: Tensor, kv_cache: Tensor,
@@ -251,12 +293,5 @@ def dcp_sfa_attention(q_nope: Tensor, q_pe: Tensor, kv_c: Tensor, k_pe: Tensor, 
     crop, and the partials are merged by LSE: every selected key is counted once, on
     its owner. Exact for decode, prefill and mixed batches.
     """
-    if local is None:
-        local = localize(ctx, slot_mapping, query_start_loc, seq_lens)
-    _cp.cache_write.default(torch.cat([kv_c, k_pe], dim=-1), kv_cache, local.slot_mapping)
-    idx = _cp.dcp_sparse_indices.default(topk_indices, ctx.group.size, ctx.group.rank, ctx.interleave, ctx.block_size)
-    heads = own_heads(q_nope, ctx)
-    q_nope, q_pe = group_mla_queries(q_nope, q_pe, ctx)  # [T, N*H, L], [T, N*H, R]
-    part = _cp.sparse_mla_partial_attention.default(q_nope, q_pe, kv_cache, block_table,
-                                                    query_start_loc, idx, scale)
-    return merge_heads(part[0], part[1], ctx, heads, q_nope.dtype)[0]
+    return merge_partial(dcp_sfa_partial(q_nope, q_pe, kv_c, k_pe, kv_cache, slot_mapping, block_table, seq_lens,
+                                         query_start_loc, topk_indices, scale, ctx, local), ctx)

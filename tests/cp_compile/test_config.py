@@ -97,6 +97,16 @@ def test_dcp_merge_choice():
         CPConfig(dcp_merge="ring")
 
 
+def test_dcp_project_before_merge_choice():
+    """Issue 37: auto | on | off; a bool is refused (the values are words, as dcp_merge's)."""
+    assert CPConfig().dcp_project_before_merge == "auto"
+    for v in ("on", "off"):
+        assert CPConfig(dcp_project_before_merge=v).dcp_project_before_merge == v
+    for bad in (True, "yes"):
+        with raises("dcp_project_before_merge is auto|on|off", f"dcp_project_before_merge={bad!r}"):
+            CPConfig(dcp_project_before_merge=bad)
+
+
 def test_replace_revalidates():
     cfg = CPConfig(block_size=128, cp_kv_cache_interleave_size=64)
     assert cfg.replace(block_size=64).block_size == 64
