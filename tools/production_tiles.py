@@ -38,12 +38,9 @@ PREFILL_TOKENS = 8192
 BF16 = torch.bfloat16
 
 # (kernel, label substring, arch or None for both) -> why this production tile may spill.
-ALLOWED_SPILLS: dict[tuple[str, str, int | None], str] = {
-    ("_sparse_mla_kernel", "sparse MLA", None):
-        "sparse MLA (ops/sparse, owned by another change of issue 36): its 16-head x 32-key tile with a "
-        "[16, 512] fp32 accumulator at 4 warps spills 8 B (sm_80) / 40 B (sm_90a) at batch 8; the tile "
-        "choice is that family's launcher's to change (8 warps, as the paged MLA decode tile)",
-}
+# Empty: no production tile spills (the sparse MLA tile's entry went when its launcher
+# took 8 warps, ops/sparse/triton_sparse_mla.py).
+ALLOWED_SPILLS: dict[tuple[str, str, int | None], str] = {}
 
 
 @dataclass
@@ -103,13 +100,11 @@ def _calls() -> Iterator[tuple[str, Callable[[], Any]]]:
                 yield (f"MLA decode {h} heads 512+64, batch {B}, {ctx // 1024}k",
                        lambda h=h, B=B, ctx=ctx: paged_launch.mla_partial_attention(*_mla(h, B, B, ctx)))
         for h in MLA_HEADS:
-            # The CUDA default (the launcher's `use_dot = device.type != "cpu"`, ops/sparse does not ask
-            # target_of): tl.dot.
+            # The launcher's own CUDA choice (use_dot, tile, num_warps from target_of under planning_for).
             def sparse(h=h, B=B):
                 qn, qp, cache, bt, qsl, _, scale = _mla(h, B, B, 32768)
                 idx = torch.zeros(B, TOPK, dtype=torch.int32)
-                return sparse_mla_rows_triton(qn, qp, cache, bt, torch.arange(B, dtype=torch.int32), idx, scale,
-                                              use_dot=True)
+                return sparse_mla_rows_triton(qn, qp, cache, bt, torch.arange(B, dtype=torch.int32), idx, scale)
             yield f"sparse MLA top-{TOPK} {h} heads, batch {B}", sparse
 
         def indexer(B=B):

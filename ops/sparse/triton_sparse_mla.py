@@ -134,6 +134,7 @@ def sparse_mla_rows_triton(
     block_n: int | None = None,
     use_dot: bool | None = None,
     num_splits: int | None = None,
+    num_warps: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """-> out [T, H, L] in q_nope.dtype, lse [T, H] fp32 (semantics of the reference).
 
@@ -164,10 +165,19 @@ def sparse_mla_rows_triton(
     use_dot = target != "cpu" if use_dot is None else use_dot
     cores = target_of(device, uses_cube=use_dot)[1]
     l_pad, r_pad = next_pow2(L), next_pow2(R)
+    warps = 4  # Triton's default
     if use_dot:
         l_pad, r_pad = max(l_pad, 16), max(r_pad, 16)
         block_h = block_h or min(max(16, next_pow2(H)), 16 if l_pad >= 256 else 64)
-        block_n = block_n or (32 if l_pad <= 128 else 16)
+        wide = l_pad >= 256  # MLA's 512 latent columns
+        # CUDA, 512 latent: 16 heads x 32 indices at 8 warps (as the paged MLA decode tile
+        # from 32 heads): 0 spills at every production launch on sm_80 and sm_90a, 128-184
+        # registers (tools/aot_cuda_check.py --production, docs/kernels_aot.md). At 4 warps
+        # 16 x 16 spills 12 B on sm_80, and 16 x 32 needs 255 registers on sm_80, the cap
+        # (no headroom before a spill); 16 x 16 at 8 warps spills 4 / 16 B. The NPU keeps
+        # 16 indices (it takes no num_warps).
+        block_n = block_n or (16 if wide and target != "cuda" else 32)
+        warps = 8 if wide else 4
     else:
         block_h = block_h or max(1, min(next_pow2(H), prev_pow2(_TILE_BUDGET // (8 * l_pad))))
         block_n = block_n or max(8, min(64, prev_pow2(_TILE_BUDGET // (block_h * l_pad))))
@@ -206,6 +216,7 @@ def sparse_mla_rows_triton(
         *q_nope.stride(), *q_pe.stride(), *kv_cache.stride(), block_table.stride(0), *indices.stride(),
         s_po, *part_out.stride()[-3:], s_pl, *part_lse.stride()[-2:],
         BLOCK_H=block_h, BLOCK_N=block_n, L_PAD=l_pad, R_PAD=r_pad, USE_DOT=use_dot,
+        **({"num_warps": num_warps or warps} if target == "cuda" else {}),
     )
     if num_splits > 1:
         merge_splits_triton(part_out, part_lse, out, lse)

@@ -3,12 +3,12 @@
 `triton_sparse_mla.py` cuts each row's selected-token list into splits, each writing an
 fp32 partial (out [S, T, H, Dv], lse [S, T, H]); this kernel merges them by LSE into
 out [T, H, Dv] (the output dtype) and lse [T, H]: out = sum_s out_s exp(lse_s - LSE),
-LSE = logsumexp_s lse_s, in one online pass over the splits. Decision 47 holds: a split
-with lse -inf is empty (weight 0, its out is not read), an all-empty row is out 0 /
-lse -inf, a NaN or +inf partial LSE makes its row NaN. The math is ops/merge's, restated
-because ops/sparse may not import ops/merge or ops/paged (independent families,
-pyproject's layers); no @triton.jit merge helper exists in ops/core/attention_tile.py
-to share (docs/decisions.md 58).
+LSE = logsumexp_s lse_s. The math is `lse_merge_rows` of ops/core/attention_tile.py,
+the one LSE merge ops/merge's kernels and the paged split decode also call (decision
+60), with decision 47's rules in it: a split with lse -inf is empty (weight 0, its out
+is not read into the sum), an all-empty row is out 0 / lse -inf, a NaN or +inf partial
+LSE makes its row NaN. A kernel of this family's own because ops/sparse may not import
+ops/paged (independent families, pyproject's layers): only the helper is shared.
 
 Work items are (block of BLOCK_R rows, BLOCK_D columns of Dv): a decode step has few
 (token, head) rows, and the columns are what spreads the partials over the cores.
@@ -22,6 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
+from cp_compile.ops.core.attention_tile import lse_merge_rows
 from cp_compile.ops.core.triton_common import (
     LoweringDeclaration,
     grid_size,
@@ -54,33 +55,11 @@ def _sparse_split_merge_kernel(
         r_mask = r < n_rows
         offs_d = cb * BLOCK_D + tl.arange(0, BLOCK_D)
         d_mask = offs_d < Dv
-        m = tl.full([BLOCK_R], float("-inf"), tl.float32)  # running max of the finite LSEs
-        denom = tl.zeros([BLOCK_R], dtype=tl.float32)
-        num = tl.zeros([BLOCK_R, BLOCK_D], dtype=tl.float32)
-        bad = tl.zeros([BLOCK_R], dtype=tl.int1)
-        for sp in range(0, n_splits):
-            l = tl.load(pl_ptr + sp * s_ls + r * s_lr, mask=r_mask, other=float("-inf"))
-            bad = bad | (l != l) | (l == float("inf"))
-            live = (l == l) & (l > float("-inf")) & (l < float("inf"))
-            lv = tl.where(live, l, float("-inf"))
-            m_new = tl.maximum(m, lv)
-            m_safe = tl.where(m_new > float("-inf"), m_new, 0.0)
-            alpha = tl.exp(m - m_safe)  # 0 while every split so far was empty
-            wgt = tl.where(live, tl.exp(lv - m_safe), 0.0)
-            # An empty split's out is never loaded (it may be garbage): masked, then selected.
-            o = tl.load(po_ptr + sp * s_ps + r[:, None] * s_pr + offs_d[None, :] * s_pd,
-                        mask=(r_mask & live)[:, None] & d_mask[None, :], other=0.0)
-            num = num * alpha[:, None] + tl.where(live[:, None], o * wgt[:, None], 0.0)
-            denom = denom * alpha + wgt
-            m = m_new
-        has = denom > 0.0
-        d_safe = tl.where(has, denom, 1.0)
-        res = tl.where(has[:, None], num / d_safe[:, None], 0.0)
-        res = tl.where(bad[:, None], float("nan"), res)
-        lse = tl.where(has, m + tl.log(d_safe), float("-inf"))
-        lse = tl.where(bad, float("nan"), lse)
+        tile_mask = r_mask[:, None] & d_mask[None, :]
+        res, lse = lse_merge_rows(po_ptr, pl_ptr, r * s_pr, r * s_lr, offs_d * s_pd, s_ps, s_ls, n_splits,
+                                  r_mask, tile_mask, BLOCK_R, BLOCK_D)
         tl.store(out_ptr + r[:, None] * s_or + offs_d[None, :] * s_od, res.to(out_ptr.dtype.element_ty),
-                 mask=r_mask[:, None] & d_mask[None, :])
+                 mask=tile_mask)
         tl.store(lse_ptr + r * s_lo, lse, mask=r_mask & (offs_r * 0 + cb == 0))  # once per row
 
 

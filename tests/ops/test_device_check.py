@@ -102,7 +102,7 @@ def test_aot_production_decode_tiles_do_not_spill(tmp_path: Path) -> None:
     assert all((c["BLOCK_H"], c["BLOCK_N"], c["num_warps"]) == (32, 32, 8) for c in mla)
 
 
-def test_aot_production_spill_fails_unless_named() -> None:
+def test_aot_production_spill_fails_unless_named(monkeypatch: pytest.MonkeyPatch) -> None:
     """The verdict of the production check: a spill fails unless the allow-list names the
     tile (its reason then shows in the table), a tile no SM can hold fails, a clean one
     passes; blocks per SM follow registers, shared memory and warps."""
@@ -120,8 +120,14 @@ def test_aot_production_spill_fails_unless_named() -> None:
     problems = production_problems([decode])
     assert len(problems) == 1 and "spills 60/60 B" in problems[0] and "ALLOWED_SPILLS" in problems[0]
     assert production_problems([row("_paged_attention_lse_kernel", "MLA decode", spill=0)]) == []
+    # The allow-list is empty (no production tile spills): the sparse MLA tile's old 40 B
+    # now fails; an entry naming it would accept it, its reason shown.
     sparse = row("_sparse_mla_kernel", "sparse MLA top-2048 16 heads, batch 8", spill=40)
-    assert sparse.allowed and production_problems([sparse]) == []
+    assert not sparse.allowed and "spills 40/40 B" in production_problems([sparse])[0]
+    monkeypatch.setattr("tools.production_tiles.ALLOWED_SPILLS", {("_sparse_mla_kernel", "sparse MLA", 90): "why"})
+    sparse = row("_sparse_mla_kernel", "sparse MLA top-2048 16 heads, batch 8", spill=40)
+    assert sparse.allowed == "why" and production_problems([sparse]) == []
+    assert allowed_spill("_sparse_mla_kernel", "sparse MLA top-2048 16 heads, batch 8", 80) is None  # arch-bound
     too_big = row("_paged_attention_lse_kernel", "GQA decode", spill=0, smem=240000)
     assert too_big.blocks_per_sm == 0 and "no SM holds one block" in production_problems([too_big])[0]
     assert blocks_per_sm(90, 190, 76032, 8) == 1 and blocks_per_sm(90, 154, 39168, 4) == 3

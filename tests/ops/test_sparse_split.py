@@ -285,8 +285,9 @@ def test_sparse_split_one_split_on_a_persistent_grid() -> None:
 def test_sparse_split_counts_fill_two_waves_on_an_h200() -> None:
     """What the launchers plan for CUDA with 132 SMs (captured, nothing runs): sparse MLA
     at batch 8, 16 heads, top-2048 splits into >= 2 waves, the indexer at batch 1, 64 x
-    128 heads, 32k keys into 1.94; tl.dot with all 16 heads in one tile; the NPU's sparse MLA
-    launch stays unsplit on its core count."""
+    128 heads, 32k keys into 1.94; tl.dot with all 16 heads x 32 indices in one tile at 8
+    warps (the spill-free CUDA tile); the NPU's sparse MLA launch stays unsplit on its core
+    count, 16 indices a tile, no num_warps."""
     bt = torch.zeros(8, 512, dtype=torch.int32)
     idx = torch.zeros(8, 2048, dtype=torch.int32)
     qn, qp = torch.empty(8, 16, 512, dtype=torch.bfloat16), torch.empty(8, 16, 64, dtype=torch.bfloat16)
@@ -296,10 +297,14 @@ def test_sparse_split_counts_fill_two_waves_on_an_h200() -> None:
         sparse_mla_rows_triton(qn, qp, cache, bt, req, idx, 0.1)
     att, merge = launches
     assert att.grid[0] >= 264 and att.kwargs["BLOCK_H"] == 16 and att.kwargs["USE_DOT"] is True
+    # The spill-free CUDA tile (docs/kernels_aot.md production table): 32 indices, 8 warps.
+    assert att.kwargs["BLOCK_N"] == 32 and att.kwargs["num_warps"] == 8
     assert merge.kernel.fn.__name__ == "_sparse_split_merge_kernel"
     with capture_launches() as launches, planning_for("npu", 24):
         sparse_mla_rows_triton(qn, qp, cache, bt, req, idx, 0.1)
     assert len(launches) == 1 and launches[0].args[12] == 1 and launches[0].grid[0] <= 24
+    # The NPU's tile: 16 indices, no num_warps (not a Triton-Ascend option).
+    assert launches[0].kwargs["BLOCK_N"] == 16 and "num_warps" not in launches[0].kwargs
     index = torch.empty(1, 64, 128, dtype=torch.bfloat16).expand(512, 64, 128)
     with capture_launches() as launches, planning_for("cuda", 132):
         index_scores_triton(torch.empty(1, 64, 128, dtype=torch.bfloat16), index, torch.empty(1, 64), bt[:1], req[:1],
