@@ -24,7 +24,7 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--prefill-context-parallel-size", "-pcp", type=int, default=1)
     s.add_argument("--cp-kv-cache-interleave-size", type=int, default=1)
     s.add_argument("--block-size", type=int, default=16)
-    s.add_argument("--dtype", default="float32")
+    s.add_argument("--dtype", default="auto", help="serving dtype (default: the checkpoint's torch_dtype)")
     s.add_argument("--max-model-len", type=int, default=None)
     s.add_argument("--max-num-seqs", type=int, default=8)
     s.add_argument("--num-kv-blocks", type=int, default=None, help="KV pages per rank (default: max-num-seqs "

@@ -1,7 +1,8 @@
 """Where the ranks run: in this process (world 1), or in spawned worker processes.
 
 `EngineArgs` (vLLM's names) says what to build; `build_engine` builds it on one rank
-(init_parallel, `from_pretrained` of the local directory, `cp_compile.serving.hf.Engine`).
+(init_parallel, this rank's TP shard of the local checkpoint read straight from its
+safetensors files (`serving/hf/rank_load.py`), `cp_compile.serving.hf.Engine`).
 
 `SpawnedExecutor` starts `world = tensor_parallel_size * prefill_context_parallel_size`
 worker processes (`python -m cp_compile.serving.entrypoints.worker`, CPU gloo ranks through
@@ -36,9 +37,10 @@ from cp_compile.serving.entrypoints.driver import Limits
 from cp_compile.serving.hf.engine import Engine
 from cp_compile.serving.hf.scheduler import StepPlan
 from cp_compile.serving.entrypoints import kv_rank
+from cp_compile.serving.hf.rank_load import checkpoint_dtype, load_rank_local
 from cp_compile.serving.hf.support import attention_spec
 from cp_compile.serving.kv_transfer import KVTransferConfig
-from cp_compile.runtime.parallel_state import init_parallel
+from cp_compile.runtime.parallel_state import init_parallel, parallel_state_or_none
 
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
            "float16": torch.float16, "fp16": torch.float16, "half": torch.float16}
@@ -52,7 +54,7 @@ class EngineArgs:
     prefill_context_parallel_size: int = 1
     cp_kv_cache_interleave_size: int = 1
     block_size: int = 16
-    dtype: str = "float32"
+    dtype: str = "auto"  # the checkpoint's torch_dtype
     max_model_len: int | None = None
     enable_dsa_cp: bool = False
     max_num_seqs: int = 8
@@ -79,13 +81,18 @@ class EngineArgs:
 
         hf_config = transformers.AutoConfig.from_pretrained(self.model)
         self.cp_config().validate_for(attention_spec(hf_config))
-        self.torch_dtype()
+        self.torch_dtype(hf_config)
         if self.kv_transfer_config is not None:
             KVTransferConfig.from_dict(self.kv_transfer_config)
 
-    def torch_dtype(self) -> torch.dtype:
+    def torch_dtype(self, hf_config: Any = None) -> torch.dtype:
+        """The serving dtype: "auto" is the checkpoint's torch_dtype (fp32 if it names none)."""
         if self.dtype in ("auto",):
-            return torch.float32
+            if hf_config is None:
+                import transformers
+
+                hf_config = transformers.AutoConfig.from_pretrained(self.model)
+            return checkpoint_dtype(hf_config)
         try:
             return _DTYPES[self.dtype]
         except KeyError:
@@ -105,7 +112,12 @@ def build_engine(args: EngineArgs, init: bool = True) -> Any:
     state = None  # without init: Engine reads the current state (the caller's init_parallel)
     if init and (args.world_size > 1 or args.decode_context_parallel_size > 1):
         state = init_parallel(cfg, device=args.device)
-    model = transformers.AutoModelForCausalLM.from_pretrained(args.model, dtype=args.torch_dtype()).eval()
+    # Rank-local: this rank's TP shard straight from the safetensors files (rank_load.py);
+    # the Engine sees the model is sharded already.
+    live = state if state is not None else parallel_state_or_none()
+    tp_rank = live.layout.tp.rank if live is not None else 0
+    model = load_rank_local(args.model, cfg.tensor_parallel_size, tp_rank, live.tp_group if live is not None else None,
+                            dtype=args.torch_dtype())
     max_len = _max_model_len(args, model.config)
     vbs = cfg.virtual_block_size
     blocks = args.num_kv_blocks or (-(-max_len // vbs)) * args.max_num_seqs + 1

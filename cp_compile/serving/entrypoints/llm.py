@@ -91,7 +91,7 @@ class LLM:
 
     def __init__(self, model: str, tensor_parallel_size: int = 1, decode_context_parallel_size: int = 1,
                  prefill_context_parallel_size: int = 1, cp_kv_cache_interleave_size: int = 1, block_size: int = 16,
-                 dtype: str = "float32", max_model_len: int | None = None, enable_dsa_cp: bool = False,
+                 dtype: str = "auto", max_model_len: int | None = None, enable_dsa_cp: bool = False,
                  max_num_seqs: int = 8, num_kv_blocks: int | None = None, seed: int = 0, lowering: str | None = None,
                  tokenizer: str | None = None, kv_transfer_config: dict | None = None, **unsupported: Any) -> None:
         if unsupported:
