@@ -32,11 +32,12 @@ from typing import Any
 
 import torch
 
-from cp_compile.base.config import CPConfig
+from cp_compile.base.config import ConfigError, CPConfig
 from cp_compile.serving.entrypoints.driver import Limits
 from cp_compile.serving.hf.engine import Engine
 from cp_compile.serving.hf.scheduler import StepPlan
 from cp_compile.serving.entrypoints import kv_rank
+from cp_compile.serving.hf.kv_budget import bytes_per_block, check_budget, plan_pool
 from cp_compile.serving.hf.rank_load import checkpoint_dtype, load_rank_local
 from cp_compile.serving.hf.support import attention_spec
 from cp_compile.serving.kv_transfer import KVTransferConfig
@@ -59,6 +60,7 @@ class EngineArgs:
     enable_dsa_cp: bool = False
     max_num_seqs: int = 8
     num_kv_blocks: int | None = None
+    kv_cache_memory_bytes: int | None = None  # KV pool bytes per rank (kv_budget.py); None: max_model_len x max_num_seqs
     lowering: str = "auto"
     device: str = "cpu"
     kv_transfer_config: dict | None = None  # PD disaggregation role (kv_rank.py), as given to LLM
@@ -80,8 +82,17 @@ class EngineArgs:
         import transformers
 
         hf_config = transformers.AutoConfig.from_pretrained(self.model)
-        self.cp_config().validate_for(attention_spec(hf_config))
-        self.torch_dtype(hf_config)
+        cfg = self.cp_config()
+        cfg.validate_for(attention_spec(hf_config))
+        dtype = self.torch_dtype(hf_config)
+        check_budget(self.kv_cache_memory_bytes)
+        if self.kv_cache_memory_bytes is not None and self.num_kv_blocks is not None:
+            raise ConfigError("one of num_kv_blocks / kv_cache_memory_bytes",
+                              f"num_kv_blocks={self.num_kv_blocks}, kv_cache_memory_bytes={self.kv_cache_memory_bytes}",
+                              "drop num_kv_blocks to size the pool from the bytes (or drop the bytes)")
+        if self.kv_cache_memory_bytes is not None:  # refused here, before any rank starts, if too small
+            plan_pool(cfg, bytes_per_block(cfg, hf_config, dtype), _max_model_len(self, hf_config), self.max_num_seqs,
+                      self.kv_cache_memory_bytes)
         if self.kv_transfer_config is not None:
             KVTransferConfig.from_dict(self.kv_transfer_config)
 
@@ -119,11 +130,15 @@ def build_engine(args: EngineArgs, init: bool = True) -> Any:
     model = load_rank_local(args.model, cfg.tensor_parallel_size, tp_rank, live.tp_group if live is not None else None,
                             dtype=args.torch_dtype())
     max_len = _max_model_len(args, model.config)
-    vbs = cfg.virtual_block_size
-    blocks = args.num_kv_blocks or (-(-max_len // vbs)) * args.max_num_seqs + 1
-    engine = Engine(model, cfg, num_blocks=blocks, max_batch=args.max_num_seqs,
+    dtype = next(model.parameters()).dtype
+    pool = plan_pool(cfg, bytes_per_block(cfg, model.config, dtype, tp_rank), max_len, args.max_num_seqs,
+                     args.kv_cache_memory_bytes, args.num_kv_blocks)
+    if (live.rank if live is not None else 0) == 0:
+        print("\n".join(pool.lines()), flush=True)  # start-up capacity report, once
+    engine = Engine(model, cfg, num_blocks=pool.num_blocks, max_batch=args.max_num_seqs,
                                   max_model_len=max_len, lowering=args.lowering, progress=False, parallel=state)
     engine.model_max_len = max_len  # the Engine clamps max_model_len to its KV capacity; the driver names both
+    engine.kv_pool = pool
     if args.kv_transfer_config is not None:
         kv_rank.attach(engine, args.kv_transfer_config)
     return engine

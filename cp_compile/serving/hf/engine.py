@@ -140,6 +140,7 @@ class Engine:
         self.compiled = compile_model(self.step_module, config=config, attention=self.spec, lowering=lowering,
                                       parallel=state)
         self.steps = 0
+        self.peak_batch = 0  # most requests in one step so far (what the KV pool let run at once)
         self.last_logits: dict[int, list[torch.Tensor]] = {}  # prompt index -> [vocab] per generated token
 
     # ---- figures ------------------------------------------------------------------
@@ -184,6 +185,7 @@ class Engine:
             self._undo_allocation(before)
             raise
         self.steps += 1
+        self.peak_batch = max(self.peak_batch, len(plan.items))
         last = meta.query_start_loc[1:len(plan.items) + 1].long() - 1
         return list(logits[last].float())
 
