@@ -117,13 +117,13 @@ def _serve_peak(rank: int, world: int, path: str, num_blocks: int) -> dict:
 def test_8gb_checkpoint_serves_at_tp4_within_shard_plus_kv(tmp_path):
     import cp_compile.serving.hf  # noqa: F401
 
-    # ~8.6 GB of bf16: 20 layers of a 4096-wide dense model (GQA 32 / 8 heads), 32k vocab.
-    cfg = dense_config(layers=20, hidden=4096, inter=12288, vocab=32000, heads=32, kv_heads=8)
+    # 8.4 GiB of bf16: 22 layers of a 4096-wide dense model (GQA 32 / 8 heads), 32k vocab.
+    cfg = dense_config(layers=22, hidden=4096, inter=12288, vocab=32000, heads=32, kv_heads=8)
     if shutil.disk_usage(tmp_path).free < 12 * GB:
         pytest.skip("needs 12 GB free on the temp disk for the 8 GB checkpoint")
     path = str(tmp_path / "big")
     ckpt = write_random_checkpoint(cfg, path, max_shard_bytes=2 * GB)
-    assert ckpt >= 8 * GB * 0.99
+    assert ckpt >= 8 * GB
     outs = run_on_ranks(_serve_peak, 4, path, 64, timeout=1800)
     for rank, out in enumerate(outs):
         bound = out["shard"] + out["kv"] + SERVING_OVERHEAD
