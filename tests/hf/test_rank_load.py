@@ -115,3 +115,38 @@ def test_bad_checkpoints_refused_by_name(tmp_path):
     (empty / "config.json").write_text(json.dumps({k: v for k, v in cfg.items() if k != "quantization_config"}))
     with pytest.raises(cp_compile.ConfigError, match="neither model.safetensors.index.json nor model.safetensors"):
         load_rank_local(str(empty))
+
+
+def _fused_checkpoint(model, path: str) -> str:
+    """The model's own state dict (HF's fused `experts.gate_up_proj` / `down_proj`) as
+    one safetensors file: the other expert layout the loader reads."""
+    from safetensors.torch import save_file
+
+    os.makedirs(path, exist_ok=True)
+    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, os.path.join(path, "model.safetensors"))
+    model.config.save_pretrained(path)
+    return path
+
+
+@pytest.mark.parametrize("kind", ["deepseek_v2_lite", "deepseek_v3", "glm5", "qwen3_moe-fused"])
+def test_each_seed_kind_loads_each_rank_shard(tmp_path, kind):
+    """In one process (no forward, so no collective: the TP group is a placeholder):
+    every rank's shard of each seed model equals from_pretrained + shard_model, for
+    per-expert and fused expert checkpoints."""
+    base = kind.removesuffix("-fused")
+    model = tiny_seed_model(base)
+    path = str(tmp_path / kind)
+    if kind.endswith("-fused"):
+        _fused_checkpoint(model, path)
+    else:
+        model.save_pretrained(path)
+    group = object()  # stored by the row-parallel modules, used only in forward
+    for rank in range(TP):
+        ref = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+        shard_model(ref, TP, rank, group)
+        mine = load_rank_local(path, TP, rank, group)
+        a, b = ref.state_dict(), mine.state_dict()
+        assert sorted(a) == sorted(b)
+        for k in a:
+            assert a[k].shape == b[k].shape and a[k].dtype == b[k].dtype, (rank, k)
+            torch.testing.assert_close(b[k], a[k], atol=0, rtol=0, msg=f"rank {rank} {k}")
