@@ -16,7 +16,7 @@
    directly. Tied embeddings are materialised once and shared.
 
 Peak host memory per rank: its shard + the replicated parts + one tensor's slice in
-flight, never the whole checkpoint (tests/hf/test_rank_load.py measures it).
+flight, never the whole checkpoint (tests/hf/test_rank_load_memory.py measures it).
 
 The serving dtype defaults to the checkpoint's `torch_dtype`; parameters HF keeps in
 fp32 at bf16 / fp16 (`_keep_in_fp32_modules_strict`, e.g. DeepSeek's router) stay fp32,
