@@ -74,7 +74,8 @@ class Engine:
     """Serve an HF `*ForCausalLM` with DCP (see module doc).
 
     `config`: the `CPConfig` given to `cp_compile.init_parallel` (tp = dcp = 1 needs
-    no parallel state). The model is sharded in place for this TP rank.
+    no parallel state). The model is sharded in place for this TP rank (a model
+    `rank_load.load_rank_local` loaded is sharded already and kept as is).
     `num_blocks`: pages per layer on this rank (`config.block_size` tokens each); the
     group holds `num_blocks * block_size * dcp` tokens. `record_logits` keeps each
     generated token's logits (`Engine.last_logits`) for checks.
