@@ -24,11 +24,13 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--prefill-context-parallel-size", "-pcp", type=int, default=1)
     s.add_argument("--cp-kv-cache-interleave-size", type=int, default=1)
     s.add_argument("--block-size", type=int, default=16)
-    s.add_argument("--dtype", default="float32")
+    s.add_argument("--dtype", default="auto", help="serving dtype (default: the checkpoint's torch_dtype)")
     s.add_argument("--max-model-len", type=int, default=None)
     s.add_argument("--max-num-seqs", type=int, default=8)
     s.add_argument("--num-kv-blocks", type=int, default=None, help="KV pages per rank (default: max-num-seqs "
                    "requests of max-model-len)")
+    s.add_argument("--kv-cache-memory-bytes", type=int, default=None, help="KV pool bytes per rank (the pool's "
+                   "blocks, tokens per rank / DCP group and max concurrency are printed at start-up)")
     s.add_argument("--enable-dsa-cp", action="store_true")
     s.add_argument("--seed", type=int, default=0)
     s.add_argument("--lowering", default="auto", choices=("auto", "inductor", "aot_eager", "eager"))
@@ -64,7 +66,8 @@ def main(argv: list[str] | None = None) -> int:
               prefill_context_parallel_size=args.prefill_context_parallel_size,
               cp_kv_cache_interleave_size=args.cp_kv_cache_interleave_size, block_size=args.block_size,
               dtype=args.dtype, max_model_len=args.max_model_len, enable_dsa_cp=args.enable_dsa_cp,
-              max_num_seqs=args.max_num_seqs, num_kv_blocks=args.num_kv_blocks, seed=args.seed,
+              max_num_seqs=args.max_num_seqs, num_kv_blocks=args.num_kv_blocks,
+              kv_cache_memory_bytes=args.kv_cache_memory_bytes, seed=args.seed,
               lowering=args.lowering, kv_transfer_config=args.kv_transfer_config, step_timeout_s=args.step_timeout_s)
     print(f"cp-compile serve: {args.served_model_name or args.model} on http://{args.host}:{args.port} "
           f"(tp={args.tensor_parallel_size}, dcp={args.decode_context_parallel_size}, "

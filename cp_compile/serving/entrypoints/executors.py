@@ -1,7 +1,8 @@
 """Where the ranks run: in this process (world 1), or in spawned worker processes.
 
 `EngineArgs` (vLLM's names) says what to build; `build_engine` builds it on one rank
-(init_parallel, `from_pretrained` of the local directory, `cp_compile.serving.hf.Engine`).
+(init_parallel, this rank's TP shard of the local checkpoint read straight from its
+safetensors files (`serving/hf/rank_load.py`), `cp_compile.serving.hf.Engine`).
 
 `SpawnedExecutor` starts `world = tensor_parallel_size * prefill_context_parallel_size`
 worker processes (`python -m cp_compile.serving.entrypoints.worker`, CPU gloo ranks through
@@ -31,14 +32,16 @@ from typing import Any
 
 import torch
 
-from cp_compile.base.config import CPConfig, ConfigError
+from cp_compile.base.config import ConfigError, CPConfig
 from cp_compile.serving.entrypoints.driver import Limits
 from cp_compile.serving.hf.engine import Engine
 from cp_compile.serving.loop.scheduler import StepPlan
 from cp_compile.serving.entrypoints import kv_rank
+from cp_compile.serving.hf.kv_budget import bytes_per_block, check_budget, plan_pool
+from cp_compile.serving.hf.rank_load import checkpoint_dtype, load_rank_local
 from cp_compile.serving.hf.support import attention_spec
 from cp_compile.serving.kv_transfer import KVTransferConfig
-from cp_compile.runtime.parallel_state import init_parallel
+from cp_compile.runtime.parallel_state import init_parallel, parallel_state_or_none
 
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
            "float16": torch.float16, "fp16": torch.float16, "half": torch.float16}
@@ -52,11 +55,12 @@ class EngineArgs:
     prefill_context_parallel_size: int = 1
     cp_kv_cache_interleave_size: int = 1
     block_size: int = 16
-    dtype: str = "float32"
+    dtype: str = "auto"  # the checkpoint's torch_dtype
     max_model_len: int | None = None
     enable_dsa_cp: bool = False
     max_num_seqs: int = 8
     num_kv_blocks: int | None = None
+    kv_cache_memory_bytes: int | None = None  # KV pool bytes per rank (kv_budget.py); None: max_model_len x max_num_seqs
     lowering: str = "auto"
     device: str = "cpu"
     kv_transfer_config: dict | None = None  # PD disaggregation role (kv_rank.py), as given to LLM
@@ -83,19 +87,33 @@ class EngineArgs:
         import transformers
 
         hf_config = transformers.AutoConfig.from_pretrained(self.model)
-        self.cp_config().validate_for(attention_spec(hf_config))
-        self.torch_dtype()
+        cfg = self.cp_config()
+        cfg.validate_for(attention_spec(hf_config))
+        dtype = self.torch_dtype(hf_config)
         t = self.step_timeout_s
         if not isinstance(t, (int, float)) or isinstance(t, bool) or not 0 < t < float("inf"):
             raise ConfigError("step_timeout_s is a positive number of seconds", f"step_timeout_s={t!r}",
                               "pass step_timeout_s > 0 (default 300): the most one engine step may take on the "
                               "worker ranks, compile included")
+        check_budget(self.kv_cache_memory_bytes)
+        if self.kv_cache_memory_bytes is not None and self.num_kv_blocks is not None:
+            raise ConfigError("one of num_kv_blocks / kv_cache_memory_bytes",
+                              f"num_kv_blocks={self.num_kv_blocks}, kv_cache_memory_bytes={self.kv_cache_memory_bytes}",
+                              "drop num_kv_blocks to size the pool from the bytes (or drop the bytes)")
+        if self.kv_cache_memory_bytes is not None:  # refused here, before any rank starts, if too small
+            plan_pool(cfg, bytes_per_block(cfg, hf_config, dtype), _max_model_len(self, hf_config), self.max_num_seqs,
+                      self.kv_cache_memory_bytes)
         if self.kv_transfer_config is not None:
             KVTransferConfig.from_dict(self.kv_transfer_config)
 
-    def torch_dtype(self) -> torch.dtype:
+    def torch_dtype(self, hf_config: Any = None) -> torch.dtype:
+        """The serving dtype: "auto" is the checkpoint's torch_dtype (fp32 if it names none)."""
         if self.dtype in ("auto",):
-            return torch.float32
+            if hf_config is None:
+                import transformers
+
+                hf_config = transformers.AutoConfig.from_pretrained(self.model)
+            return checkpoint_dtype(hf_config)
         try:
             return _DTYPES[self.dtype]
         except KeyError:
@@ -115,13 +133,22 @@ def build_engine(args: EngineArgs, init: bool = True) -> Any:
     state = None  # without init: Engine reads the current state (the caller's init_parallel)
     if init and (args.world_size > 1 or args.decode_context_parallel_size > 1):
         state = init_parallel(cfg, device=args.device)
-    model = transformers.AutoModelForCausalLM.from_pretrained(args.model, dtype=args.torch_dtype()).eval()
+    # Rank-local: this rank's TP shard straight from the safetensors files (rank_load.py);
+    # the Engine sees the model is sharded already.
+    live = state if state is not None else parallel_state_or_none()
+    tp_rank = live.layout.tp.rank if live is not None else 0
+    model = load_rank_local(args.model, cfg.tensor_parallel_size, tp_rank, live.tp_group if live is not None else None,
+                            dtype=args.torch_dtype())
     max_len = _max_model_len(args, model.config)
-    vbs = cfg.virtual_block_size
-    blocks = args.num_kv_blocks or (-(-max_len // vbs)) * args.max_num_seqs + 1
-    engine = Engine(model, cfg, num_blocks=blocks, max_batch=args.max_num_seqs,
+    dtype = next(model.parameters()).dtype
+    pool = plan_pool(cfg, bytes_per_block(cfg, model.config, dtype, tp_rank), max_len, args.max_num_seqs,
+                     args.kv_cache_memory_bytes, args.num_kv_blocks)
+    if (live.rank if live is not None else 0) == 0:
+        print("\n".join(pool.lines()), flush=True)  # start-up capacity report, once
+    engine = Engine(model, cfg, num_blocks=pool.num_blocks, max_batch=args.max_num_seqs,
                                   max_model_len=max_len, lowering=args.lowering, progress=False, parallel=state)
     engine.model_max_len = max_len  # the Engine clamps max_model_len to its KV capacity; the driver names both
+    engine.kv_pool = pool
     if args.kv_transfer_config is not None:
         kv_rank.attach(engine, args.kv_transfer_config)
     return engine

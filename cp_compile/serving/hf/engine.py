@@ -75,7 +75,8 @@ class Engine:
     """Serve an HF `*ForCausalLM` with DCP (see module doc).
 
     `config`: the `CPConfig` given to `cp_compile.init_parallel` (tp = dcp = 1 needs
-    no parallel state). The model is sharded in place for this TP rank.
+    no parallel state). The model is sharded in place for this TP rank (a model
+    `rank_load.load_rank_local` loaded is sharded already and kept as is).
     `num_blocks`: pages per layer on this rank (`config.block_size` tokens each); the
     group holds `num_blocks * block_size * dcp` tokens. `record_logits` keeps each
     generated token's logits (`Engine.last_logits`) for checks.
@@ -141,6 +142,7 @@ class Engine:
         self.compiled = compile_model(self.step_module, config=config, attention=self.spec, lowering=lowering,
                                       parallel=state)
         self.steps = 0
+        self.peak_batch = 0  # most requests in one step so far (what the KV pool let run at once)
         self.last_logits: dict[int, list[torch.Tensor]] = {}  # prompt index -> [vocab] per generated token
 
     # ---- figures ------------------------------------------------------------------
@@ -188,6 +190,7 @@ class Engine:
             self._undo_allocation(before)
             raise
         self.steps += 1
+        self.peak_batch = max(self.peak_batch, len(plan.items))
         last = meta.query_start_loc[1:len(plan.items) + 1].long() - 1
         return list(logits[last].float())
 

@@ -28,6 +28,7 @@ import torch.distributed._functional_collectives as funcol
 from torch import nn
 
 from cp_compile.base.config import ConfigError
+from cp_compile.serving.hf.selection import select
 
 EXPERTS_IMPLEMENTATION = "batched_mm"
 
@@ -61,9 +62,11 @@ def _shard_experts(experts: nn.Module, idx: torch.Tensor) -> None:
     with torch.no_grad():
         gate_up = experts.gate_up_proj.detach()
         rows = torch.cat([idx, inter + idx])
-        experts.gate_up_proj = nn.Parameter(gate_up[:, rows].clone(), requires_grad=False)  # [E, 2I/tp, H]
-        experts.down_proj = nn.Parameter(experts.down_proj.detach()[:, :, idx].clone(),
-                                         requires_grad=False)  # [E, H, I/tp]
+        experts.gate_up_proj = select(nn.Parameter(gate_up[:, rows.to(gate_up.device)].clone(), requires_grad=False),
+                                       1, rows)  # [E, 2I/tp, H]
+        down = experts.down_proj.detach()
+        experts.down_proj = select(nn.Parameter(down[:, :, idx.to(down.device)].clone(), requires_grad=False),
+                                    2, idx)  # [E, H, I/tp]
     experts.intermediate_dim = int(idx.numel())
 
 
@@ -82,10 +85,12 @@ def _shard_dense_partial(mlp: nn.Module, tp: int, rank: int) -> None:
     with torch.no_grad():
         for name in ("gate_proj", "up_proj"):
             lin = getattr(mlp, name)
-            lin.weight = nn.Parameter(lin.weight.detach()[idx].clone(), requires_grad=False)
+            w = lin.weight.detach()
+            lin.weight = select(nn.Parameter(w[idx.to(w.device)].clone(), requires_grad=False), 0, idx)
             lin.out_features = per
         down = mlp.down_proj
-        down.weight = nn.Parameter(down.weight.detach()[:, idx].clone(), requires_grad=False)
+        w = down.weight.detach()
+        down.weight = select(nn.Parameter(w[:, idx.to(w.device)].clone(), requires_grad=False), 1, idx)
         down.in_features = per
 
 

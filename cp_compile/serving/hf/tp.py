@@ -29,8 +29,12 @@ from torch import nn
 
 from cp_compile.base.config import ConfigError
 from cp_compile.serving.hf.moe import is_moe_block, shard_moe_block
+from cp_compile.serving.hf.selection import select
 from cp_compile.serving.hf.support import check_supported, head_dim
 from cp_compile.runtime.kv_cache import tp_kv_head_ids
+
+
+SHARDED_ATTR = "cp_tp_plan"  # set on a model once sharded: its plan (sharding twice would cut shards again)
 
 
 class RowParallelLinear(nn.Module):
@@ -49,11 +53,11 @@ class RowParallelLinear(nn.Module):
 
 def _rows(linear: nn.Linear, index: torch.Tensor) -> None:
     """Keep output rows `index` of `linear` (column-parallel shard)."""
-    index = index.to(linear.weight.device)  # built on the host at load time; index on the weight's device
+    on = index.to(linear.weight.device)  # built on the host at load time; index on the weight's device
     with torch.no_grad():
-        linear.weight = nn.Parameter(linear.weight[index].clone(), requires_grad=False)
+        linear.weight = select(nn.Parameter(linear.weight[on].clone(), requires_grad=False), 0, index)
         if linear.bias is not None:
-            linear.bias = nn.Parameter(linear.bias[index].clone(), requires_grad=False)
+            linear.bias = select(nn.Parameter(linear.bias[on].clone(), requires_grad=False), 0, index)
     linear.out_features = int(index.numel())
 
 
@@ -64,7 +68,9 @@ def _head_rows(heads: tuple[int, ...] | range, dim: int) -> torch.Tensor:
 def _row_parallel(linear: nn.Linear, index: torch.Tensor, group: dist.ProcessGroup) -> RowParallelLinear:
     w = linear.weight.detach()[:, index.to(linear.weight.device)].clone()
     b = None if linear.bias is None else linear.bias.detach().clone()
-    return RowParallelLinear(w, b, group)
+    out = RowParallelLinear(w, b, group)
+    select(out.weight, 1, index)
+    return out
 
 
 def _split(total: int, tp: int, rank: int, what: str, field: str) -> range:
@@ -95,10 +101,26 @@ def check_groups_agree(model: nn.Module, tp_group: dist.ProcessGroup | None) -> 
 
 def shard_model(model: nn.Module, tp: int, tp_rank: int, tp_group: dist.ProcessGroup | None) -> dict[str, Any]:
     """Shard `model` (an HF `*ForCausalLM`) in place for TP rank `tp_rank` of `tp`.
-    Returns the plan it applied (head ids per rank) for logs and tests."""
+    Returns the plan it applied (head ids per rank) for logs and tests. A model the
+    rank-local loader already sharded (`rank_load.py`) is returned as is, after checking
+    it was sharded for this `tp` / `tp_rank`."""
     cfg = model.config
     kind = check_supported(cfg)
     check_groups_agree(model, tp_group)
+    done = getattr(model, SHARDED_ATTR, None)
+    if done is not None:
+        if (done["tp"], done.get("tp_rank", 0)) != (tp, tp_rank):
+            raise ConfigError("a model sharded for this TP rank", f"sharded for tp={done['tp']} rank "
+                              f"{done.get('tp_rank', 0)}, serving tp={tp} rank {tp_rank}",
+                              "load the checkpoint with the same tensor_parallel_size and rank as the Engine")
+        return done
+    plan = _shard(model, cfg, kind, tp, tp_rank, tp_group)
+    setattr(model, SHARDED_ATTR, plan)
+    return plan
+
+
+def _shard(model: nn.Module, cfg: Any, kind: str, tp: int, tp_rank: int,
+           tp_group: dist.ProcessGroup | None) -> dict[str, Any]:
     if tp == 1:
         return {"tp": 1}
     if tp_group is None:
@@ -107,7 +129,7 @@ def shard_model(model: nn.Module, tp: int, tp_rank: int, tp_group: dist.ProcessG
     hq = cfg.num_attention_heads
     q_heads = _split(hq, tp, tp_rank, "query heads", "num_attention_heads")
     inter = _split(cfg.intermediate_size, tp, tp_rank, "MLP width", "intermediate_size")
-    plan: dict[str, Any] = {"tp": tp, "q_heads": tuple(q_heads)}
+    plan: dict[str, Any] = {"tp": tp, "tp_rank": tp_rank, "q_heads": tuple(q_heads)}
     for layer in model.model.layers:
         attn = layer.self_attn
         if kind == "gqa":  # (sfa: MLA heads below; the indexer is replicated)
