@@ -28,6 +28,7 @@ from typing import Any
 from torchair._ge_concrete_graph import ge_apis as ge
 from torchair.ge._ge_graph import Tensor
 
+from cp_compile.ops.core import kv_quant
 from cp_compile.ops.core.ge_util import (F32, I32, I64, cast, const, dims, request_of_token, reshape, scatter_into,
                                          token_positions, where)
 
@@ -89,12 +90,16 @@ def mla_partial(q_nope, q_pe, kv_cache, block_table, query_start_loc, kv_lens, s
 
 
 def convert_paged_attention_lse(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_table: Tensor,
-                                query_start_loc: Tensor, kv_lens: Tensor, scale: float, meta_outputs: Any = None):
+                                query_start_loc: Tensor, kv_lens: Tensor, scale: float, k_scale_cache: Any = None,
+                                v_scale_cache: Any = None, meta_outputs: Any = None):
+    kv_quant.refuse_quantized("cp::paged_attention_lse", "the GE converter", k_scale_cache, v_scale_cache)
     return gqa_partial(q, k_cache, v_cache, block_table, query_start_loc, kv_lens, scale)
 
 
 def convert_mla_partial_attention(q_nope: Tensor, q_pe: Tensor, kv_cache: Tensor, block_table: Tensor,
-                                  query_start_loc: Tensor, kv_lens: Tensor, scale: float, meta_outputs: Any = None):
+                                  query_start_loc: Tensor, kv_lens: Tensor, scale: float, kv_scale_cache: Any = None,
+                                  meta_outputs: Any = None):
+    kv_quant.refuse_quantized("cp::mla_partial_attention", "the GE converter", kv_scale_cache)
     return mla_partial(q_nope, q_pe, kv_cache, block_table, query_start_loc, kv_lens, scale)
 
 
@@ -106,7 +111,9 @@ def causal_lens(query_start_loc: Tensor, seq_lens: Tensor, like: Tensor) -> Tens
 
 def convert_gqa_paged_attention(q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor,
                                 slot_mapping: Tensor, block_table: Tensor, seq_lens: Tensor, query_start_loc: Tensor,
-                                scale: float, meta_outputs: Any = None):
+                                scale: float, k_scale_cache: Any = None, v_scale_cache: Any = None,
+                                meta_outputs: Any = None):
+    kv_quant.refuse_quantized("cp::gqa_paged_attention", "the GE converter", k_scale_cache, v_scale_cache)
     # Not ScatterPaKvCache: its page requires every slot in [0, blocks * block_size) and
     # unique; padding tokens (slot -1) all go to the scratch block's one slot. The same
     # write as the DCP path instead.
@@ -125,7 +132,8 @@ def _gqa_after_write(q, k_cache, v_cache, block_table, seq_lens, query_start_loc
 
 def convert_mla_attention(q_nope: Tensor, q_pe: Tensor, kv_c: Tensor, k_pe: Tensor, kv_cache: Tensor,
                           slot_mapping: Tensor, block_table: Tensor, seq_lens: Tensor, query_start_loc: Tensor,
-                          scale: float, meta_outputs: Any = None):
+                          scale: float, kv_scale_cache: Any = None, meta_outputs: Any = None):
+    kv_quant.refuse_quantized("cp::mla_attention", "the GE converter", kv_scale_cache)
     latent = ge.ConcatV2([kv_c, k_pe], const(1, I32), N=2)
     written = scatter_into(kv_cache, latent, slot_mapping)
     written.set_meta(kv_cache.meta)

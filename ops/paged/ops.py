@@ -25,10 +25,12 @@ Callers use `torch.ops.cp.<name>`; there are no Python wrappers.
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 from torch import Tensor
 
-from cp_compile.ops.core import layout, paged_cache
+from cp_compile.ops.core import kv_quant, layout, paged_cache
 from cp_compile.ops.core.spec import GE, TRITON_ASCEND, OpDecl
 from cp_compile.ops.paged import cpu, launch, npu, reference
 
@@ -36,7 +38,8 @@ from cp_compile.ops.paged import cpu, launch, npu, reference
 # --------------------------------------------------------------------------- GQA
 
 
-@torch.library.custom_op("cp::gqa_paged_attention", mutates_args=("k_cache", "v_cache"))
+@torch.library.custom_op("cp::gqa_paged_attention", mutates_args=("k_cache", "v_cache", "k_scale_cache",
+                                                                  "v_scale_cache"))
 def gqa_paged_attention(
     q: torch.Tensor,  # [T, Hq, D]
     k: torch.Tensor,  # [T, Hkv, D]   new keys of this step
@@ -48,37 +51,45 @@ def gqa_paged_attention(
     seq_lens: torch.Tensor,  # [B] int32
     query_start_loc: torch.Tensor,  # [B+1] int32
     scale: float,
+    k_scale_cache: Optional[torch.Tensor] = None,  # [NB, BS, Hkv] fp32, written in place (quantised cache)
+    v_scale_cache: Optional[torch.Tensor] = None,  # [NB, BS, Hkv] fp32, written in place
 ) -> torch.Tensor:
     """Write the new k/v into the paged caches, then causal GQA attention -> [T, Hq, Dv].
+
+    An int8 / fp8 cache (CPConfig.kv_cache_dtype, issue 39) takes its scale caches: the
+    write quantises each token's row per KV head, the attention dequantises on load.
 
     Token t at request-local position pos attends keys 0..pos of its request, read
     back from the cache (so the new tokens are seen exactly as stored, in the cache
     dtype). Query head h reads KV head h // (Hq // Hkv). Output in q's dtype.
     """
     return _gqa_step(reference.paged_attention_with_lse, q, k, v, k_cache, v_cache, slot_mapping, block_table,
-                     seq_lens, query_start_loc, scale)
+                     seq_lens, query_start_loc, scale, k_scale_cache, v_scale_cache)
 
 
-def _gqa_step(attend, q, k, v, k_cache, v_cache, slot_mapping, block_table, seq_lens, query_start_loc, scale):
+def _gqa_step(attend, q, k, v, k_cache, v_cache, slot_mapping, block_table, seq_lens, query_start_loc, scale,
+              k_scale_cache=None, v_scale_cache=None):
     """Check, write the caches, attend causally with `attend` (the reference, or the CPU kernel)."""
     paged_cache.check_paged_step((k_cache, v_cache), slot_mapping, block_table, seq_lens, query_start_loc,
                                op="cp::gqa_paged_attention")
-    paged_cache.write_cache(k_cache, k, slot_mapping)
-    paged_cache.write_cache(v_cache, v, slot_mapping)
+    kv_quant.check_pair(k_cache, k_scale_cache, "k_cache")  # before either cache is written
+    kv_quant.check_pair(v_cache, v_scale_cache, "v_cache")
+    paged_cache.write_cache(k_cache, k, slot_mapping, k_scale_cache)
+    paged_cache.write_cache(v_cache, v, slot_mapping, v_scale_cache)
     kv_lens = layout.causal_lens(query_start_loc, seq_lens, q.shape[0])  # [T], 0 for padding
-    out, _ = attend(q, k_cache, v_cache, block_table, query_start_loc, kv_lens, scale)
+    out, _ = attend(q, k_cache, v_cache, block_table, query_start_loc, kv_lens, scale, k_scale_cache, v_scale_cache)
     return out  # fresh tensor (built with torch.zeros inside), never an alias of q
 
 
 def _gqa_paged_attention_cpu(q, k, v, k_cache, v_cache, slot_mapping, block_table, seq_lens, query_start_loc,
-                             scale):
+                             scale, k_scale_cache=None, v_scale_cache=None):
     return _gqa_step(cpu.paged_attention_lse, q, k, v, k_cache, v_cache, slot_mapping, block_table,
-                     seq_lens, query_start_loc, scale)
+                     seq_lens, query_start_loc, scale, k_scale_cache, v_scale_cache)
 
 
 @gqa_paged_attention.register_fake
 def _gqa_paged_attention_fake(q, k, v, k_cache, v_cache, slot_mapping, block_table, seq_lens,
-                              query_start_loc, scale):
+                              query_start_loc, scale, k_scale_cache=None, v_scale_cache=None):
     # Dv comes from the value tensor: GQA may use a different value head dim.
     return q.new_empty(q.shape[0], q.shape[1], v.shape[-1])
 
@@ -87,7 +98,7 @@ def _gqa_paged_attention_fake(q, k, v, k_cache, v_cache, slot_mapping, block_tab
 
 
 
-@torch.library.custom_op("cp::mla_attention", mutates_args=("kv_cache",))
+@torch.library.custom_op("cp::mla_attention", mutates_args=("kv_cache", "kv_scale_cache"))
 def mla_attention(
     q_nope: torch.Tensor,  # [T, H, L]  already absorbed (q_nope @ W_UK)
     q_pe: torch.Tensor,  # [T, H, R]
@@ -99,6 +110,7 @@ def mla_attention(
     seq_lens: torch.Tensor,  # [B] int32
     query_start_loc: torch.Tensor,  # [B+1] int32
     scale: float,
+    kv_scale_cache: Optional[torch.Tensor] = None,  # [NB, BS, 1] fp32, written in place (quantised latent)
 ) -> torch.Tensor:
     """Absorbed MLA: causal MQA over the cached [c; k_pe] with V = c -> latent out [T, H, L].
 
@@ -106,28 +118,28 @@ def mla_attention(
     every head shares one key ([L+R]) and one value (the first L columns) per token.
     """
     return _mla_step(reference.mla_attention_with_lse, q_nope, q_pe, kv_c, k_pe, kv_cache, slot_mapping,
-                     block_table, seq_lens, query_start_loc, scale)
+                     block_table, seq_lens, query_start_loc, scale, kv_scale_cache)
 
 
 def _mla_step(attend, q_nope, q_pe, kv_c, k_pe, kv_cache, slot_mapping, block_table, seq_lens, query_start_loc,
-              scale):
+              scale, kv_scale_cache=None):
     """Check, write the latent cache, attend causally with `attend` (the reference, or the CPU kernel)."""
     paged_cache.check_paged_step((kv_cache,), slot_mapping, block_table, seq_lens, query_start_loc,
                                op="cp::mla_attention")
-    paged_cache.write_latent(kv_cache, kv_c, k_pe, slot_mapping)
+    paged_cache.write_latent(kv_cache, kv_c, k_pe, slot_mapping, kv_scale_cache)
     kv_lens = layout.causal_lens(query_start_loc, seq_lens, q_nope.shape[0])
-    return attend(q_nope, q_pe, kv_cache, block_table, query_start_loc, kv_lens, scale)[0]
+    return attend(q_nope, q_pe, kv_cache, block_table, query_start_loc, kv_lens, scale, kv_scale_cache)[0]
 
 
 def _mla_attention_cpu(q_nope, q_pe, kv_c, k_pe, kv_cache, slot_mapping, block_table, seq_lens, query_start_loc,
-                       scale):
+                       scale, kv_scale_cache=None):
     return _mla_step(cpu.mla_attention_lse, q_nope, q_pe, kv_c, k_pe, kv_cache, slot_mapping,
-                     block_table, seq_lens, query_start_loc, scale)
+                     block_table, seq_lens, query_start_loc, scale, kv_scale_cache)
 
 
 @mla_attention.register_fake
 def _mla_attention_fake(q_nope, q_pe, kv_c, k_pe, kv_cache, slot_mapping, block_table, seq_lens,
-                        query_start_loc, scale):
+                        query_start_loc, scale, kv_scale_cache=None):
     return torch.empty_like(q_nope, memory_format=torch.contiguous_format)
 
 
@@ -161,43 +173,53 @@ def _(slot_mapping, query_start_loc, seq_lens, cp, rank, interleave, block_size)
             slot_mapping.new_empty(T, dtype=torch.int32), slot_mapping.new_empty(T, dtype=torch.int32))
 
 
-@torch.library.custom_op("cp::cache_write", mutates_args=("cache",))
-def cache_write(new: Tensor, cache: Tensor, slot_mapping: Tensor) -> None:
+@torch.library.custom_op("cp::cache_write", mutates_args=("cache", "scale_cache"))
+def cache_write(new: Tensor, cache: Tensor, slot_mapping: Tensor, scale_cache: Optional[Tensor] = None) -> None:
     """cache[slot] = new[t] for tokens with slot >= 0; with a local slot mapping this
-    stores only this rank's tokens. new [T, ...], cache [NB, BS, ...]."""
-    paged_cache.write_cache(cache, new, slot_mapping)
+    stores only this rank's tokens. new [T, ...], cache [NB, BS, ...]. An int8 / fp8
+    cache stores each row quantised and its fp32 scale in `scale_cache` ([NB, BS, rows])."""
+    paged_cache.write_cache(cache, new, slot_mapping, scale_cache)
 
 
 @cache_write.register_fake
-def _(new, cache, slot_mapping):
+def _(new, cache, slot_mapping, scale_cache=None):
     return None
 
 
 @torch.library.custom_op("cp::paged_attention_lse", mutates_args=())
 def paged_attention_lse(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_table: Tensor, query_start_loc: Tensor,
-                        kv_lens: Tensor, scale: float) -> tuple[Tensor, Tensor]:
+                        kv_lens: Tensor, scale: float, k_scale_cache: Optional[Tensor] = None,
+                        v_scale_cache: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
     """Partial GQA attention over the local shard: token t attends local positions
     0..kv_lens[t]-1 of its request. q [T,Hq,D] (may be a gathered, strided view),
-    caches [NB,BS,Hkv,D|Dv] -> out [T,Hq,Dv] (q dtype), lse [T,Hq] fp32 (-inf if empty)."""
-    return reference.paged_attention_with_lse(q, k_cache, v_cache, block_table, query_start_loc, kv_lens, scale)
+    caches [NB,BS,Hkv,D|Dv] -> out [T,Hq,Dv] (q dtype), lse [T,Hq] fp32 (-inf if empty).
+    Quantised caches are dequantised on load with their scales ([NB,BS,Hkv] fp32)."""
+    kv_quant.check_pair(k_cache, k_scale_cache, "k_cache")
+    kv_quant.check_pair(v_cache, v_scale_cache, "v_cache")
+    return reference.paged_attention_with_lse(q, k_cache, v_cache, block_table, query_start_loc, kv_lens, scale,
+                                              k_scale_cache, v_scale_cache)
 
 
 @paged_attention_lse.register_fake
-def _(q, k_cache, v_cache, block_table, query_start_loc, kv_lens, scale):
+def _(q, k_cache, v_cache, block_table, query_start_loc, kv_lens, scale, k_scale_cache=None, v_scale_cache=None):
     T, H = q.shape[0], q.shape[1]
     return q.new_empty(T, H, v_cache.shape[-1]), q.new_empty(T, H, dtype=torch.float32)
 
 
 @torch.library.custom_op("cp::mla_partial_attention", mutates_args=())
 def mla_partial_attention(q_nope: Tensor, q_pe: Tensor, kv_cache: Tensor, block_table: Tensor,
-                          query_start_loc: Tensor, kv_lens: Tensor, scale: float) -> tuple[Tensor, Tensor]:
+                          query_start_loc: Tensor, kv_lens: Tensor, scale: float,
+                          kv_scale_cache: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
     """Partial absorbed-MLA attention over the local latent shard.
-    q_nope [T,H,L], q_pe [T,H,R], kv_cache [NB,BS,L+R] -> out [T,H,L], lse [T,H] fp32."""
-    return reference.mla_attention_with_lse(q_nope, q_pe, kv_cache, block_table, query_start_loc, kv_lens, scale)
+    q_nope [T,H,L], q_pe [T,H,R], kv_cache [NB,BS,L+R] -> out [T,H,L], lse [T,H] fp32.
+    A quantised latent is dequantised on load with its per-token scales ([NB,BS,1] fp32)."""
+    kv_quant.check_pair(kv_cache, kv_scale_cache, "kv_cache")
+    return reference.mla_attention_with_lse(q_nope, q_pe, kv_cache, block_table, query_start_loc, kv_lens, scale,
+                                            kv_scale_cache)
 
 
 @mla_partial_attention.register_fake
-def _(q_nope, q_pe, kv_cache, block_table, query_start_loc, kv_lens, scale):
+def _(q_nope, q_pe, kv_cache, block_table, query_start_loc, kv_lens, scale, kv_scale_cache=None):
     T, H, L = q_nope.shape
     return q_nope.new_empty(T, H, L), q_nope.new_empty(T, H, dtype=torch.float32)
 
