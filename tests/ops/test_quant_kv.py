@@ -173,9 +173,13 @@ def test_opcheck_with_scale_caches():
     T = q.shape[0]
     from cp_compile.ops.core.layout import causal_lens
     kv_lens = causal_lens(m.query_start_loc, m.seq_lens, T)
-    torch.library.opcheck(cp.cache_write, (k, kc, m.slot_mapping, ks))
     torch.library.opcheck(cp.paged_attention_lse, (q, kc, vc, m.block_table, m.query_start_loc, kv_lens, 0.25, ks, vs))
-    torch.library.opcheck(cp.gqa_paged_attention, (q, k, v, kc, vc, *meta_args(m), 0.25, ks, vs))
+    # The writing ops on fresh caches: opcheck's schema test sees a mutation only where the
+    # write changes a value (step B's rows are already in kc / ks).
+    fresh = [torch.zeros_like(t) for t in (kc, vc, ks, vs)]
+    torch.library.opcheck(cp.cache_write, (k, fresh[0], m.slot_mapping, fresh[2]))
+    fresh = [torch.zeros_like(t) for t in (kc, vc, ks, vs)]
+    torch.library.opcheck(cp.gqa_paged_attention, (q, k, v, *fresh[:2], *meta_args(m), 0.25, *fresh[2:]))
     lc, ls = torch.zeros(NUM_BLOCKS, BLOCK, 24, dtype=torch.int8), torch.zeros(NUM_BLOCKS, BLOCK, 1)
     qn, qp, c, kp = torch.randn(T, 4, 16), torch.randn(T, 4, 8), torch.randn(T, 16), torch.randn(T, 8)
     torch.library.opcheck(cp.mla_attention, (qn, qp, c, kp, lc, *meta_args(m), 0.3, ls))
