@@ -37,7 +37,7 @@ fp32 natural-log LSE, a query with no keys gets out 0 and lse -inf) as follows:
 - **Quantised caches (issue 39).** An int8 / fp8 cache is read like a bf16 one (in place
   or gathered, a chunk at a time) together with its per-row scales (the same pages, a
   `[.., Hkv, 1]` view), and each chunk is dequantised to fp32 (`q * scale`) before the
-  flash kernel; the C kernel does not take them (fp32 only).
+  flash kernel; the C decode kernel takes them too (a block's rows dequantised as it reads them).
 - **O(T) memory in prefill.** Query rows are tiled (a few thousand rows per tile),
   a tile reads only the chunks its rows can see (the causal skip), and no
   `[H, T, T]` scores exist: the flash kernel keeps its scores per block.
@@ -164,8 +164,8 @@ def _merge(acc: Tensor, lse: Tensor, out: Tensor, l: Tensor) -> tuple[Tensor, Te
     return acc * w_old[..., None] + out.float() * w_new[..., None], new
 
 
-def _attend_c(qp: Tensor, kvl: Tensor, k_cache: Tensor, v_cache: Tensor, tbl: Tensor, width: int, scale: float
-              ) -> tuple[Tensor, Tensor] | None:
+def _attend_c(qp: Tensor, kvl: Tensor, k_cache: Tensor, v_cache: Tensor, tbl: Tensor, width: int, scale: float,
+              k_scales: Tensor | None = None, v_scales: Tensor | None = None) -> tuple[Tensor, Tensor] | None:
     """The C kernel (`cpu_decode`) on a group with few query rows per KV head (decode, verify):
     [Bg, Tq, Hq, D] -> (out [Bg, Tq, Hq, Dv], lse [Bg, Tq, Hq]), or None where it does not apply."""
     Bg, Tq, Hq, D = qp.shape
@@ -179,7 +179,7 @@ def _attend_c(qp: Tensor, kvl: Tensor, k_cache: Tensor, v_cache: Tensor, tbl: Te
         raise IndexError(f"block_table: a request's page id is outside the cache's {NB} pages, or the table has "
                          f"{tbl.shape[1]} columns where kv_lens need {width}; fix the block table")
     qt = qp.unflatten(2, (Hkv, g)).permute(0, 2, 1, 3, 4).reshape(Bg, Hkv, Tq * g, D)
-    res = cpu_decode.attend(qt, kvl, k_cache, v_cache, tbl, scale)
+    res = cpu_decode.attend(qt, kvl, k_cache, v_cache, tbl, scale, k_scales, v_scales)
     if res is None:
         return None
     o, l = res  # [Bg, Hkv, Tq * g, Dv], [Bg, Hkv, Tq * g]
@@ -204,7 +204,8 @@ def _attend_group(qp: Tensor, kvl: Tensor, k_cache: Tensor, v_cache: Tensor, tab
     tbl = table[:, :width].long()
     tbl = torch.where(torch.arange(width)[None, :] < need[:, None], tbl, torch.zeros_like(tbl))  # unused -> page 0
     quant = k_scales is not None
-    c_out = None if quant else _attend_c(qp, kvl, k_cache, v_cache, tbl, width, scale)
+    c_out = _attend_c(qp, kvl, k_cache, v_cache, tbl, width, scale,
+                      *((k_scales[..., 0], v_scales[..., 0]) if quant else ()))  # type: ignore[index]
     if c_out is not None:
         return c_out
     # An fp8 cache is viewed and gathered as bytes (CPU index_select has no fp8 kernel).

@@ -14,7 +14,7 @@ import torch
 import cp_compile
 import cp_compile.ops  # noqa: F401
 from cp_compile.ops.core import kv_quant
-from cp_compile.ops.paged import cpu, reference
+from cp_compile.ops.paged import cpu, cpu_decode, reference
 from cp_compile.runtime.kv_cache import KVCacheSpec, allocate_kv_cache
 from cp_compile.testing.batches import meta_args, two_step_metas
 
@@ -132,8 +132,14 @@ def _gqa_case(dt, batch, seed=0):
 
 
 @pytest.mark.parametrize("name", ["int8", "fp8_e4m3"])
-@pytest.mark.parametrize("batch", ["mixed", "decode"])
-def test_cpu_kernel_matches_reference_on_the_same_bytes(name, batch):
+@pytest.mark.parametrize("batch,kernel", [("mixed", "torch"), ("decode", "c"), ("mixed", "c")])
+def test_cpu_kernel_matches_reference_on_the_same_bytes(name, batch, kernel, monkeypatch):
+    """Both CPU paths: the C decode kernel (few query rows per KV head) and the torch flash
+    path (CP_COMPILE_CPU_DECODE=torch), each dequantising on load."""
+    monkeypatch.setenv("CP_COMPILE_CPU_DECODE", kernel)
+    calls = []
+    real = cpu_decode.attend
+    monkeypatch.setattr(cpu_decode, "attend", lambda *a, **k: calls.append(r := real(*a, **k)) or r)
     dt = DTYPES[name]
     q, (kc, vc, ks, vs), m, out, _ = _gqa_case(dt, batch)
     from cp_compile.ops.core.layout import causal_lens
@@ -146,6 +152,7 @@ def test_cpu_kernel_matches_reference_on_the_same_bytes(name, batch):
     # The scales matter: reading the codes with the scales of another head moves the output.
     bad = cpu.paged_attention_lse(q, kc, vc, m.block_table, m.query_start_loc, kv_lens, 0.25, ks.flip(-1), vs)
     assert (bad[0] - want[0]).abs().max() > 1e-2
+    assert any(c is not None for c in calls) == (kernel == "c")  # the path under test ran
     # MLA: one latent and its per-token scale, values = the first L columns.
     g = torch.Generator().manual_seed(1)
     lc, ls = torch.zeros(NUM_BLOCKS, BLOCK, 24, dtype=dt), torch.zeros(NUM_BLOCKS, BLOCK, 1)
