@@ -103,12 +103,13 @@ def bandwidth(context: int, runs: int, batch: int) -> list[dict]:
     qsl = torch.arange(batch + 1, dtype=torch.int32)
     kv_lens = torch.full((batch,), context, dtype=torch.int32)
     q = torch.randn(batch, Hq, D, generator=g).to(torch.bfloat16)
-    rows = []
-    for name in ("bf16", "int8", "fp8_e4m3"):
+    setups = {}
+    for name in ("fp32", "bf16", "int8", "fp8_e4m3"):
         k = torch.randn(batch * pages, BS, Hkv, D, generator=g)
         v = torch.randn(batch * pages, BS, Hkv, D, generator=g)
-        if name == "bf16":
-            args = (k.bfloat16(), v.bfloat16())
+        if name in ("fp32", "bf16"):
+            dt = torch.float32 if name == "fp32" else torch.bfloat16
+            args: tuple = (k.to(dt), v.to(dt))
             scales: tuple = ()
         else:
             dt = torch.int8 if name == "int8" else torch.float8_e4m3fn
@@ -119,16 +120,22 @@ def bandwidth(context: int, runs: int, batch: int) -> list[dict]:
             torch.ops.cp.cache_write(v.flatten(0, 1), caches[1], slots, scales[1])
             args = tuple(caches)
         del k, v
-        nbytes = sum(t.numel() * t.element_size() for t in args + scales)
+        setups[name] = (args, scales)
         torch.ops.cp.paged_attention_lse(q, *args, bt, qsl, kv_lens, D ** -0.5, *scales)  # warm-up
-        times = []
-        for _ in range(runs):
+    # Runs interleaved over the caches, so a change of machine load hits every row alike.
+    times: dict[str, list[float]] = {name: [] for name in setups}
+    for _ in range(runs):
+        for name, (args, scales) in setups.items():
             t0 = time.perf_counter()
             torch.ops.cp.paged_attention_lse(q, *args, bt, qsl, kv_lens, D ** -0.5, *scales)
-            times.append(time.perf_counter() - t0)
-        med = statistics.median(times)
+            times[name].append(time.perf_counter() - t0)
+    rows = []
+    for name, (args, scales) in setups.items():
+        nbytes = sum(t.numel() * t.element_size() for t in args + scales)
+        ts = times[name]
+        med = statistics.median(ts)
         rows.append(dict(cache=name, context=context, batch=batch, kv_mib=nbytes / 2**20, median_ms=med * 1e3,
-                         min_ms=min(times) * 1e3, max_ms=max(times) * 1e3, gb_per_s=nbytes / med / 1e9))
+                         min_ms=min(ts) * 1e3, max_ms=max(ts) * 1e3, gb_per_s=nbytes / med / 1e9))
     return rows
 
 
