@@ -116,8 +116,8 @@ def bandwidth(context: int, runs: int, batch: int) -> list[dict]:
             caches = [torch.zeros_like(k, dtype=dt), torch.zeros_like(v, dtype=dt)]
             scales = (torch.zeros(batch * pages, BS, Hkv), torch.zeros(batch * pages, BS, Hkv))
             slots = torch.arange(batch * pages * BS)
-            torch.ops.cp.cache_write(k.flatten(0, 1), caches[0], slots, scales[0])  # [tokens, Hkv, D]
-            torch.ops.cp.cache_write(v.flatten(0, 1), caches[1], slots, scales[1])
+            torch.ops.cp.quant_cache_write(k.flatten(0, 1), caches[0], scales[0], slots)  # [tokens, Hkv, D]
+            torch.ops.cp.quant_cache_write(v.flatten(0, 1), caches[1], scales[1], slots)
             args = tuple(caches)
         del k, v
         setups[name] = (args, scales)

@@ -120,9 +120,11 @@ class Qwen3Attention(nn.Module):
         # [NB, BS, Hkv, D] each; a quantised cache (kv_cache_dtype int8 / fp8) adds its two
         # scale caches [NB, BS, Hkv], which the op writes and reads beside the pages.
         k_cache, v_cache, *scales = kv_cache
-        o = torch.ops.cp.gqa_paged_attention(
-            q, k, v, k_cache, v_cache, meta.slot_mapping, meta.block_table, meta.seq_lens,
-            meta.query_start_loc, self.scale, *scales)  # [T, Hq, D]
+        meta_args = (meta.slot_mapping, meta.block_table, meta.seq_lens, meta.query_start_loc, self.scale)
+        if scales:
+            o = torch.ops.cp.gqa_paged_attention_quant(q, k, v, k_cache, v_cache, *scales, *meta_args)
+        else:
+            o = torch.ops.cp.gqa_paged_attention(q, k, v, k_cache, v_cache, *meta_args)  # [T, Hq, D]
         return self.o_proj(o.reshape(T, self.num_heads * self.head_dim))  # [T, hidden]
 
     def load_hf(self, sd: StateDictReader, prefix: str) -> None:

@@ -111,9 +111,7 @@ def causal_lens(query_start_loc: Tensor, seq_lens: Tensor, like: Tensor) -> Tens
 
 def convert_gqa_paged_attention(q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor,
                                 slot_mapping: Tensor, block_table: Tensor, seq_lens: Tensor, query_start_loc: Tensor,
-                                scale: float, k_scale_cache: Any = None, v_scale_cache: Any = None,
-                                meta_outputs: Any = None):
-    kv_quant.refuse_quantized("cp::gqa_paged_attention", "the GE converter", k_scale_cache, v_scale_cache)
+                                scale: float, meta_outputs: Any = None):
     # Not ScatterPaKvCache: its page requires every slot in [0, blocks * block_size) and
     # unique; padding tokens (slot -1) all go to the scratch block's one slot. The same
     # write as the DCP path instead.
@@ -132,8 +130,7 @@ def _gqa_after_write(q, k_cache, v_cache, block_table, seq_lens, query_start_loc
 
 def convert_mla_attention(q_nope: Tensor, q_pe: Tensor, kv_c: Tensor, k_pe: Tensor, kv_cache: Tensor,
                           slot_mapping: Tensor, block_table: Tensor, seq_lens: Tensor, query_start_loc: Tensor,
-                          scale: float, kv_scale_cache: Any = None, meta_outputs: Any = None):
-    kv_quant.refuse_quantized("cp::mla_attention", "the GE converter", kv_scale_cache)
+                          scale: float, meta_outputs: Any = None):
     latent = ge.ConcatV2([kv_c, k_pe], const(1, I32), N=2)
     written = scatter_into(kv_cache, latent, slot_mapping)
     written.set_meta(kv_cache.meta)

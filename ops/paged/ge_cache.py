@@ -23,13 +23,10 @@ from typing import Any
 from torchair._ge_concrete_graph import ge_apis as ge
 from torchair.ge._ge_graph import Tensor
 
-from cp_compile.ops.core import kv_quant
 from cp_compile.ops.core.ge_util import I32, I64, cast, const, local_len, scatter_into, token_positions, where
 
 
-def convert_cache_write(new: Tensor, cache: Tensor, slot_mapping: Tensor, scale_cache: Any = None,
-                        meta_outputs: Any = None):
-    kv_quant.refuse_quantized("cp::cache_write", "the GE converter", scale_cache)
+def convert_cache_write(new: Tensor, cache: Tensor, slot_mapping: Tensor, meta_outputs: Any = None):
     scatter_into(cache, new, slot_mapping)
     return None  # no outputs (auto_functionalized_v2 gives (None, new cache)); the cache is ScatterNdUpdate's ref output
 

@@ -71,6 +71,23 @@ def dcp_localize_metadata(slot_mapping: torch.Tensor, query_start_loc: torch.Ten
             layout.local_context_lens(query_start_loc, seq_lens, T, **lay))
 
 
+def quant_cache_write(new: torch.Tensor, cache: torch.Tensor, scale_cache: torch.Tensor,
+                      slot_mapping: torch.Tensor) -> None:
+    cache_write(new, cache, slot_mapping, scale_cache)
+
+
+def gqa_paged_attention_quant(q, k, v, k_cache, v_cache, k_scale_cache, v_scale_cache, slot_mapping, block_table,
+                              seq_lens, query_start_loc, scale):
+    return gqa_paged_attention(q, k, v, k_cache, v_cache, slot_mapping, block_table, seq_lens, query_start_loc, scale,
+                               k_scale_cache, v_scale_cache)
+
+
+def mla_attention_quant(q_nope, q_pe, kv_c, k_pe, kv_cache, kv_scale_cache, slot_mapping, block_table, seq_lens,
+                        query_start_loc, scale):
+    return mla_attention(q_nope, q_pe, kv_c, k_pe, kv_cache, slot_mapping, block_table, seq_lens, query_start_loc,
+                         scale, kv_scale_cache)
+
+
 def gqa_paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                         v_cache: torch.Tensor, slot_mapping: torch.Tensor, block_table: torch.Tensor,
                         seq_lens: torch.Tensor, query_start_loc: torch.Tensor, scale: float,

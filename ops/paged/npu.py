@@ -68,8 +68,7 @@ def route_invalid_slots(slots: torch.Tensor, num_slots: int) -> torch.Tensor:
     return torch.where(valid, s, free)
 
 
-def _cache_write(new, cache, slot_mapping, scale_cache=None):
-    kv_quant.refuse_quantized("cp::cache_write", "the torch_npu scatter", scale_cache)
+def _cache_write(new, cache, slot_mapping):
     NB, bs = cache.shape[0], cache.shape[1]
     s = slot_mapping.long()
     target = route_invalid_slots(s, NB * bs)

@@ -193,6 +193,15 @@ def merge_heads(out: Tensor, lse: Tensor, ctx: DCPContext, heads: int,
     return dense(merged.to(dtype).transpose(0, 1)), total.transpose(0, 1)
 
 
+def write_cache(new: Tensor, cache: Tensor, slot_mapping: Tensor, scale_cache: Tensor | None = None) -> None:
+    """This rank's tokens into its shard: `cp::cache_write`, or `cp::quant_cache_write` for a
+    quantised cache (its scales beside the pages, on the owner rank; issue 39)."""
+    if scale_cache is None:
+        _cp.cache_write.default(new, cache, slot_mapping)
+    else:
+        _cp.quant_cache_write.default(new, cache, scale_cache, slot_mapping)
+
+
 def dcp_gqa_attention(q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, slot_mapping: Tensor,
                       block_table: Tensor, seq_lens: Tensor, query_start_loc: Tensor, scale: float,
                       ctx: DCPContext, local: LocalMetadata | None = None, k_scale_cache: Tensor | None = None,
@@ -208,8 +217,8 @@ def dcp_gqa_attention(q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_cache:
     """
     if local is None:
         local = localize(ctx, slot_mapping, query_start_loc, seq_lens)
-    _cp.cache_write.default(k, k_cache, local.slot_mapping, k_scale_cache)
-    _cp.cache_write.default(v, v_cache, local.slot_mapping, v_scale_cache)
+    write_cache(k, k_cache, local.slot_mapping, k_scale_cache)
+    write_cache(v, v_cache, local.slot_mapping, v_scale_cache)
     out, lse = gathered_gqa_partial(q, k_cache, v_cache, block_table, query_start_loc, local.causal_lens, scale,
                                     k.shape[1], ctx, k_scale_cache, v_scale_cache)  # [T, N*Hq, Dv], [T, N*Hq]
     return merge_heads(out, lse, ctx, own_heads(q, ctx), q.dtype)[0]
@@ -228,7 +237,7 @@ def dcp_mla_attention(q_nope: Tensor, q_pe: Tensor, kv_c: Tensor, k_pe: Tensor, 
     (a quantised latent: its per-token scales sharded with the pages)."""
     if local is None:
         local = localize(ctx, slot_mapping, query_start_loc, seq_lens)
-    _cp.cache_write.default(torch.cat([kv_c, k_pe], dim=-1), kv_cache, local.slot_mapping, kv_scale_cache)
+    write_cache(torch.cat([kv_c, k_pe], dim=-1), kv_cache, local.slot_mapping, kv_scale_cache)
     heads = own_heads(q_nope, ctx)
     q_nope, q_pe = group_mla_queries(q_nope, q_pe, ctx)  # [T, N*H, L], [T, N*H, R]
     part = _cp.mla_partial_attention.default(q_nope, q_pe, kv_cache, block_table,

@@ -78,7 +78,7 @@ def test_write_quantises_per_token_and_head(name):
     cache = torch.zeros(4, BLOCK, 3, 16, dtype=dt)
     scales = torch.zeros(4, BLOCK, 3)
     slots = torch.tensor([5, -1, 7, 0, 15, 12])
-    cp.cache_write(new, cache, slots, scales)
+    cp.quant_cache_write(new, cache, scales, slots)
     keep = slots >= 0
     flat, sflat = cache.view(-1, 3, 16), scales.view(-1, 3)
     got = kv_quant.dequantize(flat[slots[keep]], sflat[slots[keep]])
@@ -105,13 +105,16 @@ def test_pairing_is_refused_before_anything_is_written():
     vc = torch.zeros(NUM_BLOCKS, BLOCK, 1, 8, dtype=torch.int8)
     ks = torch.zeros(NUM_BLOCKS, BLOCK, 1)
     x = torch.ones(T, 1, 8)
-    with pytest.raises(ValueError, match="v_cache is torch.int8.*no scale cache.*Fix|v_cache is torch.int8.*pass the"):
-        cp.gqa_paged_attention(torch.ones(T, 2, 8), x, x, kc, vc, *meta_args(m), 0.3, ks, None)
-    assert not kc.any() and not ks.any()
+    with pytest.raises(ValueError, match="k_cache is torch.int8.*no scale cache.*pass the layer's scale cache"):
+        cp.gqa_paged_attention(torch.ones(T, 2, 8), x, x, kc, vc, *meta_args(m), 0.3)  # the model-dtype op
+    with pytest.raises(ValueError, match="v_cache is torch.float32 but a scale cache was passed"):
+        cp.gqa_paged_attention_quant(torch.ones(T, 2, 8), x, x, kc, torch.zeros(NUM_BLOCKS, BLOCK, 1, 8), ks,
+                                     torch.zeros_like(ks), *meta_args(m), 0.3)
+    assert not kc.any() and not ks.any()  # refused before the first write
     with pytest.raises(ValueError, match="scale cache was passed: scales are for int8"):
-        cp.cache_write(x, torch.zeros(NUM_BLOCKS, BLOCK, 1, 8), m.slot_mapping, ks)
+        cp.quant_cache_write(x, torch.zeros(NUM_BLOCKS, BLOCK, 1, 8), ks, m.slot_mapping)
     with pytest.raises(ValueError, match=r"does not fit the quantised cache.*\[16, 4, 1\]"):
-        cp.cache_write(x, kc, m.slot_mapping, torch.zeros(NUM_BLOCKS, BLOCK, 2))
+        cp.quant_cache_write(x, kc, torch.zeros(NUM_BLOCKS, BLOCK, 2), m.slot_mapping)
 
 
 # ----------------------------------------------------------------------------- dequantise on load
@@ -127,7 +130,7 @@ def _gqa_case(dt, batch, seed=0):
     for m in metas:
         T = m.num_tokens
         q, k, v = torch.randn(T, 4, 16, generator=g), torch.randn(T, 2, 16, generator=g), torch.randn(T, 2, 8, generator=g)
-        out = cp.gqa_paged_attention(q, k, v, caches[0], caches[1], *meta_args(m), 0.25, caches[2], caches[3])
+        out = cp.gqa_paged_attention_quant(q, k, v, *caches, *meta_args(m), 0.25)
     return q, caches, metas[1], out, (k, v)
 
 
@@ -156,7 +159,7 @@ def test_cpu_kernel_matches_reference_on_the_same_bytes(name, batch, kernel, mon
     # MLA: one latent and its per-token scale, values = the first L columns.
     g = torch.Generator().manual_seed(1)
     lc, ls = torch.zeros(NUM_BLOCKS, BLOCK, 24, dtype=dt), torch.zeros(NUM_BLOCKS, BLOCK, 1)
-    cp.cache_write(torch.randn(m.num_tokens, 24, generator=g), lc, m.slot_mapping, ls)
+    cp.quant_cache_write(torch.randn(m.num_tokens, 24, generator=g), lc, ls, m.slot_mapping)
     qn, qp = torch.randn(q.shape[0], 4, 16, generator=g), torch.randn(q.shape[0], 4, 8, generator=g)
     want = reference.mla_attention_with_lse(qn, qp, lc, m.block_table, m.query_start_loc, kv_lens, 0.3, ls)
     got = cpu.mla_attention_lse(qn, qp, lc, m.block_table, m.query_start_loc, kv_lens, 0.3, ls)
@@ -184,15 +187,15 @@ def test_opcheck_with_scale_caches():
     # The writing ops on fresh caches: opcheck's schema test sees a mutation only where the
     # write changes a value (step B's rows are already in kc / ks).
     fresh = [torch.zeros_like(t) for t in (kc, vc, ks, vs)]
-    torch.library.opcheck(cp.cache_write, (k, fresh[0], m.slot_mapping, fresh[2]))
+    torch.library.opcheck(cp.quant_cache_write, (k, fresh[0], fresh[2], m.slot_mapping))
     fresh = [torch.zeros_like(t) for t in (kc, vc, ks, vs)]
-    torch.library.opcheck(cp.gqa_paged_attention, (q, k, v, *fresh[:2], *meta_args(m), 0.25, *fresh[2:]))
+    torch.library.opcheck(cp.gqa_paged_attention_quant, (q, k, v, *fresh, *meta_args(m), 0.25))
     lc, ls = torch.zeros(NUM_BLOCKS, BLOCK, 24, dtype=torch.int8), torch.zeros(NUM_BLOCKS, BLOCK, 1)
     qn, qp, c, kp = torch.randn(T, 4, 16), torch.randn(T, 4, 8), torch.randn(T, 16), torch.randn(T, 8)
-    torch.library.opcheck(cp.mla_attention, (qn, qp, c, kp, lc, *meta_args(m), 0.3, ls))
+    torch.library.opcheck(cp.mla_attention_quant, (qn, qp, c, kp, lc, ls, *meta_args(m), 0.3))
     torch.library.opcheck(cp.mla_partial_attention, (qn, qp, lc, m.block_table, m.query_start_loc, kv_lens, 0.3, ls))
     # fp8: torch has no CPU comparison kernels for float8 (opcheck's schema test compares the
     # inputs before and after); the fake, autograd and AOT-dispatch tests run.
     f8 = torch.zeros(NUM_BLOCKS, BLOCK, 24, dtype=torch.float8_e4m3fn)
-    torch.library.opcheck(cp.mla_attention, (qn, qp, c, kp, f8, *meta_args(m), 0.3, ls),
+    torch.library.opcheck(cp.mla_attention_quant, (qn, qp, c, kp, f8, ls, *meta_args(m), 0.3),
                           test_utils=("test_faketensor", "test_autograd_registration", "test_aot_dispatch_dynamic"))

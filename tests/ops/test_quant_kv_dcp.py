@@ -62,13 +62,14 @@ def _step(case: Case, x: dict[str, torch.Tensor], caches, meta, ctx=None) -> tor
     if case.kind == "gqa":
         k_cache, v_cache, ks, vs = caches
         if ctx is None:
-            return torch.ops.cp.gqa_paged_attention(x["q"], x["k"], x["v"], k_cache, v_cache, *meta_args(meta), 0.25,
-                                                    ks, vs)
+            return torch.ops.cp.gqa_paged_attention_quant(x["q"], x["k"], x["v"], k_cache, v_cache, ks, vs,
+                                                          *meta_args(meta), 0.25)
         return D.dcp_gqa_attention(x["q"], x["k"], x["v"], k_cache, v_cache, *meta_args(meta), 0.25, ctx,
                                    k_scale_cache=ks, v_scale_cache=vs)
     kv, s = caches
     if ctx is None:
-        return torch.ops.cp.mla_attention(x["q_nope"], x["q_pe"], x["kv_c"], x["k_pe"], kv, *meta_args(meta), 0.2, s)
+        return torch.ops.cp.mla_attention_quant(x["q_nope"], x["q_pe"], x["kv_c"], x["k_pe"], kv, s, *meta_args(meta),
+                                                0.2)
     return D.dcp_mla_attention(x["q_nope"], x["q_pe"], x["kv_c"], x["k_pe"], kv, *meta_args(meta), 0.2, ctx,
                                kv_scale_cache=s)
 

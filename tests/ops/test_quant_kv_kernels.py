@@ -53,7 +53,7 @@ def test_triton_cache_write_quantises_like_the_oracle(dt, row):
     heads = row[0] if len(row) == 2 else 1
     want_c, got_c = torch.zeros(8, BLOCK, *row, dtype=dt), torch.zeros(8, BLOCK, *row, dtype=dt)
     want_s, got_s = torch.zeros(8, BLOCK, heads), torch.zeros(8, BLOCK, heads)
-    torch.ops.cp.cache_write(new, want_c, slots, want_s)  # the CPU op: the torch oracle
+    torch.ops.cp.quant_cache_write(new, want_c, want_s, slots)  # the CPU op: the torch oracle
     cache_write_device(new, got_c, slots, got_s)
     torch.testing.assert_close(got_s, want_s, atol=0, rtol=1e-6)
     # codes: integers on a grid; a scale within 1 ulp would move a code by at most one step
@@ -70,9 +70,9 @@ def test_triton_decode_dequantises_on_load(dt, splits):
     lc, ls = torch.zeros(NUM_BLOCKS, BLOCK, 24, dtype=dt), torch.zeros(NUM_BLOCKS, BLOCK, 1)
     for m in metas:
         T = m.num_tokens
-        torch.ops.cp.cache_write(torch.randn(T, 2, 16, generator=g), kc, m.slot_mapping, ks)
-        torch.ops.cp.cache_write(torch.randn(T, 2, 8, generator=g), vc, m.slot_mapping, vs)
-        torch.ops.cp.cache_write(torch.randn(T, 24, generator=g), lc, m.slot_mapping, ls)
+        torch.ops.cp.quant_cache_write(torch.randn(T, 2, 16, generator=g), kc, ks, m.slot_mapping)
+        torch.ops.cp.quant_cache_write(torch.randn(T, 2, 8, generator=g), vc, vs, m.slot_mapping)
+        torch.ops.cp.quant_cache_write(torch.randn(T, 24, generator=g), lc, ls, m.slot_mapping)
     m = metas[1]
     T = m.num_tokens
     kv_lens = layout.causal_lens(m.query_start_loc, m.seq_lens, T)
@@ -101,8 +101,8 @@ def test_triton_single_device_ops_on_a_quantised_cache():
     scales = [torch.zeros(NUM_BLOCKS, BLOCK, 2) for _ in range(2)]
     want_c = [c.clone() for c in caches]
     want_s = [s.clone() for s in scales]
-    got = launch.gqa_paged_attention(q, k, v, *caches, *meta_args(m), 0.25, *scales)
-    want = torch.ops.cp.gqa_paged_attention(q, k, v, *want_c, *meta_args(m), 0.25, *want_s)
+    got = launch.gqa_paged_attention_quant(q, k, v, *caches, *scales, *meta_args(m), 0.25)
+    want = torch.ops.cp.gqa_paged_attention_quant(q, k, v, *want_c, *want_s, *meta_args(m), 0.25)
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
     assert all(torch.equal(a, b) for a, b in zip(caches + scales, want_c + want_s))
 

@@ -80,12 +80,12 @@ class _Layers(torch.nn.Module):
         q = x.view(T, 4, 24)
         for i in range(2):
             k, v, ks, vs = caches[4 * i:4 * i + 4]
-            x = x + torch.ops.cp.gqa_paged_attention(q[..., :16], q[:, :1, :16], q[:, :1, :8], k, v, *args, 0.5,
-                                                     ks, vs).sum()
+            x = x + torch.ops.cp.gqa_paged_attention_quant(q[..., :16], q[:, :1, :16], q[:, :1, :8], k, v, ks, vs,
+                                                           *args, 0.5).sum()
         for i in range(2):
             kv, s = caches[8 + 2 * i:10 + 2 * i]
-            x = x + torch.ops.cp.mla_attention(q[..., :16], q[..., 16:], q[:, 0, :16], q[:, 0, 16:], kv, *args, 0.5,
-                                               s).sum()
+            x = x + torch.ops.cp.mla_attention_quant(q[..., :16], q[..., 16:], q[:, 0, :16], q[:, 0, 16:], kv, s,
+                                                     *args, 0.5).sum()
         return x
 
 
@@ -110,7 +110,7 @@ def test_dcp_pass_hands_the_scale_caches_to_every_write_and_read():
     def arg(n, i, name):
         return n.args[i] if len(n.args) > i else n.kwargs.get(name)
 
-    writes = [n for n in nodes if n.target == torch.ops.cp.cache_write.default]
+    writes = [n for n in nodes if n.target == torch.ops.cp.quant_cache_write.default]
     reads = [n for n in nodes if n.target in (torch.ops.cp.paged_attention_lse.default,
                                               torch.ops.cp.mla_partial_attention.default)]
     assert len(writes) == 2 * 2 + 2 and len(reads) == 4
@@ -119,7 +119,7 @@ def test_dcp_pass_hands_the_scale_caches_to_every_write_and_read():
         return int(n.name.split("_")[2])
 
     # GQA layer i: k (4i) with its scales (4i + 2), v (4i + 1) with (4i + 3); MLA layer j: (8 + 2j, 9 + 2j)
-    pairs = sorted((idx(arg(w, 1, "cache")), idx(arg(w, 3, "scale_cache"))) for w in writes)
+    pairs = sorted((idx(arg(w, 1, "cache")), idx(arg(w, 2, "scale_cache"))) for w in writes)
     assert pairs == [(0, 2), (1, 3), (4, 6), (5, 7), (8, 9), (10, 11)], pairs
     reads_pairs = sorted(tuple(idx(a) for a in r.args[1:3] if a in placeholders) + tuple(idx(a) for a in r.args[7:])
                          for r in reads)

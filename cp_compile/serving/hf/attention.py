@@ -37,14 +37,14 @@ def gqa_paged_attention(module: torch.nn.Module, query: torch.Tensor, key: torch
     if sliding_window is not None:
         raise ValueError(f"layer {module.layer_idx}: sliding_window={sliding_window} is not served "
                          "(cp_compile.serving.hf.check_supported refuses such models)")
-    (k_cache, v_cache, *scales), meta = _layer_inputs(module, kwargs)  # scales: a quantised cache's (issue 39)
+    (k_cache, v_cache), meta = _layer_inputs(module, kwargs)
     q = query[0].transpose(0, 1)  # [T, Hq, D]
     k = key[0].transpose(0, 1)  # [T, Hkv, D]  this step's keys (PagedCache.update returned them)
     v = value[0].transpose(0, 1)  # [T, Hkv, Dv]
     scale = scaling if scaling is not None else q.shape[-1] ** -0.5
     out = torch.ops.cp.gqa_paged_attention(dense(q), dense(k), dense(v), k_cache, v_cache,
                                            meta.slot_mapping, meta.block_table, meta.seq_lens,
-                                           meta.query_start_loc, scale, *scales)  # [T, Hq, Dv]
+                                           meta.query_start_loc, scale)  # [T, Hq, Dv]
     return out.unsqueeze(0), None
 
 
@@ -54,7 +54,7 @@ def mla_latent_attention(module: torch.nn.Module, query: torch.Tensor, key: torc
     """Absorbed MLA over the latent cache. HF's per-head `key` / `value` are ignored:
     scores q_nope . (W_UK c) = (q_nope W_UK) . c, and the output W_UV (P c), so the
     cache holds only [c; k_pe] (kv_lora_rank + rope dims per token)."""
-    (kv_cache, *scales), meta = _layer_inputs(module, kwargs)  # scales: a quantised latent's (issue 39)
+    (kv_cache,), meta = _layer_inputs(module, kwargs)
     try:
         kv_c, k_pe = kwargs[MLA_NEW_KEY]  # [1, 1, T, L], [1, 1, T, R]
     except KeyError:
@@ -70,7 +70,7 @@ def mla_latent_attention(module: torch.nn.Module, query: torch.Tensor, key: torc
     scale = scaling if scaling is not None else (nope + rope) ** -0.5
     latent = torch.ops.cp.mla_attention(dense(q_abs), dense(q_pe), dense(kv_c[0, 0]),
                                         dense(k_pe[0, 0]), kv_cache, meta.slot_mapping, meta.block_table,
-                                        meta.seq_lens, meta.query_start_loc, scale, *scales)  # [T, H, L]
+                                        meta.seq_lens, meta.query_start_loc, scale)  # [T, H, L]
     out = torch.einsum("thl,hvl->thv", latent, w_uv)  # [T, H, v]
     return out.unsqueeze(0), None
 
