@@ -91,11 +91,21 @@ class MLAPattern(AttentionPattern):
     queries = ("q_nope", "q_pe")
 
 
+class GQAQuantPattern(GQAPattern):
+    """GQA over a quantised cache (issue 39): the same composition, with the scale caches."""
+
+    op = torch.ops.cp.gqa_paged_attention_quant
+
+
+class MLAQuantPattern(MLAPattern):
+    op = torch.ops.cp.mla_attention_quant
+
+
 class DCPAttentionPass(CPPass):
     """Rewrite single-device paged attention into DCP-sharded attention."""
 
     name = "dcp_attention"
-    patterns: tuple[AttentionPattern, ...] = (GQAPattern(), MLAPattern())
+    patterns: tuple[AttentionPattern, ...] = (GQAPattern(), MLAPattern(), GQAQuantPattern(), MLAQuantPattern())
     handles = tuple(p.op for p in patterns)
     enabled_when = ("decode_context_parallel_size > 1 (pcp = 1), or decode graphs at "
                     "prefill_context_parallel_size > 1 (over the pcp * dcp ranks of the cache)")

@@ -37,8 +37,14 @@ def fake_value(node: fx.Node) -> Any:
 def bind_op_args(op: torch._ops.OpOverloadPacket, node: fx.Node) -> dict[str, Any]:
     """A node of `op`'s arguments by schema name (Dynamo passes some as kwargs).
     A missing one is a RuntimeError: a pass cannot rewrite a call it cannot read."""
-    names = [a.name for a in op.default._schema.arguments]
+    schema = op.default._schema.arguments
+    names = [a.name for a in schema]
     bound = dict(zip(names, node.args), **node.kwargs)
+    # An argument the call left out takes its schema default (the optional scale caches of a
+    # quantised KV cache, issue 39: None for a cache in the model's dtype).
+    for a in schema:
+        if a.name not in bound and a.has_default_value():
+            bound[a.name] = a.default_value
     missing = [n for n in names if n not in bound]
     if missing:
         raise RuntimeError(f"{node.format_node()}: arguments {missing} of {op} not found; cannot rewrite it")

@@ -8,6 +8,12 @@ docs/pcp.md §2): virtual blocks of `block_size * pcp * dcp` tokens
 (`CPConfig.virtual_block_size`), 1/(pcp*dcp) per rank. The lightning-indexer
 cache is the exception: it is replicated (full virtual blocks) so top-k selection
 sees the whole sequence (docs/architecture.md §6).
+
+A quantised cache (`CPConfig.kv_cache_dtype` "int8" / "fp8_e4m3", issue 39, decision 65)
+stores its pages in that dtype and adds one fp32 scale tensor per page tensor,
+`[pages, block_size, kv_heads]` (MLA: kv_heads = 1), allocated and sharded exactly as
+the pages: a layer is `(k, v, k_scale, v_scale)` (GQA) or `(kv, kv_scale)` (MLA), the
+order the models pass them to the attention ops. The byte counts include the scales.
 """
 
 from __future__ import annotations
@@ -18,7 +24,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from cp_compile.base.config import AttentionSpec, ConfigError, CPConfig
+from cp_compile.base.config import KV_CACHE_DTYPES, AttentionSpec, ConfigError, CPConfig
 from cp_compile.ops.core.scratch_block import mark_scratch_block
 from cp_compile.ops.core.sharded_cache import mark_sharded
 from cp_compile.runtime.parallel_state import ParallelState, parallel_state_or_none
@@ -49,11 +55,23 @@ class KVCache:
     block_size: int  # physical tokens per page on this rank
     num_blocks: int
     replicated: list[torch.Tensor] = field(default_factory=list)  # indexer caches (not sharded)
+    kv_cache_dtype: str = "auto"  # CPConfig.kv_cache_dtype: "auto" or the quantised pages' dtype
+
+    @property
+    def quantized(self) -> bool:
+        return self.kv_cache_dtype != "auto"
 
     @property
     def sharded_bytes(self) -> int:
-        """Bytes of the DCP-sharded caches (K/V or latent) on this rank."""
+        """Bytes of the DCP-sharded caches (K/V or latent, and a quantised cache's scales) on this rank."""
         return sum(t.numel() * t.element_size() for layer in self.layers for t in layer)
+
+    @property
+    def scale_bytes(self) -> int:
+        """The part of `sharded_bytes` that is quantisation scales (0 for "auto")."""
+        if not self.quantized:
+            return 0
+        return sum(t.numel() * t.element_size() for layer in self.layers for t in layer[len(layer) // 2:])
 
     @property
     def replicated_bytes(self) -> int:
@@ -75,7 +93,7 @@ def tp_kv_head_ids(num_kv_heads: int, tp_size: int, tp_rank: int) -> tuple[int, 
 
 def _layout(cfg: CPConfig, spec: KVCacheSpec, num_blocks: int, dtype: torch.dtype) -> dict[str, Any]:
     return dict(asdict(spec), num_blocks=num_blocks, block_size=cfg.block_size, dtype=str(dtype),
-                interleave=cfg.cp_kv_cache_interleave_size)
+                interleave=cfg.cp_kv_cache_interleave_size, kv_cache_dtype=cfg.kv_cache_dtype)
 
 
 def check_dcp_layout(cfg: CPConfig, spec: KVCacheSpec, num_blocks: int, dtype: torch.dtype, *,
@@ -144,7 +162,8 @@ def allocate_kv_cache(cfg: CPConfig, spec: KVCacheSpec, num_blocks: int,
     if state is not None and cfg.context_parallel_size > 1:
         mismatch = {k: (getattr(cfg, k), getattr(state.cfg, k)) for k in
                     ("tensor_parallel_size", "decode_context_parallel_size", "prefill_context_parallel_size",
-                     "cp_kv_cache_interleave_size", "block_size") if getattr(cfg, k) != getattr(state.cfg, k)}
+                     "cp_kv_cache_interleave_size", "block_size", "kv_cache_dtype")
+                    if getattr(cfg, k) != getattr(state.cfg, k)}
         if mismatch:
             raise ConfigError("allocate_kv_cache config == init_parallel config (DCP / PCP)",
                               ", ".join(f"{k}={a} here but {b} in init_parallel" for k, (a, b) in mismatch.items()),
@@ -154,6 +173,11 @@ def allocate_kv_cache(cfg: CPConfig, spec: KVCacheSpec, num_blocks: int,
                 attention.num_kv_heads, cfg.tensor_parallel_size, state.layout.tp.rank)})
     if check_layout and torch.device(device).type != "meta":
         check_dcp_layout(cfg, spec, num_blocks, dtype, parallel=state)
+    if cfg.kv_cache_quantized and spec.kind not in ("gqa", "mla"):
+        raise ConfigError(f"kv_cache_dtype={cfg.kv_cache_dtype!r} covers GQA and MLA caches (SFA is not built)",
+                          f"cache kind={spec.kind!r}, kv_cache_dtype={cfg.kv_cache_dtype!r}",
+                          "allocate SFA caches with kv_cache_dtype='auto'")
+    page_dtype = KV_CACHE_DTYPES[cfg.kv_cache_dtype] or dtype  # quantised pages, or the model's dtype
     bs = cfg.block_size
     pages = num_blocks + int(scratch_block)  # the scratch block is the last page
     layers: list[tuple[torch.Tensor, ...]] = []
@@ -162,14 +186,22 @@ def allocate_kv_cache(cfg: CPConfig, spec: KVCacheSpec, num_blocks: int,
         if spec.kind == "gqa":
             if spec.num_kv_heads_per_rank < 1 or spec.head_dim < 1:
                 raise ValueError("GQA cache needs num_kv_heads_per_rank >= 1 and head_dim >= 1")
-            k = torch.zeros(pages, bs, spec.num_kv_heads_per_rank, spec.head_dim, dtype=dtype, device=device)
+            k = torch.zeros(pages, bs, spec.num_kv_heads_per_rank, spec.head_dim, dtype=page_dtype, device=device)
             v = torch.zeros(pages, bs, spec.num_kv_heads_per_rank, spec.v_head_dim or spec.head_dim,
-                            dtype=dtype, device=device)
-            layers.append((k, v))
+                            dtype=page_dtype, device=device)
+            if cfg.kv_cache_quantized:  # one fp32 scale per (page, offset, KV head), beside the pages
+                layers.append((k, v, *(torch.zeros(pages, bs, spec.num_kv_heads_per_rank, dtype=torch.float32,
+                                                   device=device) for _ in range(2))))
+            else:
+                layers.append((k, v))
         elif spec.kind in ("mla", "sfa"):
             if spec.latent_dim < 1:
                 raise ValueError("MLA cache needs latent_dim >= 1 (kv_lora_rank + rope dim)")
-            layers.append((torch.zeros(pages, bs, spec.latent_dim, dtype=dtype, device=device),))
+            latent = torch.zeros(pages, bs, spec.latent_dim, dtype=page_dtype, device=device)
+            if cfg.kv_cache_quantized:  # one fp32 scale per token for [c | k_pe]
+                layers.append((latent, torch.zeros(pages, bs, 1, dtype=torch.float32, device=device)))
+            else:
+                layers.append((latent,))
             if spec.kind == "sfa":
                 # Replicated: full virtual blocks of block_size * pcp * dcp tokens on every rank.
                 replicated.append(torch.zeros(pages, cfg.virtual_block_size, spec.index_dim, dtype=dtype,
@@ -187,4 +219,5 @@ def allocate_kv_cache(cfg: CPConfig, spec: KVCacheSpec, num_blocks: int,
     if scratch_block and torch.device(device).type != "meta":
         for t in [t for layer in layers for t in layer] + replicated:
             mark_scratch_block(t)
-    return KVCache(layers=layers, block_size=bs, num_blocks=num_blocks, replicated=replicated)
+    return KVCache(layers=layers, block_size=bs, num_blocks=num_blocks, replicated=replicated,
+                   kv_cache_dtype=cfg.kv_cache_dtype)

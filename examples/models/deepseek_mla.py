@@ -203,10 +203,12 @@ class MLAAttention(nn.Module):
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 kv_cache: tuple[torch.Tensor, ...], meta: AttentionMetadata) -> torch.Tensor:
         q_abs, q_pe, kv_c, k_pe, _ = self.project(x, cos, sin)  # x [T, hidden]
-        (kv_cache_t,) = kv_cache  # [NB, BS, L + R]
-        o_lat = torch.ops.cp.mla_attention(
-            q_abs, q_pe, kv_c, k_pe, kv_cache_t, meta.slot_mapping,
-            meta.block_table, meta.seq_lens, meta.query_start_loc, self.scale)  # [T, H, L]
+        kv_cache_t, *scales = kv_cache  # [NB, BS, L + R]; quantised: + its scales [NB, BS, 1]
+        meta_args = (meta.slot_mapping, meta.block_table, meta.seq_lens, meta.query_start_loc, self.scale)
+        if scales:
+            o_lat = torch.ops.cp.mla_attention_quant(q_abs, q_pe, kv_c, k_pe, kv_cache_t, *scales, *meta_args)
+        else:
+            o_lat = torch.ops.cp.mla_attention(q_abs, q_pe, kv_c, k_pe, kv_cache_t, *meta_args)  # [T, H, L]
         return self.output(o_lat)  # [T, hidden]
 
     def load_hf(self, sd: StateDictReader, prefix: str) -> None:

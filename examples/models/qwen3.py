@@ -117,10 +117,14 @@ class Qwen3Attention(nn.Module):
         v = self.v_proj(x).view(T, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
         q = apply_rope_neox(q, cos, sin)
         k = apply_rope_neox(k, cos, sin)
-        k_cache, v_cache = kv_cache  # [NB, BS, Hkv, D] each
-        o = torch.ops.cp.gqa_paged_attention(
-            q, k, v, k_cache, v_cache, meta.slot_mapping, meta.block_table, meta.seq_lens,
-            meta.query_start_loc, self.scale)  # [T, Hq, D]
+        # [NB, BS, Hkv, D] each; a quantised cache (kv_cache_dtype int8 / fp8) adds its two
+        # scale caches [NB, BS, Hkv], which the op writes and reads beside the pages.
+        k_cache, v_cache, *scales = kv_cache
+        meta_args = (meta.slot_mapping, meta.block_table, meta.seq_lens, meta.query_start_loc, self.scale)
+        if scales:
+            o = torch.ops.cp.gqa_paged_attention_quant(q, k, v, k_cache, v_cache, *scales, *meta_args)
+        else:
+            o = torch.ops.cp.gqa_paged_attention(q, k, v, k_cache, v_cache, *meta_args)  # [T, Hq, D]
         return self.o_proj(o.reshape(T, self.num_heads * self.head_dim))  # [T, hidden]
 
     def load_hf(self, sd: StateDictReader, prefix: str) -> None:

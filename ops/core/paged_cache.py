@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 
 from cp_compile.base.errors import MetadataError
+from cp_compile.ops.core import kv_quant
 from cp_compile.ops.core.sharded_cache import SINGLE_DEVICE_OP_RUNS, refuse_sharded
 
 
@@ -68,8 +69,14 @@ def check_paged_step(caches: tuple[torch.Tensor, ...], slot_mapping: torch.Tenso
                             value=int(slots[i]))
 
 
-def write_cache(cache: torch.Tensor, new: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    """cache[slot] = new[t] for every token with slot >= 0 (in place)."""
+def write_cache(cache: torch.Tensor, new: torch.Tensor, slot_mapping: torch.Tensor,
+                scale_cache: torch.Tensor | None = None) -> None:
+    """cache[slot] = new[t] for every token with slot >= 0 (in place). A quantised cache
+    (int8 / fp8, issue 39) stores quantize(new[t]) and its per-row scales in `scale_cache`."""
+    kv_quant.check_pair(cache, scale_cache, "the cache")
+    if scale_cache is not None:
+        kv_quant.write_quantized(cache, scale_cache, new, slot_mapping)
+        return
     flat = cache.view(-1, *cache.shape[2:])  # [num_blocks * block_size, ...]
     keep = slot_mapping >= 0
     idx = slot_mapping[keep].long()
@@ -84,8 +91,18 @@ def gather_request_pages(cache: torch.Tensor, block_table_row: torch.Tensor, len
     return pages.reshape(nb * bs, *cache.shape[2:])[:length]
 
 
+def gather_request_rows(cache: torch.Tensor, scale_cache: torch.Tensor | None, block_table_row: torch.Tensor,
+                        length: int) -> torch.Tensor:
+    """`gather_request_pages` in fp32, dequantised with the rows' scales when `scale_cache` is given."""
+    rows = gather_request_pages(cache, block_table_row, length)
+    if scale_cache is None:
+        return rows.float()
+    return kv_quant.dequantize(rows, gather_request_pages(kv_quant.scale_view(cache, scale_cache), block_table_row,
+                                                          length))
+
 
 def write_latent(kv_cache: torch.Tensor, kv_c: torch.Tensor, k_pe: torch.Tensor,
-                 slot_mapping: torch.Tensor) -> None:
-    """kv_cache[slot] = [kv_c | k_pe] (the MLA cache stores one [L+R] vector per token)."""
-    write_cache(kv_cache, torch.cat([kv_c, k_pe], dim=-1), slot_mapping)
+                 slot_mapping: torch.Tensor, scale_cache: torch.Tensor | None = None) -> None:
+    """kv_cache[slot] = [kv_c | k_pe] (the MLA cache stores one [L+R] vector per token;
+    quantised: one scale per token over both parts)."""
+    write_cache(kv_cache, torch.cat([kv_c, k_pe], dim=-1), slot_mapping, scale_cache)

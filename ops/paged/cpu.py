@@ -34,6 +34,10 @@ fp32 natural-log LSE, a query with no keys gets out 0 and lse -inf) as follows:
   spec-decode verify) in fp32 goes to `cpu_decode` (ops/paged/cpu_decode.c): one pass over each
   request's keys through the block table, in place whatever the table; what it does not
   cover (prefill tiles, bf16, odd head dims, no compiler / AVX2) takes the path below.
+- **Quantised caches (issue 39).** An int8 / fp8 cache is read like a bf16 one (in place
+  or gathered, a chunk at a time) together with its per-row scales (the same pages, a
+  `[.., Hkv, 1]` view), and each chunk is dequantised to fp32 (`q * scale`) before the
+  flash kernel; the C decode kernel takes them too (a block's rows dequantised as it reads them).
 - **O(T) memory in prefill.** Query rows are tiled (a few thousand rows per tile),
   a tile reads only the chunks its rows can see (the causal skip), and no
   `[H, T, T]` scores exist: the flash kernel keeps its scores per block.
@@ -44,6 +48,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from cp_compile.ops.core import kv_quant
 from cp_compile.ops.paged import cpu_decode
 from cp_compile.ops.core.layout import request_index
 
@@ -159,8 +164,8 @@ def _merge(acc: Tensor, lse: Tensor, out: Tensor, l: Tensor) -> tuple[Tensor, Te
     return acc * w_old[..., None] + out.float() * w_new[..., None], new
 
 
-def _attend_c(qp: Tensor, kvl: Tensor, k_cache: Tensor, v_cache: Tensor, tbl: Tensor, width: int, scale: float
-              ) -> tuple[Tensor, Tensor] | None:
+def _attend_c(qp: Tensor, kvl: Tensor, k_cache: Tensor, v_cache: Tensor, tbl: Tensor, width: int, scale: float,
+              k_scales: Tensor | None = None, v_scales: Tensor | None = None) -> tuple[Tensor, Tensor] | None:
     """The C kernel (`cpu_decode`) on a group with few query rows per KV head (decode, verify):
     [Bg, Tq, Hq, D] -> (out [Bg, Tq, Hq, Dv], lse [Bg, Tq, Hq]), or None where it does not apply."""
     Bg, Tq, Hq, D = qp.shape
@@ -174,7 +179,7 @@ def _attend_c(qp: Tensor, kvl: Tensor, k_cache: Tensor, v_cache: Tensor, tbl: Te
         raise IndexError(f"block_table: a request's page id is outside the cache's {NB} pages, or the table has "
                          f"{tbl.shape[1]} columns where kv_lens need {width}; fix the block table")
     qt = qp.unflatten(2, (Hkv, g)).permute(0, 2, 1, 3, 4).reshape(Bg, Hkv, Tq * g, D)
-    res = cpu_decode.attend(qt, kvl, k_cache, v_cache, tbl, scale)
+    res = cpu_decode.attend(qt, kvl, k_cache, v_cache, tbl, scale, k_scales, v_scales)
     if res is None:
         return None
     o, l = res  # [Bg, Hkv, Tq * g, Dv], [Bg, Hkv, Tq * g]
@@ -183,10 +188,12 @@ def _attend_c(qp: Tensor, kvl: Tensor, k_cache: Tensor, v_cache: Tensor, tbl: Te
 
 
 def _attend_group(qp: Tensor, kvl: Tensor, k_cache: Tensor, v_cache: Tensor, table: Tensor, scale: float,
-                  v_from_k: bool, cd: torch.dtype) -> tuple[Tensor, Tensor]:
+                  v_from_k: bool, cd: torch.dtype, k_scales: Tensor | None = None,
+                  v_scales: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """Padded group: qp [Bg, Tq, Hq, D] (cd), kvl [Bg, Tq] int64 (0: padding),
     table [Bg, width] (only entries below each row's pages are valid)
-    -> out [Bg, Tq, Hq, Dv] fp32, lse [Bg, Tq, Hq] fp32."""
+    -> out [Bg, Tq, Hq, Dv] fp32, lse [Bg, Tq, Hq] fp32. A quantised cache comes with its
+    scales as [NB, BS, Hkv, 1] views (`k_scales`, `v_scales`), read the way the pages are."""
     Bg, Tq, Hq, D = qp.shape
     BS, Hkv = k_cache.shape[1], k_cache.shape[2]
     Dv = v_cache.shape[3]
@@ -196,12 +203,20 @@ def _attend_group(qp: Tensor, kvl: Tensor, k_cache: Tensor, v_cache: Tensor, tab
     width = int(need.max())
     tbl = table[:, :width].long()
     tbl = torch.where(torch.arange(width)[None, :] < need[:, None], tbl, torch.zeros_like(tbl))  # unused -> page 0
-    c_out = _attend_c(qp, kvl, k_cache, v_cache, tbl, width, scale)
+    quant = k_scales is not None
+    c_out = _attend_c(qp, kvl, k_cache, v_cache, tbl, width, scale,
+                      *((k_scales[..., 0], v_scales[..., 0]) if quant else ()))  # type: ignore[index]
     if c_out is not None:
         return c_out
-    kview = _strided_view(k_cache, tbl, need)
-    vview = None if kview is None or v_from_k else _strided_view(v_cache, tbl, need)
+    # An fp8 cache is viewed and gathered as bytes (CPU index_select has no fp8 kernel).
+    k_raw, v_raw = kv_quant.bytes_view(k_cache), kv_quant.bytes_view(v_cache)
+    kview = _strided_view(k_raw, tbl, need)
+    vview = None if kview is None or v_from_k else _strided_view(v_raw, tbl, need)
     in_place = kview is not None and (v_from_k or vview is not None)
+    if quant:
+        ksview = _strided_view(k_scales, tbl, need) if in_place else None
+        vsview = _strided_view(v_scales, tbl, need) if in_place and not v_from_k else None  # type: ignore[arg-type]
+        in_place = in_place and ksview is not None and (v_from_k or vsview is not None)
     elt = k_cache.element_size()
     if in_place and k_cache.dtype == cd:  # a view: no copy to keep small
         chunk = VIEW_CHUNK_TOKENS
@@ -247,8 +262,17 @@ def _attend_group(qp: Tensor, kvl: Tensor, k_cache: Tensor, v_cache: Tensor, tab
                 v = k if v_from_k else vview[:, c0:c1]  # type: ignore[index]
             else:
                 pages = tbl[:, c0 // BS:c1 // BS].reshape(-1)
-                k = _gather(k_cache, pages, bufs, "k").view(Bg, n, Hkv, k_cache.shape[3])
-                v = k if v_from_k else _gather(v_cache, pages, bufs, "v").view(Bg, n, Hkv, Dv)
+                k = _gather(k_raw, pages, bufs, "k").view(Bg, n, Hkv, k_cache.shape[3])
+                v = k if v_from_k else _gather(v_raw, pages, bufs, "v").view(Bg, n, Hkv, Dv)
+            if quant:  # dequantise on load: codes (as stored) * the rows' scales, in fp32
+                if in_place:
+                    ks = ksview[:, c0:c1]  # type: ignore[index]
+                    vs = ks if v_from_k else vsview[:, c0:c1]  # type: ignore[index]
+                else:
+                    ks = _gather(k_scales, pages, bufs, "ks").view(Bg, n, Hkv, 1)
+                    vs = ks if v_from_k else _gather(v_scales, pages, bufs, "vs").view(Bg, n, Hkv, 1)  # type: ignore[arg-type]
+                k = k.view(k_cache.dtype).to(cd) * ks
+                v = k if v_from_k else v.view(v_cache.dtype).to(cd) * vs
             if k.dtype != cd:
                 k = k.to(cd)
                 v = k if v_from_k else v.to(cd)
@@ -273,7 +297,8 @@ def _attend_group(qp: Tensor, kvl: Tensor, k_cache: Tensor, v_cache: Tensor, tab
 
 
 def paged_attention_lse(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_table: Tensor,
-                        query_start_loc: Tensor, kv_lens: Tensor, scale: float) -> tuple[Tensor, Tensor]:
+                        query_start_loc: Tensor, kv_lens: Tensor, scale: float, k_scale_cache: Tensor | None = None,
+                        v_scale_cache: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """`reference.paged_attention_with_lse`, computed as the module docstring says.
 
     q [T, Hq, D], caches [NB, BS, Hkv, D|Dv], block_table [B, nb], query_start_loc [B+1],
@@ -293,8 +318,14 @@ def paged_attention_lse(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_table
     # Power-of-two class of each request's token count: one padded batch per class.
     cls = torch.ceil(torch.log2(q_lens.clamp(min=1).double())).long()
     classes = torch.unique(cls[q_lens > 0]).tolist()
+    kv_quant.check_pair(k_cache, k_scale_cache, "k_cache")
+    kv_quant.check_pair(v_cache, v_scale_cache, "v_cache")
     v_from_k = _v_is_k_prefix(k_cache, v_cache)
-    cd = _compute_dtype(q, k_cache)
+    quant = k_scale_cache is not None
+    # The scales as [NB, BS, Hkv, 1]: paged like the cache, so the same views and gathers read them.
+    k_scales = kv_quant.scale_view(k_cache, k_scale_cache).unsqueeze(-1) if quant else None
+    v_scales = kv_quant.scale_view(v_cache, v_scale_cache).unsqueeze(-1) if quant else None  # type: ignore[arg-type]
+    cd = torch.promote_types(q.dtype, torch.float32) if quant else _compute_dtype(q, k_cache)
     for c in classes:
         members = torch.nonzero((cls == c) & (q_lens > 0)).flatten()  # [Bg] requests of this class
         Bg = members.shape[0]
@@ -306,7 +337,8 @@ def paged_attention_lse(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_table
         kv_g = torch.where(valid, kvl[tok], torch.zeros_like(tok))
         if int(kv_g.max()) <= 0:
             continue
-        o_g, l_g = _attend_group(qp, kv_g, k_cache, v_cache, block_table[members], scale, v_from_k, cd)
+        o_g, l_g = _attend_group(qp, kv_g, k_cache, v_cache, block_table[members], scale, v_from_k, cd, k_scales,
+                                 v_scales)
         sel = valid.flatten()
         ids = tok.flatten()[sel]
         out[ids] = o_g.flatten(0, 1)[sel].to(q.dtype)
@@ -315,10 +347,12 @@ def paged_attention_lse(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_table
 
 
 def mla_attention_lse(q_nope: Tensor, q_pe: Tensor, kv_cache: Tensor, block_table: Tensor,
-                      query_start_loc: Tensor, kv_lens: Tensor, scale: float) -> tuple[Tensor, Tensor]:
+                      query_start_loc: Tensor, kv_lens: Tensor, scale: float,
+                      kv_scale_cache: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """`reference.mla_attention_with_lse` through `paged_attention_lse`: keys are the cached
-    [c; k_pe], values the first L columns, read from the same pages once."""
+    [c; k_pe], values the first L columns, read from the same pages once (a quantised latent:
+    with its per-token scales [NB, BS, 1])."""
     L = q_nope.shape[-1]
     q = torch.cat([q_nope, q_pe], dim=-1)  # [T, H, L+R]
     return paged_attention_lse(q, kv_cache.unsqueeze(2), kv_cache[..., :L].unsqueeze(2), block_table,
-                               query_start_loc, kv_lens, scale)
+                               query_start_loc, kv_lens, scale, kv_scale_cache, kv_scale_cache)

@@ -13,10 +13,16 @@
    Nothing at or past lim is read (look-ahead included), and a
    row's scores past its own key count are -inf before the exp (probability exactly 0), so
    NaN / inf in a slot no row may read never reaches a result (docs/decisions.md 41).
-   A row with no key gets out 0 and lse -inf. */
+   A row with no key gets out 0 and lse -inf.
+
+   Quantised pages (issue 39): with qtype 1 (int8) or 2 (float8_e4m3fn) the K / V rows are
+   1-byte codes with one fp32 scale per (page, offset, head); each block's rows are
+   dequantised (code * scale) into an fp32 buffer as their pointers are set up, and the block
+   runs on the buffer as above: the same arithmetic as the fp32 path on the dequantised values. */
 #include <stdint.h>
 #include <math.h>
 #include <string.h>
+#include <stdlib.h>
 #include <immintrin.h>
 
 #define TB 32    /* tokens per block (K and V of a block stay in L1) */
@@ -62,10 +68,35 @@ __attribute__((target("avx2,fma"))) static inline float hsum8(__m256 v) {
 
 /* One item (a request's KV head): q [Rp, D] (Rp % 4 == 0), rows' key counts rl [Rp];
    keys/values of position t at kp(t)/vp(t) -> acc [Rp, Dv] (normalised), lse [Rp]. */
+/* The 256 float8_e4m3fn values (bias 7, no infinities, 0x7f / 0xff NaN), built once. */
+static float fp8_lut[256];
+static void build_fp8_lut(void) {
+    for (int i = 0; i < 256; i++) {
+        int sgn = i >> 7, e = (i >> 3) & 15, m = i & 7;
+        float v = e == 0 ? ldexpf((float)m, -9) : ldexpf(1.0f + m / 8.0f, e - 7);
+        if (e == 15 && m == 7) v = NAN;
+        fp8_lut[i] = sgn ? -v : v;
+    }
+}
+
+/* n codes at src (int8 or e4m3 bytes) times scale -> dst fp32 (n % 8 == 0). */
+__attribute__((target("avx2,fma")))
+static inline void dequant_row(float *dst, const uint8_t *src, int64_t n, float sc, int64_t qtype) {
+    __m256 vs = _mm256_set1_ps(sc);
+    for (int64_t i = 0; i < n; i += 8) {
+        __m128i b = _mm_loadl_epi64((const __m128i *)(src + i));
+        __m256 x = qtype == 1 ? _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b))
+                              : _mm256_i32gather_ps(fp8_lut, _mm256_cvtepu8_epi32(b), 4);
+        _mm256_storeu_ps(dst + i, _mm256_mul_ps(x, vs));
+    }
+}
+
 __attribute__((target("avx2,fma")))
 static void item_avx2(const float *q, const int64_t *rl, int64_t Rp, int64_t D, int64_t Dv, float scale,
                       const float *kc, const float *vc, int64_t ksp, int64_t kst, int64_t vsp, int64_t vst,
-                      int64_t BS, const int64_t *pages, float *acc, float *lse) {
+                      int64_t BS, const int64_t *pages, float *acc, float *lse, int64_t qtype,
+                      const float *ksc, const float *vsc, int64_t kssp, int64_t ksst, int64_t vssp, int64_t vsst,
+                      float *kbuf, float *vbuf) {
     float s[MAXR][TB] __attribute__((aligned(32)));
     float m[MAXR], l[MAXR];
     const float *kp[TB], *vp[TB];
@@ -77,6 +108,15 @@ static void item_avx2(const float *q, const int64_t *rl, int64_t Rp, int64_t D, 
         int64_t n = lim - t0 < TB ? lim - t0 : TB;
         for (int64_t t = 0; t < n; t++) {
             int64_t pos = t0 + t, page = pages[pos / BS], off = pos % BS;
+            if (qtype) {  /* codes (1 byte each; strides in elements = bytes) -> the fp32 buffer */
+                const uint8_t *kb = (const uint8_t *)kc + page * ksp + off * kst;
+                const uint8_t *vb = (const uint8_t *)vc + page * vsp + off * vst;
+                dequant_row(kbuf + t * D, kb, D, ksc[page * kssp + off * ksst], qtype);
+                dequant_row(vbuf + t * Dv, vb, Dv, vsc[page * vssp + off * vsst], qtype);
+                kp[t] = kbuf + t * D;
+                vp[t] = vbuf + t * Dv;
+                continue;  /* the look-ahead below is for fp32 rows read in place */
+            }
             kp[t] = kc + page * ksp + off * kst;
             vp[t] = vc + page * vsp + off * vst;
             /* The same position of the next block: one plain load per 64-byte line, now, so that
@@ -204,19 +244,35 @@ static void item_avx2(const float *q, const int64_t *rl, int64_t Rp, int64_t D, 
 int cp_decode_attention(int64_t nthreads, const float *q, const int64_t *rl, int64_t B, int64_t H, int64_t Rp, int64_t D, int64_t Dv,
                         float scale, const float *kc, const float *vc, int64_t ksp, int64_t kst, int64_t ksh,
                         int64_t vsp, int64_t vst, int64_t vsh, int64_t BS, const int64_t *table, int64_t width,
-                        float *out, float *lse) {
+                        float *out, float *lse, int64_t qtype, const float *ksc, const float *vsc,
+                        int64_t kssp, int64_t ksst, int64_t kssh, int64_t vssp, int64_t vsst, int64_t vssh) {
     (void)nthreads;
     __builtin_cpu_init();
     if (Rp % 4 || Rp > MAXR || D % 8 || Dv % 8 || !__builtin_cpu_supports("avx2") || !__builtin_cpu_supports("fma"))
         return 1;
+    if (qtype == 2) build_fp8_lut();
+    int failed = 0;
 #ifdef _OPENMP
     #pragma omp parallel for collapse(2) schedule(static) num_threads(nthreads)
 #endif
     for (int64_t b = 0; b < B; b++)
-        for (int64_t h = 0; h < H; h++)
-            item_avx2(q + (b * H + h) * Rp * D, rl + b * Rp, Rp, D, Dv, scale, kc + h * ksh, vc + h * vsh,
-                      ksp, kst, vsp, vst, BS, table + b * width, out + (b * H + h) * Rp * Dv, lse + (b * H + h) * Rp);
-    return 0;
+        for (int64_t h = 0; h < H; h++) {
+            /* Quantised: one block's dequantised K / V rows, per item (TB x D + TB x Dv floats). */
+            float *kbuf = NULL, *vbuf = NULL;
+            if (qtype) {
+                kbuf = (float *)malloc(sizeof(float) * TB * (D + Dv));
+                if (!kbuf) { failed = 1; continue; }
+                vbuf = kbuf + TB * D;
+            }
+            const char *kcb = (const char *)kc + h * ksh * (qtype ? 1 : 4);
+            const char *vcb = (const char *)vc + h * vsh * (qtype ? 1 : 4);
+            item_avx2(q + (b * H + h) * Rp * D, rl + b * Rp, Rp, D, Dv, scale, (const float *)kcb, (const float *)vcb,
+                      ksp, kst, vsp, vst, BS, table + b * width, out + (b * H + h) * Rp * Dv, lse + (b * H + h) * Rp,
+                      qtype, qtype ? ksc + h * kssh : NULL, qtype ? vsc + h * vssh : NULL, kssp, ksst, vssp, vsst,
+                      kbuf, vbuf);
+            free(kbuf);
+        }
+    return failed ? 2 : 0;
 }
 
 /* The FMA rate of this core, for the bandwidth benchmark's compute floor: `iters` steps of 10

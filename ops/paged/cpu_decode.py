@@ -10,7 +10,7 @@ includes no torch header, so it builds in ~1-2 s with the system C compiler (a
 cpp_extension build with torch's headers takes most of a minute on the CI machine).
 
 No -march: the AVX2 + FMA code is chosen at run time; a CPU without them, a dtype other
-than fp32, a head dim not a multiple of 8, more than 64 query rows per KV head, a
+than fp32 (or int8 / float8_e4m3fn pages with their scales, dequantised per block), a head dim not a multiple of 8, more than 64 query rows per KV head, a
 missing compiler or `CP_COMPILE_CPU_DECODE=torch` leave the pure-torch kernel in
 charge (`attend` returns None). The built library is cached by source hash under
 `$CP_COMPILE_CACHE_DIR` (default `~/.cache/cp_compile`, else the temp dir).
@@ -86,7 +86,7 @@ def library() -> ctypes.CDLL | None:
         return None
     I, P = ctypes.c_int64, ctypes.c_void_p
     lib.cp_decode_attention.argtypes = [I, P, P, I, I, I, I, I, ctypes.c_float, P, P, I, I, I, I, I, I, I, P, I,
-                                        P, P]
+                                        P, P, I, P, P, I, I, I, I, I, I]
     lib.cp_decode_attention.restype = ctypes.c_int
     lib.cp_fma_chains.argtypes = [I]
     lib.cp_fma_chains.restype = ctypes.c_float
@@ -101,17 +101,25 @@ def fma_floor(flops: int) -> bool:
     return lib is not None and lib.cp_fma_chains(max(1, flops // 160)) != -1.0
 
 
-def attend(qt: Tensor, kvl: Tensor, k_cache: Tensor, v_cache: Tensor, tbl: Tensor, scale: float
-           ) -> tuple[Tensor, Tensor] | None:
+# Quantised page dtypes the kernel dequantises (issue 39): qtype 1 int8, 2 float8_e4m3fn.
+QTYPES = {torch.int8: 1, torch.float8_e4m3fn: 2}
+
+
+def attend(qt: Tensor, kvl: Tensor, k_cache: Tensor, v_cache: Tensor, tbl: Tensor, scale: float,
+           k_scales: Tensor | None = None, v_scales: Tensor | None = None) -> tuple[Tensor, Tensor] | None:
     """qt [Bg, Hkv, Tq * g, D] fp32 (row t * g + j: token t, head j of the group), kvl [Bg, Tq]
     key count per token, caches [NB, BS, Hkv, D|Dv] fp32, tbl [Bg, width] int64 page ids
     (every entry a row reads in range) -> out [Bg, Hkv, Tq * g, Dv], lse [Bg, Hkv, Tq * g] fp32;
-    None when the C kernel does not apply (the caller runs the torch kernel)."""
+    None when the C kernel does not apply (the caller runs the torch kernel). Quantised caches
+    (int8 / float8_e4m3fn) come with their scales `k_scales` / `v_scales` [NB, BS, Hkv] fp32."""
     Bg, Hkv, R, D = qt.shape
     Dv = v_cache.shape[3]
     Rp = (R + 3) // 4 * 4
-    if (not enabled() or Rp > MAX_ROWS or D % 8 or Dv % 8 or qt.dtype != torch.float32
-            or k_cache.dtype != torch.float32 or v_cache.dtype != torch.float32
+    quant = k_scales is not None
+    cache_ok = (k_cache.dtype in QTYPES and v_cache.dtype == k_cache.dtype and v_scales is not None
+                and k_scales.dtype == v_scales.dtype == torch.float32) if quant else \
+        (k_cache.dtype == torch.float32 and v_cache.dtype == torch.float32)
+    if (not enabled() or Rp > MAX_ROWS or D % 8 or Dv % 8 or qt.dtype != torch.float32 or not cache_ok
             or k_cache.stride(3) != 1 or v_cache.stride(3) != 1 or qt.device.type != "cpu"):
         return None
     lib = library()
@@ -124,9 +132,14 @@ def attend(qt: Tensor, kvl: Tensor, k_cache: Tensor, v_cache: Tensor, tbl: Tenso
     out = torch.empty(Bg, Hkv, Rp, Dv, dtype=torch.float32, device=qt.device)
     lse = torch.empty(Bg, Hkv, Rp, dtype=torch.float32, device=qt.device)
     ks, vs = k_cache.stride(), v_cache.stride()
+    qtype = QTYPES[k_cache.dtype] if quant else 0
+    kss = k_scales.stride() if quant else (0, 0, 0)  # type: ignore[union-attr]
+    vss = v_scales.stride() if quant else (0, 0, 0)  # type: ignore[union-attr]
     rc = lib.cp_decode_attention(torch.get_num_threads(), q.data_ptr(), rl.data_ptr(), Bg, Hkv, Rp, D, Dv, scale,
                                  k_cache.data_ptr(), v_cache.data_ptr(), ks[0], ks[1], ks[2], vs[0], vs[1], vs[2],
-                                 k_cache.shape[1], tbl.data_ptr(), tbl.shape[1], out.data_ptr(), lse.data_ptr())
-    if rc != 0:  # no AVX2 / FMA on this CPU
+                                 k_cache.shape[1], tbl.data_ptr(), tbl.shape[1], out.data_ptr(), lse.data_ptr(),
+                                 qtype, k_scales.data_ptr() if quant else None,  # type: ignore[union-attr]
+                                 v_scales.data_ptr() if quant else None, *kss, *vss)  # type: ignore[union-attr]
+    if rc != 0:  # no AVX2 / FMA on this CPU (1), or no memory for the dequantised block (2)
         return None
     return out[:, :, :R], lse[:, :, :R]

@@ -28,6 +28,7 @@ from typing import Any
 from torchair._ge_concrete_graph import ge_apis as ge
 from torchair.ge._ge_graph import Tensor
 
+from cp_compile.ops.core import kv_quant
 from cp_compile.ops.core.ge_util import (F32, I32, I64, cast, const, dims, request_of_token, reshape, scatter_into,
                                          token_positions, where)
 
@@ -89,12 +90,16 @@ def mla_partial(q_nope, q_pe, kv_cache, block_table, query_start_loc, kv_lens, s
 
 
 def convert_paged_attention_lse(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_table: Tensor,
-                                query_start_loc: Tensor, kv_lens: Tensor, scale: float, meta_outputs: Any = None):
+                                query_start_loc: Tensor, kv_lens: Tensor, scale: float, k_scale_cache: Any = None,
+                                v_scale_cache: Any = None, meta_outputs: Any = None):
+    kv_quant.refuse_quantized("cp::paged_attention_lse", "the GE converter", k_scale_cache, v_scale_cache)
     return gqa_partial(q, k_cache, v_cache, block_table, query_start_loc, kv_lens, scale)
 
 
 def convert_mla_partial_attention(q_nope: Tensor, q_pe: Tensor, kv_cache: Tensor, block_table: Tensor,
-                                  query_start_loc: Tensor, kv_lens: Tensor, scale: float, meta_outputs: Any = None):
+                                  query_start_loc: Tensor, kv_lens: Tensor, scale: float, kv_scale_cache: Any = None,
+                                  meta_outputs: Any = None):
+    kv_quant.refuse_quantized("cp::mla_partial_attention", "the GE converter", kv_scale_cache)
     return mla_partial(q_nope, q_pe, kv_cache, block_table, query_start_loc, kv_lens, scale)
 
 

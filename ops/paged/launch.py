@@ -11,13 +11,12 @@ from __future__ import annotations
 
 import torch
 
-from cp_compile.ops.core import layout
+from cp_compile.ops.core import kv_quant, layout
 from cp_compile.ops.core.launcher import lazy
 
 _decode = lazy("cp_compile.ops.paged.triton_decode", "paged_attention_with_lse_triton")
 _prefill = lazy("cp_compile.ops.paged.triton_prefill", "paged_prefill_attention_lse_triton")
 _local_slots = lazy("cp_compile.ops.paged.triton_localize", "local_slot_mapping_triton")
-_cache_write = lazy("cp_compile.ops.core.triton_cache_write", "cache_write_triton")
 
 # cp::cache_write's kernel: the cache-write launcher core/ shares with the sparse family.
 cache_write = lazy("cp_compile.ops.core.triton_cache_write", "cache_write_device")
@@ -30,24 +29,35 @@ PREFILL_TOKENS_PER_REQUEST = 4
 
 
 def _paged(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
-           query_start_loc: torch.Tensor, kv_lens: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+           query_start_loc: torch.Tensor, kv_lens: torch.Tensor, scale: float,
+           k_scale_cache: torch.Tensor | None = None,
+           v_scale_cache: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    kv_quant.check_pair(k_cache, k_scale_cache, "k_cache")
+    kv_quant.check_pair(v_cache, v_scale_cache, "v_cache")
+    if k_scale_cache is not None:
+        # Quantised caches: the decode kernel dequantises on load; the query-tiled prefill
+        # kernel does not yet (issue 39), so every batch takes the decode kernel (exact, slower
+        # for long prefills).
+        return _decode(q, k_cache, v_cache, block_table, query_start_loc, kv_lens, scale,
+                       k_scale_cache=k_scale_cache, v_scale_cache=v_scale_cache)
     if q.shape[0] >= PREFILL_TOKENS_PER_REQUEST * max(query_start_loc.shape[0] - 1, 1):
         return _prefill(q, k_cache, v_cache, block_table, query_start_loc, kv_lens, scale)
     return _decode(q, k_cache, v_cache, block_table, query_start_loc, kv_lens, scale)
 
 
 def paged_attention_lse(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
-                        query_start_loc: torch.Tensor, kv_lens: torch.Tensor,
-                        scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    return _paged(q, k_cache, v_cache, block_table, query_start_loc, kv_lens, scale)
+                        query_start_loc: torch.Tensor, kv_lens: torch.Tensor, scale: float,
+                        k_scale_cache: torch.Tensor | None = None,
+                        v_scale_cache: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    return _paged(q, k_cache, v_cache, block_table, query_start_loc, kv_lens, scale, k_scale_cache, v_scale_cache)
 
 
 def mla_partial_attention(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor,
                           block_table: torch.Tensor, query_start_loc: torch.Tensor, kv_lens: torch.Tensor,
-                          scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+                          scale: float, kv_scale_cache: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     L = q_nope.shape[-1]
     return _paged(torch.cat([q_nope, q_pe], -1), kv_cache.unsqueeze(2), kv_cache[..., :L].unsqueeze(2), block_table,
-                  query_start_loc, kv_lens, scale)
+                  query_start_loc, kv_lens, scale, kv_scale_cache, kv_scale_cache)
 
 
 def dcp_localize_metadata(slot_mapping: torch.Tensor, query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
@@ -61,18 +71,42 @@ def dcp_localize_metadata(slot_mapping: torch.Tensor, query_start_loc: torch.Ten
             layout.local_context_lens(query_start_loc, seq_lens, T, **lay))
 
 
+def quant_cache_write(new: torch.Tensor, cache: torch.Tensor, scale_cache: torch.Tensor,
+                      slot_mapping: torch.Tensor) -> None:
+    cache_write(new, cache, slot_mapping, scale_cache)
+
+
+def gqa_paged_attention_quant(q, k, v, k_cache, v_cache, k_scale_cache, v_scale_cache, slot_mapping, block_table,
+                              seq_lens, query_start_loc, scale):
+    return gqa_paged_attention(q, k, v, k_cache, v_cache, slot_mapping, block_table, seq_lens, query_start_loc, scale,
+                               k_scale_cache, v_scale_cache)
+
+
+def mla_attention_quant(q_nope, q_pe, kv_c, k_pe, kv_cache, kv_scale_cache, slot_mapping, block_table, seq_lens,
+                        query_start_loc, scale):
+    return mla_attention(q_nope, q_pe, kv_c, k_pe, kv_cache, slot_mapping, block_table, seq_lens, query_start_loc,
+                         scale, kv_scale_cache)
+
+
 def gqa_paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                         v_cache: torch.Tensor, slot_mapping: torch.Tensor, block_table: torch.Tensor,
-                        seq_lens: torch.Tensor, query_start_loc: torch.Tensor, scale: float) -> torch.Tensor:
-    _cache_write(k, k_cache, slot_mapping)
-    _cache_write(v, v_cache, slot_mapping)
+                        seq_lens: torch.Tensor, query_start_loc: torch.Tensor, scale: float,
+                        k_scale_cache: torch.Tensor | None = None,
+                        v_scale_cache: torch.Tensor | None = None) -> torch.Tensor:
+    kv_quant.check_pair(k_cache, k_scale_cache, "k_cache")  # before either cache is written
+    kv_quant.check_pair(v_cache, v_scale_cache, "v_cache")
+    cache_write(k, k_cache, slot_mapping, k_scale_cache)
+    cache_write(v, v_cache, slot_mapping, v_scale_cache)
     kv_lens = layout.causal_lens(query_start_loc, seq_lens, q.shape[0])
-    return paged_attention_lse(q, k_cache, v_cache, block_table, query_start_loc, kv_lens, scale)[0]
+    return paged_attention_lse(q, k_cache, v_cache, block_table, query_start_loc, kv_lens, scale,
+                               k_scale_cache, v_scale_cache)[0]
 
 
 def mla_attention(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_c: torch.Tensor, k_pe: torch.Tensor,
                   kv_cache: torch.Tensor, slot_mapping: torch.Tensor, block_table: torch.Tensor,
-                  seq_lens: torch.Tensor, query_start_loc: torch.Tensor, scale: float) -> torch.Tensor:
-    _cache_write(torch.cat([kv_c, k_pe], -1), kv_cache, slot_mapping)
+                  seq_lens: torch.Tensor, query_start_loc: torch.Tensor, scale: float,
+                  kv_scale_cache: torch.Tensor | None = None) -> torch.Tensor:
+    cache_write(torch.cat([kv_c, k_pe], -1), kv_cache, slot_mapping, kv_scale_cache)
     kv_lens = layout.causal_lens(query_start_loc, seq_lens, q_nope.shape[0])
-    return mla_partial_attention(q_nope, q_pe, kv_cache, block_table, query_start_loc, kv_lens, scale)[0]
+    return mla_partial_attention(q_nope, q_pe, kv_cache, block_table, query_start_loc, kv_lens, scale,
+                                 kv_scale_cache)[0]

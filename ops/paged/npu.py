@@ -39,7 +39,7 @@ from __future__ import annotations
 
 import torch
 
-from cp_compile.ops.core import layout
+from cp_compile.ops.core import kv_quant, layout
 from cp_compile.ops.core.npu import torch_npu as _torch_npu
 
 
@@ -105,12 +105,16 @@ def _per_token_fia(q, k_cache, v_cache, block_table, query_start_loc, kv_lens, s
     return out.reshape(T, H, -1), torch.where(torch.isposinf(lse), torch.full_like(lse, float("-inf")), lse)
 
 
-def _paged_attention_lse(q, k_cache, v_cache, block_table, query_start_loc, kv_lens, scale):
+def _paged_attention_lse(q, k_cache, v_cache, block_table, query_start_loc, kv_lens, scale, k_scale_cache=None,
+                         v_scale_cache=None):
+    kv_quant.refuse_quantized("cp::paged_attention_lse", "torch_npu's fused attention", k_scale_cache, v_scale_cache)
     return _per_token_fia(q, k_cache, v_cache, block_table, query_start_loc, kv_lens, scale, k_cache.shape[2],
                           "cp::paged_attention_lse")
 
 
-def _mla_partial_attention(q_nope, q_pe, kv_cache, block_table, query_start_loc, kv_lens, scale):
+def _mla_partial_attention(q_nope, q_pe, kv_cache, block_table, query_start_loc, kv_lens, scale,
+                           kv_scale_cache=None):
+    kv_quant.refuse_quantized("cp::mla_partial_attention", "torch_npu's fused attention", kv_scale_cache)
     L = q_nope.shape[-1]
     out, lse = _per_token_fia(torch.cat([q_nope, q_pe], -1), kv_cache, kv_cache, block_table, query_start_loc,
                               kv_lens, scale, 1, "cp::mla_partial_attention")

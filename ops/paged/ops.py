@@ -25,11 +25,13 @@ Callers use `torch.ops.cp.<name>`; there are no Python wrappers.
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 from torch import Tensor
 
-from cp_compile.ops.core import layout, paged_cache
-from cp_compile.ops.core.spec import GE, TRITON_ASCEND, OpDecl
+from cp_compile.ops.core import kv_quant, layout, paged_cache
+from cp_compile.ops.core.spec import GE, TRITON_ASCEND, Absent, OpDecl
 from cp_compile.ops.paged import cpu, launch, npu, reference
 
 
@@ -59,14 +61,55 @@ def gqa_paged_attention(
                      seq_lens, query_start_loc, scale)
 
 
-def _gqa_step(attend, q, k, v, k_cache, v_cache, slot_mapping, block_table, seq_lens, query_start_loc, scale):
+# A quantised cache (CPConfig.kv_cache_dtype, issue 39) has its own ops, whose scale caches are
+# required arguments: torchair's auto_functionalized_v2 converter cannot take an Optional
+# mutable argument left None (it calls view_copy on None), so the model-dtype ops keep their
+# schemas and GE graphs exactly as they were (decision 66).
+@torch.library.custom_op("cp::gqa_paged_attention_quant",
+                         mutates_args=("k_cache", "v_cache", "k_scale_cache", "v_scale_cache"))
+def gqa_paged_attention_quant(
+    q: torch.Tensor,  # [T, Hq, D]
+    k: torch.Tensor,  # [T, Hkv, D]
+    v: torch.Tensor,  # [T, Hkv, Dv]
+    k_cache: torch.Tensor,  # [NB, BS, Hkv, D] int8 / float8_e4m3fn, written in place
+    v_cache: torch.Tensor,  # [NB, BS, Hkv, Dv] int8 / float8_e4m3fn, written in place
+    k_scale_cache: torch.Tensor,  # [NB, BS, Hkv] fp32, written in place
+    v_scale_cache: torch.Tensor,  # [NB, BS, Hkv] fp32, written in place
+    slot_mapping: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """`cp::gqa_paged_attention` over a quantised cache: the write quantises each token's row per
+    KV head (its scale into the scale caches), the attention dequantises on load."""
+    return _gqa_step(reference.paged_attention_with_lse, q, k, v, k_cache, v_cache, slot_mapping, block_table,
+                     seq_lens, query_start_loc, scale, k_scale_cache, v_scale_cache)
+
+
+def _gqa_paged_attention_quant_cpu(q, k, v, k_cache, v_cache, k_scale_cache, v_scale_cache, slot_mapping,
+                                   block_table, seq_lens, query_start_loc, scale):
+    return _gqa_step(cpu.paged_attention_lse, q, k, v, k_cache, v_cache, slot_mapping, block_table,
+                     seq_lens, query_start_loc, scale, k_scale_cache, v_scale_cache)
+
+
+@gqa_paged_attention_quant.register_fake
+def _(q, k, v, k_cache, v_cache, k_scale_cache, v_scale_cache, slot_mapping, block_table, seq_lens, query_start_loc,
+      scale):
+    return q.new_empty(q.shape[0], q.shape[1], v.shape[-1])
+
+
+def _gqa_step(attend, q, k, v, k_cache, v_cache, slot_mapping, block_table, seq_lens, query_start_loc, scale,
+              k_scale_cache=None, v_scale_cache=None):
     """Check, write the caches, attend causally with `attend` (the reference, or the CPU kernel)."""
     paged_cache.check_paged_step((k_cache, v_cache), slot_mapping, block_table, seq_lens, query_start_loc,
                                op="cp::gqa_paged_attention")
-    paged_cache.write_cache(k_cache, k, slot_mapping)
-    paged_cache.write_cache(v_cache, v, slot_mapping)
+    kv_quant.check_pair(k_cache, k_scale_cache, "k_cache")  # before either cache is written
+    kv_quant.check_pair(v_cache, v_scale_cache, "v_cache")
+    paged_cache.write_cache(k_cache, k, slot_mapping, k_scale_cache)
+    paged_cache.write_cache(v_cache, v, slot_mapping, v_scale_cache)
     kv_lens = layout.causal_lens(query_start_loc, seq_lens, q.shape[0])  # [T], 0 for padding
-    out, _ = attend(q, k_cache, v_cache, block_table, query_start_loc, kv_lens, scale)
+    out, _ = attend(q, k_cache, v_cache, block_table, query_start_loc, kv_lens, scale, k_scale_cache, v_scale_cache)
     return out  # fresh tensor (built with torch.zeros inside), never an alias of q
 
 
@@ -109,14 +152,45 @@ def mla_attention(
                      block_table, seq_lens, query_start_loc, scale)
 
 
+@torch.library.custom_op("cp::mla_attention_quant", mutates_args=("kv_cache", "kv_scale_cache"))
+def mla_attention_quant(
+    q_nope: torch.Tensor,  # [T, H, L]
+    q_pe: torch.Tensor,  # [T, H, R]
+    kv_c: torch.Tensor,  # [T, L]
+    k_pe: torch.Tensor,  # [T, R]
+    kv_cache: torch.Tensor,  # [NB, BS, L+R] int8 / float8_e4m3fn, written in place
+    kv_scale_cache: torch.Tensor,  # [NB, BS, 1] fp32, written in place: one scale per token for [c | k_pe]
+    slot_mapping: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """`cp::mla_attention` over a quantised latent cache (issue 39)."""
+    return _mla_step(reference.mla_attention_with_lse, q_nope, q_pe, kv_c, k_pe, kv_cache, slot_mapping,
+                     block_table, seq_lens, query_start_loc, scale, kv_scale_cache)
+
+
+def _mla_attention_quant_cpu(q_nope, q_pe, kv_c, k_pe, kv_cache, kv_scale_cache, slot_mapping, block_table,
+                             seq_lens, query_start_loc, scale):
+    return _mla_step(cpu.mla_attention_lse, q_nope, q_pe, kv_c, k_pe, kv_cache, slot_mapping,
+                     block_table, seq_lens, query_start_loc, scale, kv_scale_cache)
+
+
+@mla_attention_quant.register_fake
+def _(q_nope, q_pe, kv_c, k_pe, kv_cache, kv_scale_cache, slot_mapping, block_table, seq_lens, query_start_loc,
+      scale):
+    return torch.empty_like(q_nope, memory_format=torch.contiguous_format)
+
+
 def _mla_step(attend, q_nope, q_pe, kv_c, k_pe, kv_cache, slot_mapping, block_table, seq_lens, query_start_loc,
-              scale):
+              scale, kv_scale_cache=None):
     """Check, write the latent cache, attend causally with `attend` (the reference, or the CPU kernel)."""
     paged_cache.check_paged_step((kv_cache,), slot_mapping, block_table, seq_lens, query_start_loc,
                                op="cp::mla_attention")
-    paged_cache.write_latent(kv_cache, kv_c, k_pe, slot_mapping)
+    paged_cache.write_latent(kv_cache, kv_c, k_pe, slot_mapping, kv_scale_cache)
     kv_lens = layout.causal_lens(query_start_loc, seq_lens, q_nope.shape[0])
-    return attend(q_nope, q_pe, kv_cache, block_table, query_start_loc, kv_lens, scale)[0]
+    return attend(q_nope, q_pe, kv_cache, block_table, query_start_loc, kv_lens, scale, kv_scale_cache)[0]
 
 
 def _mla_attention_cpu(q_nope, q_pe, kv_c, k_pe, kv_cache, slot_mapping, block_table, seq_lens, query_start_loc,
@@ -173,31 +247,52 @@ def _(new, cache, slot_mapping):
     return None
 
 
+@torch.library.custom_op("cp::quant_cache_write", mutates_args=("cache", "scale_cache"))
+def quant_cache_write(new: Tensor, cache: Tensor, scale_cache: Tensor, slot_mapping: Tensor) -> None:
+    """`cp::cache_write` into an int8 / fp8 cache: each row stored quantised, its fp32 scale in
+    `scale_cache` ([NB, BS, rows]) at the same slot (issue 39)."""
+    paged_cache.write_cache(cache, new, slot_mapping, scale_cache)
+
+
+@quant_cache_write.register_fake
+def _(new, cache, scale_cache, slot_mapping):
+    return None
+
+
 @torch.library.custom_op("cp::paged_attention_lse", mutates_args=())
 def paged_attention_lse(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_table: Tensor, query_start_loc: Tensor,
-                        kv_lens: Tensor, scale: float) -> tuple[Tensor, Tensor]:
+                        kv_lens: Tensor, scale: float, k_scale_cache: Optional[Tensor] = None,
+                        v_scale_cache: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
     """Partial GQA attention over the local shard: token t attends local positions
     0..kv_lens[t]-1 of its request. q [T,Hq,D] (may be a gathered, strided view),
-    caches [NB,BS,Hkv,D|Dv] -> out [T,Hq,Dv] (q dtype), lse [T,Hq] fp32 (-inf if empty)."""
-    return reference.paged_attention_with_lse(q, k_cache, v_cache, block_table, query_start_loc, kv_lens, scale)
+    caches [NB,BS,Hkv,D|Dv] -> out [T,Hq,Dv] (q dtype), lse [T,Hq] fp32 (-inf if empty).
+    Quantised caches are dequantised on load with their scales ([NB,BS,Hkv] fp32)."""
+    kv_quant.check_pair(k_cache, k_scale_cache, "k_cache")
+    kv_quant.check_pair(v_cache, v_scale_cache, "v_cache")
+    return reference.paged_attention_with_lse(q, k_cache, v_cache, block_table, query_start_loc, kv_lens, scale,
+                                              k_scale_cache, v_scale_cache)
 
 
 @paged_attention_lse.register_fake
-def _(q, k_cache, v_cache, block_table, query_start_loc, kv_lens, scale):
+def _(q, k_cache, v_cache, block_table, query_start_loc, kv_lens, scale, k_scale_cache=None, v_scale_cache=None):
     T, H = q.shape[0], q.shape[1]
     return q.new_empty(T, H, v_cache.shape[-1]), q.new_empty(T, H, dtype=torch.float32)
 
 
 @torch.library.custom_op("cp::mla_partial_attention", mutates_args=())
 def mla_partial_attention(q_nope: Tensor, q_pe: Tensor, kv_cache: Tensor, block_table: Tensor,
-                          query_start_loc: Tensor, kv_lens: Tensor, scale: float) -> tuple[Tensor, Tensor]:
+                          query_start_loc: Tensor, kv_lens: Tensor, scale: float,
+                          kv_scale_cache: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
     """Partial absorbed-MLA attention over the local latent shard.
-    q_nope [T,H,L], q_pe [T,H,R], kv_cache [NB,BS,L+R] -> out [T,H,L], lse [T,H] fp32."""
-    return reference.mla_attention_with_lse(q_nope, q_pe, kv_cache, block_table, query_start_loc, kv_lens, scale)
+    q_nope [T,H,L], q_pe [T,H,R], kv_cache [NB,BS,L+R] -> out [T,H,L], lse [T,H] fp32.
+    A quantised latent is dequantised on load with its per-token scales ([NB,BS,1] fp32)."""
+    kv_quant.check_pair(kv_cache, kv_scale_cache, "kv_cache")
+    return reference.mla_attention_with_lse(q_nope, q_pe, kv_cache, block_table, query_start_loc, kv_lens, scale,
+                                            kv_scale_cache)
 
 
 @mla_partial_attention.register_fake
-def _(q_nope, q_pe, kv_cache, block_table, query_start_loc, kv_lens, scale):
+def _(q_nope, q_pe, kv_cache, block_table, query_start_loc, kv_lens, scale, kv_scale_cache=None):
     T, H, L = q_nope.shape
     return q_nope.new_empty(T, H, L), q_nope.new_empty(T, H, dtype=torch.float32)
 
@@ -211,7 +306,14 @@ def _(q_nope, q_pe, kv_cache, block_table, query_start_loc, kv_lens, scale):
 SINGLE_DEVICE_ATTENTION_OPS: tuple[torch._ops.OpOverloadPacket, ...] = (
     torch.ops.cp.gqa_paged_attention,
     torch.ops.cp.mla_attention,
+    torch.ops.cp.gqa_paged_attention_quant,
+    torch.ops.cp.mla_attention_quant,
 )
+# Pieces the quantised ops do not have yet (issue 39, docs/quant_kv.md).
+_NO_QUANT_GE = Absent("not built: FusedInferAttentionScore's antiquant scale / offset mapping for a quantised KV "
+                      "cache (issue 39); a quantised cache runs on CPU / CUDA")
+_NO_QUANT_NPU = Absent("not built: the quantised KV kernels are not checked through triton-ascend's lowering yet "
+                       "(issue 39)")
 
 
 # ----------------------------------------------------------------------------- declarations (core/spec.py)
@@ -232,4 +334,9 @@ OPS = (
            cpu=cpu.paged_attention_lse),
     OpDecl(mla_partial_attention, cuda=launch.mla_partial_attention, npu=npu._mla_partial_attention,
            ge=GE("ge", "FusedInferAttentionScore"), profile="attention", cpu=cpu.mla_attention_lse),
+    OpDecl(gqa_paged_attention_quant, cuda=launch.gqa_paged_attention_quant, npu=_NO_QUANT_NPU, ge=_NO_QUANT_GE,
+           profile="attention", cpu=_gqa_paged_attention_quant_cpu),
+    OpDecl(mla_attention_quant, cuda=launch.mla_attention_quant, npu=_NO_QUANT_NPU, ge=_NO_QUANT_GE,
+           profile="attention", cpu=_mla_attention_quant_cpu),
+    OpDecl(quant_cache_write, cuda=launch.quant_cache_write, npu=_NO_QUANT_NPU, ge=_NO_QUANT_GE, profile="attention"),
 )

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from cp_compile.ops.core.layout import request_index
-from cp_compile.ops.core.paged_cache import gather_request_pages
+from cp_compile.ops.core.paged_cache import gather_request_rows
 
 
 def paged_attention_with_lse(
@@ -20,8 +20,11 @@ def paged_attention_with_lse(
     query_start_loc: torch.Tensor,  # [B+1]
     kv_lens: torch.Tensor,  # [T]: token t attends positions 0..kv_lens[t]-1 of its request
     scale: float,
+    k_scale_cache: torch.Tensor | None = None,  # [NB, BS, Hkv] fp32: a quantised k_cache's row scales
+    v_scale_cache: torch.Tensor | None = None,  # [NB, BS, Hkv] fp32
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Softmax attention of each query over a prefix of its request's paged keys.
+    A quantised (int8 / fp8) cache is dequantised on load with its scales (issue 39).
 
     Returns out [T, Hq, Dv] in q's dtype and lse [T, Hq] in fp32 (natural log).
     A query with no keys (kv_lens 0, or a padding token) gets out 0 and lse -inf.
@@ -40,8 +43,8 @@ def paged_attention_with_lse(
         if toks.numel() == 0:
             continue
         n = int(kv_lens[toks].max())
-        k = gather_request_pages(k_cache, block_table[b], n).float()  # [n, Hkv, D]
-        v = gather_request_pages(v_cache, block_table[b], n).float()  # [n, Hkv, Dv]
+        k = gather_request_rows(k_cache, k_scale_cache, block_table[b], n)  # [n, Hkv, D] fp32
+        v = gather_request_rows(v_cache, v_scale_cache, block_table[b], n)  # [n, Hkv, Dv] fp32
         # Query head h = kv * group + j reads KV head kv: group the query heads
         # instead of repeating K/V per head (no H-fold copy of the keys).
         qb = q[toks].float().unflatten(1, (Hkv, group))  # [t, Hkv, g, D]
@@ -57,11 +60,13 @@ def paged_attention_with_lse(
 
 def mla_attention_with_lse(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor,
                            block_table: torch.Tensor, query_start_loc: torch.Tensor, kv_lens: torch.Tensor,
-                           scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+                           scale: float, kv_scale_cache: torch.Tensor | None = None
+                           ) -> tuple[torch.Tensor, torch.Tensor]:
     """Absorbed MLA as MQA over a paged latent cache [NB, BS, L+R]: keys are the cached
     [c; k_pe], values their first L columns (a view). q_nope [T,H,L], q_pe [T,H,R]
-    -> out [T,H,L], lse [T,H] fp32, with the semantics of paged_attention_with_lse."""
+    -> out [T,H,L], lse [T,H] fp32, with the semantics of paged_attention_with_lse.
+    A quantised latent has one scale per token (`kv_scale_cache` [NB, BS, 1]) for both parts."""
     L = q_nope.shape[-1]
     q = torch.cat([q_nope, q_pe], dim=-1)  # [T, H, L+R]
     return paged_attention_with_lse(q, kv_cache.unsqueeze(2), kv_cache[..., :L].unsqueeze(2), block_table,
-                                    query_start_loc, kv_lens, scale)
+                                    query_start_loc, kv_lens, scale, kv_scale_cache, kv_scale_cache)

@@ -7,6 +7,10 @@ each split writes an fp32 partial and `_split_merge_kernel` merges them by LSE; 
 launches one split on its persistent grid (docs/decisions.md 54, docs/kernels.md
 "Split-KV decode"). The LSE output is what the DCP merge needs (docs/architecture.md §5).
 Torch oracle: `cp_compile.ops.paged.reference.paged_attention_with_lse`.
+
+A quantised cache (int8 / fp8, issue 39) is dequantised on load: right after a tile's
+K / V rows are loaded, each row is multiplied by its fp32 scale (`QUANT`, the scale
+caches beside the pages), and the tile goes on in fp32 (in q's dtype on the tl.dot path).
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
+from cp_compile.ops.core import kv_quant
 from cp_compile.ops.core.attention_tile import lse_epilogue, lse_merge_rows, online_softmax_step, paged_location
 from cp_compile.ops.paged import launch as paged_launch
 from cp_compile.ops.core.triton_common import (
@@ -38,7 +43,7 @@ _TILE_BUDGET = 8192
 
 @triton.jit
 def _paged_attention_lse_kernel(
-    q_ptr, k_ptr, v_ptr, bt_ptr, req_ptr, kvlen_ptr, out_ptr, lse_ptr,
+    q_ptr, k_ptr, v_ptr, bt_ptr, req_ptr, kvlen_ptr, out_ptr, lse_ptr, ks_ptr, vs_ptr,
     scale,
     n_work, Hkv, group, n_hblk, n_splits, split_len, block_size, D, Dv, D1,
     s_qt, s_qh, s_qd,
@@ -47,8 +52,10 @@ def _paged_attention_lse_kernel(
     s_bt,
     s_os, s_ot, s_oh, s_od,
     s_ls, s_lt, s_lh,
+    s_ksb, s_kss, s_ksh, s_vsb, s_vss, s_vsh,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
     D_PAD: tl.constexpr, DV_PAD: tl.constexpr, DR_PAD: tl.constexpr, USE_DOT: tl.constexpr,
+    QUANT: tl.constexpr,
 ):
     # DR_PAD = 0: a key row is one block of D columns (D_PAD), V a row of its own.
     # DR_PAD > 0 (MLA): the key row is D1 = Dv latent columns, which are also the value
@@ -119,6 +126,20 @@ def _paged_attention_lse_kernel(
             else:
                 v = tl.load(v_ptr + v_row[:, None] + offs_dv[None, :] * s_vd,
                             mask=j_mask[:, None] & dv_mask[None, :], other=0.0)  # [BLOCK_N, DV_PAD]
+            if QUANT:  # dequantise on load (issue 39): codes * the row's scale, fp32
+                k_sc = tl.load(ks_ptr + page * s_ksb + in_page * s_kss + g * s_ksh, mask=j_mask, other=0.0)
+                k = k.to(tl.float32) * k_sc[:, None]
+                if DR_PAD > 0:
+                    k_pe = k_pe.to(tl.float32) * k_sc[:, None]
+                    v = k
+                else:
+                    v_sc = tl.load(vs_ptr + page * s_vsb + in_page * s_vss + g * s_vsh, mask=j_mask, other=0.0)
+                    v = v.to(tl.float32) * v_sc[:, None]
+                if USE_DOT:  # tl.dot takes both operands in q's dtype
+                    k = k.to(q_ptr.dtype.element_ty)
+                    v = v.to(q_ptr.dtype.element_ty)
+                    if DR_PAD > 0:
+                        k_pe = k_pe.to(q_ptr.dtype.element_ty)
             if USE_DOT:
                 # Cube / tensor-core path: the whole (padded) head group as the M side
                 # of one product, operands in their own dtype, fp32 accumulation (needs
@@ -204,8 +225,13 @@ def paged_attention_with_lse_triton(
     use_dot: bool | None = None,
     num_splits: int | None = None,
     num_warps: int | None = None,
+    k_scale_cache: torch.Tensor | None = None,
+    v_scale_cache: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Triton twin of `reference.paged_attention_with_lse`.
+
+    k_scale_cache / v_scale_cache: a quantised (int8 / fp8) cache's row scales
+    ([NB, BS, Hkv] fp32), dequantised on load (issue 39).
 
     Returns out [T, Hq, Dv] in q.dtype and lse [T, Hq] fp32 (natural log); a token
     with no keys (kv_lens 0 or padding past query_start_loc[-1]) gets out 0, lse -inf.
@@ -307,8 +333,17 @@ def paged_attention_with_lse_triton(
         part_lse = torch.empty(num_splits, T, Hq, dtype=torch.float32, device=device)  # [S, T, Hq]
         require_int32_offsets(part_out=part_out)
         s_po, s_pl = part_out.stride(0), part_lse.stride(0)
+    quant = k_scale_cache is not None
+    if quant:
+        ks = kv_quant.scale_view(k_cache, k_scale_cache)  # [NB, BS, Hkv]
+        vs = kv_quant.scale_view(v_cache, v_scale_cache)  # type: ignore[arg-type]
+        require_int32_offsets(k_scale_cache=ks, v_scale_cache=vs)
+        scale_strides = (*ks.stride(), *vs.stride())
+    else:
+        ks = vs = lse  # never read (QUANT=False): any pointer
+        scale_strides = (0,) * 6
     kernel_for(_paged_attention_lse_kernel, device)[grid](
-        q, k_cache, v_cache, block_table, req, kv_lens, part_out, part_lse,
+        q, k_cache, v_cache, block_table, req, kv_lens, part_out, part_lse, ks, vs,
         float(scale),
         n_work, Hkv, group, n_hblk, num_splits, split_len, BS, D, Dv, d1,
         *q.stride(),
@@ -317,7 +352,9 @@ def paged_attention_with_lse_triton(
         block_table.stride(0),
         s_po, *part_out.stride()[-3:],
         s_pl, *part_lse.stride()[-2:],
+        *scale_strides,
         BLOCK_H=block_h, BLOCK_N=block_n, D_PAD=d_pad, DV_PAD=dv_pad, DR_PAD=dr_pad, USE_DOT=use_dot,
+        QUANT=quant,
         **({"num_warps": num_warps or warps} if target == "cuda" else {}),
     )
     if num_splits > 1:

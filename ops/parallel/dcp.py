@@ -140,12 +140,14 @@ def group_queries(q: Tensor, ctx: DCPContext) -> Tensor:
 
 def gathered_gqa_partial(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_table: Tensor,
                          query_start_loc: Tensor, kv_lens: Tensor, scale: float, kv_heads: int,
-                         ctx: DCPContext) -> tuple[Tensor, Tensor]:
+                         ctx: DCPContext, k_scale_cache: Tensor | None = None,
+                         v_scale_cache: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """Every rank's query heads against this rank's shard: q [T, Hq, D] (replicated:
     [T, N*Hq, D]) -> (out [T, N*Hq, Dv], lse [T, N*Hq]), heads rank-major, each with its
     own KV head."""
     q_all = kv_major_heads(group_queries(q, ctx), ctx.group.size, kv_heads)  # [T, N*Hq, D]
-    part = _cp.paged_attention_lse.default(q_all, k_cache, v_cache, block_table, query_start_loc, kv_lens, scale)
+    part = _cp.paged_attention_lse.default(q_all, k_cache, v_cache, block_table, query_start_loc, kv_lens, scale,
+                                           k_scale_cache, v_scale_cache)
     return rank_major_heads(part[0], ctx.group.size, kv_heads), rank_major_heads(part[1], ctx.group.size, kv_heads)
 
 
@@ -191,22 +193,34 @@ def merge_heads(out: Tensor, lse: Tensor, ctx: DCPContext, heads: int,
     return dense(merged.to(dtype).transpose(0, 1)), total.transpose(0, 1)
 
 
+def write_cache(new: Tensor, cache: Tensor, slot_mapping: Tensor, scale_cache: Tensor | None = None) -> None:
+    """This rank's tokens into its shard: `cp::cache_write`, or `cp::quant_cache_write` for a
+    quantised cache (its scales beside the pages, on the owner rank; issue 39)."""
+    if scale_cache is None:
+        _cp.cache_write.default(new, cache, slot_mapping)
+    else:
+        _cp.quant_cache_write.default(new, cache, scale_cache, slot_mapping)
+
+
 def dcp_gqa_attention(q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, slot_mapping: Tensor,
                       block_table: Tensor, seq_lens: Tensor, query_start_loc: Tensor, scale: float,
-                      ctx: DCPContext, local: LocalMetadata | None = None) -> Tensor:
+                      ctx: DCPContext, local: LocalMetadata | None = None, k_scale_cache: Tensor | None = None,
+                      v_scale_cache: Tensor | None = None) -> Tensor:
     """DCP version of `cp::gqa_paged_attention`: same arguments (global metadata,
     this rank's cache shard), same output [T, Hq, Dv] for this rank's heads
     (replicated: q [T, N*Hq, D] holds the group's heads, the output this rank's Hq).
+    A quantised cache's scales are this rank's shard too (same pages): each token is
+    quantised by its owner's write, and read back by its owner only (issue 39).
 
     Exact for decode, prefill, chunked prefill and mixed batches: every query
     attends its local causal prefix `local_len(r, pos+1)` on every rank.
     """
     if local is None:
         local = localize(ctx, slot_mapping, query_start_loc, seq_lens)
-    _cp.cache_write.default(k, k_cache, local.slot_mapping)
-    _cp.cache_write.default(v, v_cache, local.slot_mapping)
+    write_cache(k, k_cache, local.slot_mapping, k_scale_cache)
+    write_cache(v, v_cache, local.slot_mapping, v_scale_cache)
     out, lse = gathered_gqa_partial(q, k_cache, v_cache, block_table, query_start_loc, local.causal_lens, scale,
-                                    k.shape[1], ctx)  # [T, N*Hq, Dv], [T, N*Hq]
+                                    k.shape[1], ctx, k_scale_cache, v_scale_cache)  # [T, N*Hq, Dv], [T, N*Hq]
     return merge_heads(out, lse, ctx, own_heads(q, ctx), q.dtype)[0]
 
 
@@ -234,25 +248,28 @@ def merge_partial(part: Partial, ctx: DCPContext) -> Tensor:
 
 def dcp_mla_partial(q_nope: Tensor, q_pe: Tensor, kv_c: Tensor, k_pe: Tensor, kv_cache: Tensor,
                     slot_mapping: Tensor, block_table: Tensor, seq_lens: Tensor, query_start_loc: Tensor,
-                    scale: float, ctx: DCPContext, local: LocalMetadata | None = None) -> Partial:
+                    scale: float, ctx: DCPContext, local: LocalMetadata | None = None,
+                    kv_scale_cache: Tensor | None = None) -> Partial:
     """`dcp_mla_attention` up to the merge: local latent write, the group's queries, the
-    partial over the local shard (out [T, N*H, L])."""
+    partial over the local shard (out [T, N*H, L]; a quantised latent: its per-token scales
+    sharded with the pages)."""
     if local is None:
         local = localize(ctx, slot_mapping, query_start_loc, seq_lens)
-    _cp.cache_write.default(torch.cat([kv_c, k_pe], dim=-1), kv_cache, local.slot_mapping)
+    write_cache(torch.cat([kv_c, k_pe], dim=-1), kv_cache, local.slot_mapping, kv_scale_cache)
     heads = own_heads(q_nope, ctx)
     q_nope, q_pe = group_mla_queries(q_nope, q_pe, ctx)  # [T, N*H, L], [T, N*H, R]
     part = _cp.mla_partial_attention.default(q_nope, q_pe, kv_cache, block_table,
-                                             query_start_loc, local.causal_lens, scale)
+                                             query_start_loc, local.causal_lens, scale, kv_scale_cache)
     return Partial(part[0], part[1], heads, q_nope.dtype)
 
 
 def dcp_mla_attention(q_nope: Tensor, q_pe: Tensor, kv_c: Tensor, k_pe: Tensor, kv_cache: Tensor,
                       slot_mapping: Tensor, block_table: Tensor, seq_lens: Tensor, query_start_loc: Tensor,
-                      scale: float, ctx: DCPContext, local: LocalMetadata | None = None) -> Tensor:
+                      scale: float, ctx: DCPContext, local: LocalMetadata | None = None,
+                      kv_scale_cache: Tensor | None = None) -> Tensor:
     """DCP version of `cp::mla_attention` (absorbed MLA): output [T, H, L] for this rank's heads."""
     return merge_partial(dcp_mla_partial(q_nope, q_pe, kv_c, k_pe, kv_cache, slot_mapping, block_table, seq_lens,
-                                         query_start_loc, scale, ctx, local), ctx)
+                                         query_start_loc, scale, ctx, local, kv_scale_cache), ctx)
 
 
 def group_mla_queries(q_nope: Tensor, q_pe: Tensor, ctx: DCPContext) -> tuple[Tensor, Tensor]:

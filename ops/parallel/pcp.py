@@ -171,9 +171,18 @@ def pcp_restore_tokens(x: Tensor, step: _Step, ctx: PCPContext) -> Tensor:
     return torch.where(step.real[:, None], flat, 0).view_as(glob)
 
 
+def _refuse_quantized(*scale_caches: Tensor | None) -> None:
+    """CPConfig refuses kv_cache_dtype != 'auto' with PCP; this is the backstop for a caller
+    that built the caches by hand (the new-token part would read unquantised rows)."""
+    if any(s is not None for s in scale_caches):
+        raise NotImplementedError("PCP prefill with a quantised KV cache (kv_cache_dtype int8 / fp8) is not built "
+                                  "(issue 39). Fix: prefill_context_parallel_size=1, or kv_cache_dtype='auto'")
+
+
 def pcp_gqa_attention(q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, slot_mapping: Tensor,
                       block_table: Tensor, seq_lens: Tensor, query_start_loc: Tensor, token_index: Tensor,
-                      scale: float, ctx: PCPContext, step: _Step | None = None) -> Tensor:
+                      scale: float, ctx: PCPContext, step: _Step | None = None,
+                      k_scale_cache: Tensor | None = None, v_scale_cache: Tensor | None = None) -> Tensor:
     """PCP version of `cp::gqa_paged_attention` for this rank's tokens.
 
     q [T_loc, Hq, D], k [T_loc, Hkv, D], v [T_loc, Hkv, Dv] (this rank's tokens and
@@ -181,6 +190,7 @@ def pcp_gqa_attention(q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_cache:
     out [T_loc, Hq, Dv]. Exact for prefill, chunked prefill with a cached prefix and
     mixed batches; at `ctx.fresh` only for steps without cached context.
     """
+    _refuse_quantized(k_scale_cache, v_scale_cache)
     if step is None:
         step = pcp_step(ctx, token_index, slot_mapping, query_start_loc, seq_lens)
     D = k.shape[-1]
@@ -208,12 +218,14 @@ def pcp_gqa_attention(q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_cache:
 
 def pcp_mla_attention(q_nope: Tensor, q_pe: Tensor, kv_c: Tensor, k_pe: Tensor, kv_cache: Tensor,
                       slot_mapping: Tensor, block_table: Tensor, seq_lens: Tensor, query_start_loc: Tensor,
-                      token_index: Tensor, scale: float, ctx: PCPContext, step: _Step | None = None) -> Tensor:
+                      token_index: Tensor, scale: float, ctx: PCPContext, step: _Step | None = None,
+                      kv_scale_cache: Tensor | None = None) -> Tensor:
     """PCP version of `cp::mla_attention` (absorbed MLA) for this rank's tokens.
 
     q_nope [T_loc, H, L], q_pe [T_loc, H, R], kv_c [T_loc, L], k_pe [T_loc, R],
     kv_cache [NB, BS, L+R] (this rank's shard) -> latent out [T_loc, H, L].
     """
+    _refuse_quantized(kv_scale_cache)
     if step is None:
         step = pcp_step(ctx, token_index, slot_mapping, query_start_loc, seq_lens)
     L = q_nope.shape[-1]

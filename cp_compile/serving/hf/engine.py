@@ -100,6 +100,12 @@ class Engine:
             raise ConfigError("Engine config == init_parallel config",
                               f"Engine {_fmt(sizes)}; init_parallel {_fmt(_sizes(state.cfg))}",
                               "pass the CPConfig given to init_parallel")
+        if config.kv_cache_quantized:
+            # The HF attention functions call the model-dtype ops (cp_compile/serving/hf/attention.py).
+            raise ConfigError(f"kv_cache_dtype={config.kv_cache_dtype!r} is not built for the HF engine",
+                              f"kv_cache_dtype={config.kv_cache_dtype!r} (issue 39: the example models and the "
+                              "compiled DCP path take a quantised cache; the HF attention functions do not yet)",
+                              "set kv_cache_dtype='auto' for cp_compile.serving.hf.Engine")
         self.config = config
         self.rank = state.rank if state is not None else 0
         tp_rank = state.layout.tp.rank if state is not None else 0

@@ -1,0 +1,117 @@
+"""Triton kernels of the quantised KV cache (issue 39) against the torch oracle, under the
+interpreter: the quantising cache write (the same bytes and scales as `kv_quant.write_quantized`)
+and the decode kernel's dequantise on load (GQA and MLA, split and unsplit).
+
+TRITON_INTERPRET is read when triton is first imported (see test_kernels.py): run alone this
+file sets it and checks in-process; otherwise one test reruns the file in a fresh interpreter.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+_CHILD_ENV = "CP_COMPILE_QUANT_KERNEL_TESTS_CHILD"
+if "triton" not in sys.modules and not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"
+
+import pytest  # noqa: E402
+
+import cp_compile.ops  # noqa: E402,F401
+from cp_compile.ops.core import layout  # noqa: E402
+from cp_compile.ops.core.launcher import triton_available  # noqa: E402
+from cp_compile.ops.paged import reference  # noqa: E402
+from cp_compile.testing.batches import meta_args, two_step_metas  # noqa: E402
+
+assert triton_available(), "triton is not installed: pip install -e '.[test]'"
+
+from cp_compile.ops.core.triton_cache_write import cache_write_device  # noqa: E402
+from cp_compile.ops.core.triton_common import interpreter_active  # noqa: E402
+from cp_compile.ops.paged import launch  # noqa: E402
+from cp_compile.ops.paged.triton_decode import paged_attention_with_lse_triton  # noqa: E402
+
+IN_PROCESS = interpreter_active()
+interp = pytest.mark.skipif(not IN_PROCESS, reason="triton imported without TRITON_INTERPRET=1: "
+                            "covered by test_quant_kernels_in_fresh_interpreter")
+DTYPES = [torch.int8, torch.float8_e4m3fn]
+BLOCK, NUM_BLOCKS = 4, 16
+
+
+@interp
+@pytest.mark.parametrize("dt", DTYPES, ids=["int8", "fp8"])
+@pytest.mark.parametrize("row", [(2, 16), (24,)], ids=["gqa", "mla"])
+def test_triton_cache_write_quantises_like_the_oracle(dt, row):
+    g = torch.Generator().manual_seed(0)
+    new = torch.randn(7, *row, generator=g) * 3
+    new[3] = 0.0  # all-zero row: scale 1
+    new[0, ..., :4] = torch.tensor([0.5, -0.5, 1.5, 2.5]) * new[0].abs().amax() / 127  # int8 ties (half to even)
+    slots = torch.tensor([5, -1, 7, 0, 31, 12, -1])
+    heads = row[0] if len(row) == 2 else 1
+    want_c, got_c = torch.zeros(8, BLOCK, *row, dtype=dt), torch.zeros(8, BLOCK, *row, dtype=dt)
+    want_s, got_s = torch.zeros(8, BLOCK, heads), torch.zeros(8, BLOCK, heads)
+    torch.ops.cp.quant_cache_write(new, want_c, want_s, slots)  # the CPU op: the torch oracle
+    cache_write_device(new, got_c, slots, got_s)
+    torch.testing.assert_close(got_s, want_s, atol=0, rtol=1e-6)
+    # codes: integers on a grid; a scale within 1 ulp would move a code by at most one step
+    assert torch.equal(got_c.view(torch.uint8), want_c.view(torch.uint8))
+
+
+@interp
+@pytest.mark.parametrize("dt, splits", [(torch.int8, None), (torch.float8_e4m3fn, 1)], ids=["int8-split", "fp8-unsplit"])
+def test_triton_decode_dequantises_on_load(dt, splits):
+    g = torch.Generator().manual_seed(1)
+    metas = two_step_metas("mixed", dcp=1, block_size=BLOCK, num_blocks=NUM_BLOCKS)
+    kc, vc = torch.zeros(NUM_BLOCKS, BLOCK, 2, 16, dtype=dt), torch.zeros(NUM_BLOCKS, BLOCK, 2, 8, dtype=dt)
+    ks, vs = torch.zeros(NUM_BLOCKS, BLOCK, 2), torch.zeros(NUM_BLOCKS, BLOCK, 2)
+    lc, ls = torch.zeros(NUM_BLOCKS, BLOCK, 24, dtype=dt), torch.zeros(NUM_BLOCKS, BLOCK, 1)
+    for m in metas:
+        T = m.num_tokens
+        torch.ops.cp.quant_cache_write(torch.randn(T, 2, 16, generator=g), kc, ks, m.slot_mapping)
+        torch.ops.cp.quant_cache_write(torch.randn(T, 2, 8, generator=g), vc, vs, m.slot_mapping)
+        torch.ops.cp.quant_cache_write(torch.randn(T, 24, generator=g), lc, ls, m.slot_mapping)
+    m = metas[1]
+    T = m.num_tokens
+    kv_lens = layout.causal_lens(m.query_start_loc, m.seq_lens, T)
+    q = torch.randn(T, 4, 16, generator=g)
+    want = reference.paged_attention_with_lse(q, kc, vc, m.block_table, m.query_start_loc, kv_lens, 0.25, ks, vs)
+    got = paged_attention_with_lse_triton(q, kc, vc, m.block_table, m.query_start_loc, kv_lens, 0.25,
+                                          num_splits=splits, k_scale_cache=ks, v_scale_cache=vs)
+    torch.testing.assert_close(got[0], want[0], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(got[1], want[1], atol=1e-5, rtol=1e-5)
+    # MLA through the registered launcher (latent + rope, one scale per token)
+    qn, qp = torch.randn(T, 4, 16, generator=g), torch.randn(T, 4, 8, generator=g)
+    want = reference.mla_attention_with_lse(qn, qp, lc, m.block_table, m.query_start_loc, kv_lens, 0.3, ls)
+    got = launch.mla_partial_attention(qn, qp, lc, m.block_table, m.query_start_loc, kv_lens, 0.3, ls)
+    torch.testing.assert_close(got[0], want[0], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(got[1], want[1], atol=1e-5, rtol=1e-5)
+
+
+@interp
+def test_triton_single_device_ops_on_a_quantised_cache():
+    """The launch adapters of the single-device ops (cache write + attention) on int8."""
+    g = torch.Generator().manual_seed(2)
+    m = two_step_metas("decode", dcp=1, block_size=BLOCK, num_blocks=NUM_BLOCKS)[0]
+    T = m.num_tokens
+    q, k, v = torch.randn(T, 4, 16, generator=g), torch.randn(T, 2, 16, generator=g), torch.randn(T, 2, 16, generator=g)
+    caches = [torch.zeros(NUM_BLOCKS, BLOCK, 2, 16, dtype=torch.int8) for _ in range(2)]
+    scales = [torch.zeros(NUM_BLOCKS, BLOCK, 2) for _ in range(2)]
+    want_c = [c.clone() for c in caches]
+    want_s = [s.clone() for s in scales]
+    got = launch.gqa_paged_attention_quant(q, k, v, *caches, *scales, *meta_args(m), 0.25)
+    want = torch.ops.cp.gqa_paged_attention_quant(q, k, v, *want_c, *want_s, *meta_args(m), 0.25)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    assert all(torch.equal(a, b) for a, b in zip(caches + scales, want_c + want_s))
+
+
+@pytest.mark.skipif(IN_PROCESS or os.environ.get(_CHILD_ENV) == "1", reason="checked in-process under the interpreter")
+def test_quant_kernels_in_fresh_interpreter() -> None:
+    env = {**os.environ, "TRITON_INTERPRET": "1", _CHILD_ENV: "1"}
+    root = Path(__file__).resolve().parents[2]
+    proc = subprocess.run([sys.executable, "-m", "pytest", str(Path(__file__).resolve()), "-q", "-p", "no:cacheprovider",
+                           "-n", "0"], cwd=root, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
+    assert " passed" in proc.stdout.strip().splitlines()[-1], proc.stdout[-2000:]

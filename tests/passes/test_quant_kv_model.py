@@ -1,0 +1,127 @@
+"""Compiled example models at dcp 2 over a quantised KV cache (issue 39) == one device in eager
+with the same quantised cache: the DCP pass hands each layer's scale caches to the
+compositions (the cache write quantises on the owner rank, the partial attention dequantises).
+
+One spawned world of 2 gloo ranks (tp = dcp = 2) compiles the GQA (Qwen3-style, int8) and the
+MLA (DeepSeek-style, fp8) example models with aot_eager and runs the tiny schedule (prefill,
+decodes, a request joining and one leaving, padding) on each. Logits within 1e-4 and the
+same greedy tokens as the single-device eager run.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import cp_compile
+from cp_compile.passes.context import CompileContext
+from cp_compile.runtime.metadata_build import BlockAllocator, build_attention_metadata
+from cp_compile.testing.multirank import run_on_ranks
+from cp_compile.testing.pass_harness import run_pipeline
+from examples.models.tiny import VOCAB, example_from_config, hf_deepseek_v3, hf_qwen3
+from examples.serving import layer_caches, run_schedule, tiny_schedule
+
+BLOCK, NUM_BLOCKS, STEPS = 4, 12, 8
+CASES = (("qwen3", "int8"), ("mla", "fp8_e4m3"))
+
+
+def _hf(kind: str):
+    return hf_qwen3(num_kv_heads=1, num_heads=4) if kind == "qwen3" else hf_deepseek_v3(q_lora_rank=None, num_heads=4)
+
+
+def _world(rank: int, world: int, models: list[tuple[str, str, object, dict]]):
+    out = []
+    for kind, kv_dtype, hf_config, sd in models:
+        cfg = cp_compile.CPConfig(tensor_parallel_size=world, decode_context_parallel_size=world, block_size=BLOCK,
+                                  dcp_merge="ag_rs", kv_cache_dtype=kv_dtype)
+        state = cp_compile.init_parallel(cfg, device="cpu")
+        model = example_from_config(hf_config, sd, world, state.layout.tp.rank, state.tp_group)
+        cache = cp_compile.allocate_kv_cache(cfg, model.kv_cache_spec(), NUM_BLOCKS, attention=model.attention_spec())
+        compiled = cp_compile.compile_model(model, lowering="aot_eager")
+        res = run_schedule(compiled, layer_caches(cache), cfg, NUM_BLOCKS, tiny_schedule(VOCAB, num_steps=STEPS))
+        hist = compiled.backend.pass_managers[0].history[-1].after
+        out.append(dict(results=res, after=hist, scale_bytes=cache.scale_bytes))
+        cp_compile.destroy_parallel()
+    return out
+
+
+@pytest.mark.slow
+def test_compiled_dcp2_quantised_model_matches_single_device():
+    """`-m slow` (~70 s: a spawned world, two aot_eager compiles); the default run checks the
+    pass's plumbing in process (below) and the numerics per op on gloo ranks
+    (tests/ops/test_quant_kv_dcp.py)."""
+    models = []
+    for kind, kv_dtype in CASES:
+        hf = _hf(kind)
+        models.append((kind, kv_dtype, hf.config, {k: v.detach().clone() for k, v in hf.state_dict().items()}))
+    per_rank = run_on_ranks(_world, 2, models, timeout=900)
+    for i, (kind, kv_dtype, hf_config, sd) in enumerate(models):
+        model = example_from_config(hf_config, sd)
+        cfg = cp_compile.CPConfig(block_size=BLOCK * 2, kv_cache_dtype=kv_dtype)
+        cache = cp_compile.allocate_kv_cache(cfg, model.kv_cache_spec(), NUM_BLOCKS)
+        ref = run_schedule(model, layer_caches(cache), cfg, NUM_BLOCKS, tiny_schedule(VOCAB, num_steps=STEPS))
+        for rank, out in enumerate(per_rank):
+            got = out[i]
+            assert got["scale_bytes"] * 2 == cache.scale_bytes  # the scales are sharded with the pages
+            # no single-device attention op left: the pass rewrote them, scales and all
+            assert not any("gqa_paged_attention" in k or "cp.mla_attention" in k for k in got["after"]), got["after"]
+            for step, (g, w) in enumerate(zip(got["results"], ref)):
+                torch.testing.assert_close(g.last_logits, w.last_logits, atol=1e-4, rtol=1e-4,
+                                           msg=f"{kind} {kv_dtype} rank {rank} step {step}")
+                assert g.next_tokens == w.next_tokens, (kind, rank, step)
+
+
+class _Layers(torch.nn.Module):
+    """Two GQA layers over int8 caches with their scale caches, and two MLA layers over fp8."""
+
+    def forward(self, x, caches, meta):
+        args = (meta.slot_mapping, meta.block_table, meta.seq_lens, meta.query_start_loc)
+        T = x.shape[0]
+        q = x.view(T, 4, 24)
+        for i in range(2):
+            k, v, ks, vs = caches[4 * i:4 * i + 4]
+            x = x + torch.ops.cp.gqa_paged_attention_quant(q[..., :16], q[:, :1, :16], q[:, :1, :8], k, v, ks, vs,
+                                                           *args, 0.5).sum()
+        for i in range(2):
+            kv, s = caches[8 + 2 * i:10 + 2 * i]
+            x = x + torch.ops.cp.mla_attention_quant(q[..., :16], q[..., 16:], q[:, 0, :16], q[:, 0, 16:], kv, s,
+                                                     *args, 0.5).sum()
+        return x
+
+
+def test_dcp_pass_hands_the_scale_caches_to_every_write_and_read():
+    """In process (no ranks): after the DCP pass every cache write and partial attention of a
+    layer takes that layer's scale caches (graph inputs), none is dropped or swapped."""
+    meta = build_attention_metadata([(0, 3), (0, 2)], BlockAllocator(8, 4))
+    caches = []
+    for _ in range(2):
+        caches += [torch.zeros(8, 4, 1, 16, dtype=torch.int8), torch.zeros(8, 4, 1, 8, dtype=torch.int8),
+                   torch.zeros(8, 4, 1), torch.zeros(8, 4, 1)]
+    for _ in range(2):
+        caches += [torch.zeros(8, 4, 24, dtype=torch.float8_e4m3fn), torch.zeros(8, 4, 1)]
+    cfg = cp_compile.CPConfig(tensor_parallel_size=2, decode_context_parallel_size=2, block_size=4,
+                              dcp_merge="ag_rs", kv_cache_dtype="int8")
+    ctx = CompileContext.for_test(cfg, attention=cp_compile.AttentionSpec("gqa", 8, 1))
+    pm, gm = run_pipeline(_Layers(), (torch.randn(meta.num_tokens, 96), caches, meta), ctx)
+    assert pm.history[0].rewrites == 4
+    nodes = list(gm.graph.nodes)
+    placeholders = [n for n in nodes if n.op == "placeholder"]
+
+    def arg(n, i, name):
+        return n.args[i] if len(n.args) > i else n.kwargs.get(name)
+
+    writes = [n for n in nodes if n.target == torch.ops.cp.quant_cache_write.default]
+    reads = [n for n in nodes if n.target in (torch.ops.cp.paged_attention_lse.default,
+                                              torch.ops.cp.mla_partial_attention.default)]
+    assert len(writes) == 2 * 2 + 2 and len(reads) == 4
+    def idx(n):  # the caches list index of a placeholder (Dynamo names it l_caches_<i>_)
+        assert n in placeholders and n.name.startswith("l_caches_"), n
+        return int(n.name.split("_")[2])
+
+    # GQA layer i: k (4i) with its scales (4i + 2), v (4i + 1) with (4i + 3); MLA layer j: (8 + 2j, 9 + 2j)
+    pairs = sorted((idx(arg(w, 1, "cache")), idx(arg(w, 2, "scale_cache"))) for w in writes)
+    assert pairs == [(0, 2), (1, 3), (4, 6), (5, 7), (8, 9), (10, 11)], pairs
+    reads_pairs = sorted(tuple(idx(a) for a in r.args[1:3] if a in placeholders) + tuple(idx(a) for a in r.args[7:])
+                         for r in reads)
+    # paged_attention_lse(q, k, v, ..., ks, vs); mla_partial_attention(q_nope, q_pe, kv, ..., kv_scale)
+    assert reads_pairs == [(0, 1, 2, 3), (4, 5, 6, 7), (8, 9), (10, 11)], reads_pairs
