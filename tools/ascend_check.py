@@ -50,7 +50,7 @@ from cp_compile.ops.core.triton_common import CPU_MAX_PROGRAMS, Launch, Lowering
 _TRITON_DTYPES = {
     torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16", torch.float64: "fp64",
     torch.int64: "i64", torch.int32: "i32", torch.int16: "i16", torch.int8: "i8", torch.uint8: "u8",
-    torch.bool: "i1",
+    torch.bool: "i1", torch.float8_e4m3fn: "fp8e4nv",
 }
 
 
@@ -60,7 +60,7 @@ class Result:
 
     module: str
     kernel: str
-    status: str  # "ok" | "failed"
+    status: str  # "ok" | "failed" | "absent" (LOWERING.not_on_ascend: the NPU declares no kernel, with why)
     stage: str  # where it stopped: declare, example, ttir, linalg, rules, npubin (or the last stage run)
     message: str = ""
     signature: dict[str, str] = field(default_factory=dict)
@@ -184,8 +184,9 @@ def collect(module: ModuleType) -> tuple[list[_Spec], list[Result]]:
                            "module has @triton.jit kernels but no LOWERING = LoweringDeclaration(...) "
                            "(cp_compile.ops.core.triton_common): declare launches next to the kernel")
                     for k in kernels]
-    failures = [Result(mod, k, "failed", "declare", f"LOWERING.int64 names {k!r}, not a kernel of this module")
-                for k in decl.int64 if k not in kernels]
+    failures = [Result(mod, k, "failed", "declare", f"LOWERING.{field} names {k!r}, not a kernel of this module")
+                for field, names in (("int64", decl.int64), ("not_on_ascend", decl.not_on_ascend))
+                for k in names if k not in kernels]
     for helper in decl.helpers:
         kernels.pop(helper, None)
     specs: dict[tuple, _Spec] = {}
@@ -310,6 +311,11 @@ def check(modules: list[ModuleType], arch: str = "Ascend910B3", npubin: bool = F
             t0 = time.perf_counter()
             res = Result(module.__name__, spec.name, "ok", "linalg", signature=spec.signature,
                          constexprs=spec.constexprs, examples=spec.examples)
+            why_absent = getattr(module, "LOWERING").not_on_ascend.get(spec.name)
+            if why_absent:  # declared: not lowered (it may abort the adapter), listed with its reason
+                res.status, res.stage, res.message = "absent", "declared", why_absent
+                results.append(res)
+                continue
             try:
                 res.stage, ttir, linalg = lower(spec, arch, npubin)
                 res.linalg_lines = len(linalg.splitlines())
@@ -348,7 +354,8 @@ def summary(results: list[Result]) -> dict[str, Any]:
         "constexpr_sets": len({(r.module, r.kernel, tuple(r.constexprs.items())) for r in checked}),
         "specialisations": len(checked),
         "example_launches": sum(len(r.examples) for r in checked),
-        "failed": sum(r.status != "ok" for r in results),
+        "failed": sum(r.status == "failed" for r in results),
+        "absent": sum(r.status == "absent" for r in results),
         "seconds": round(sum(r.seconds for r in results), 2),
     }
 
@@ -357,9 +364,10 @@ def report(results: list[Result], arch: str, stage: str) -> str:
     rows = []
     for r in results:
         types = ",".join(sorted({t[1:] for t in r.signature.values() if t.startswith("*")}))
-        detail = f"{r.linalg_lines} linalg lines" if r.status == "ok" else _first_error_line(r.message)
+        detail = (f"{r.linalg_lines} linalg lines" if r.status == "ok" else r.message if r.status == "absent"
+                  else _first_error_line(r.message))
         rows.append((r.kernel, _short(r.constexprs) or "-", types or "-", str(len(r.examples)),
-                     r.status if r.status == "ok" else f"FAILED at {r.stage}", f"{r.seconds:.2f}", detail))
+                     r.status if r.status in ("ok", "absent") else f"FAILED at {r.stage}", f"{r.seconds:.2f}", detail))
     headers = ("kernel", "constexprs", "pointer dtypes", "launches", "result", "s", "detail")
     widths = [max(len(row[i]) for row in [headers, *rows]) for i in range(len(headers))]
     lines = ["  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip()
@@ -396,7 +404,7 @@ def main(argv: list[str] | None = None) -> int:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps({"arch": args.arch, "stage": stage, "summary": summary(results),
                                          "results": [vars(r) for r in results]}, indent=1, default=str))
-    return 1 if any(r.status != "ok" for r in results) else 0
+    return 1 if any(r.status == "failed" for r in results) else 0
 
 
 if __name__ == "__main__":

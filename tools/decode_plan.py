@@ -63,8 +63,7 @@ def _attention_programs(launch: Any, ctx: int, D: int, Dv: int) -> tuple[list[fl
     once for them, each block's share 1/n_hblk, and every block reads all of them through
     L2. An item lasts max(HBM bytes / an SM's HBM share, L2 bytes / its L2 share, tl.dot
     flops / its tensor share); a persistent program sums the items it strides over."""
-    a = launch.args
-    n_work, n_hblk, n_splits, split_len = a[9], a[12], a[13], a[14]
+    n_work, n_hblk, n_splits, split_len = (launch.arg(n) for n in ("n_work", "n_hblk", "n_splits", "split_len"))
     block_h, use_dot = launch.kwargs["BLOCK_H"], launch.kwargs["USE_DOT"]
     grid = launch.grid[0]
     row = D if launch.kwargs["DR_PAD"] else D + Dv  # MLA (DR_PAD > 0) reads the latent row once, as K and V
@@ -81,8 +80,7 @@ def _attention_programs(launch: Any, ctx: int, D: int, Dv: int) -> tuple[list[fl
 
 
 def _merge_program_bytes(launch: Any, Dv: int) -> list[float]:
-    a = launch.args
-    n_splits, n_rows, n_dblk = a[4], a[5], a[8]
+    n_splits, n_rows, n_dblk = (launch.arg(n) for n in ("n_splits", "n_rows", "n_dblk"))
     block_r, block_d, grid = launch.kwargs["BLOCK_R"], launch.kwargs["BLOCK_D"], launch.grid[0]
     costs = [0.0] * grid
     for w in range(-(-n_rows // block_r) * n_dblk):
@@ -149,8 +147,9 @@ def plan_rows() -> list[dict[str, Any]]:
                     rows.append({
                         "shape": f"{kind} {heads} heads" + (" per KV head, D 128" if kind == "GQA" else ", 512+64"),
                         "batch": B, "context": ctx, "variant": variant,
-                        "splits": launches[0].args[13], "head_blocks": launches[0].args[12],
-                        "block_h": launches[0].kwargs["BLOCK_H"], "split_len": launches[0].args[14] if launches[0].args[13] > 1 else ctx,
+                        "splits": launches[0].arg("n_splits"), "head_blocks": launches[0].arg("n_hblk"),
+                        "block_h": launches[0].kwargs["BLOCK_H"],
+                        "split_len": launches[0].arg("split_len") if launches[0].arg("n_splits") > 1 else ctx,
                         "grid": att["grid"][0], "waves": att["waves"], "bytes_per_program": att["bytes_per_program_max"],
                         "unique_kv_bytes": unique,
                         "predicted_fraction_of_4.8TBps": round(unique / (total_s * HBM_BYTES_PER_S), 3),
@@ -172,8 +171,8 @@ def _sparse_mla_program_bytes(launch: Any, l2_reuse: bool) -> list[float]:
     the partial it writes (fp32 with splits, bf16 out without). l2_reuse: the head blocks
     after the first of a (row, split) find its rows in L2 (they run side by side: the head
     block is the innermost item index)."""
-    a = launch.args
-    n_work, H, n_hblk, n_splits, split_len, K, L, R = a[9:17]
+    n_work, H, n_hblk, n_splits, split_len, K, L, R = (
+        launch.arg(n) for n in ("n_work", "H", "n_hblk", "n_splits", "split_len", "K", "L", "R"))
     block_h, grid = launch.kwargs["BLOCK_H"], launch.grid[0]
     heads = [min(block_h, H - hb * block_h) for hb in range(n_hblk)]
     part = 4 if n_splits > 1 else BYTES
@@ -187,8 +186,7 @@ def _sparse_mla_program_bytes(launch: Any, l2_reuse: bool) -> list[float]:
 
 
 def _sparse_merge_program_bytes(launch: Any) -> list[float]:
-    a = launch.args
-    n_splits, n_rows, Dv, n_dblk = a[4:8]
+    n_splits, n_rows, Dv, n_dblk = (launch.arg(n) for n in ("n_splits", "n_rows", "Dv", "n_dblk"))
     block_r, block_d, grid = launch.kwargs["BLOCK_R"], launch.kwargs["BLOCK_D"], launch.grid[0]
     costs = [0.0] * grid
     for w in range(-(-n_rows // block_r) * n_dblk):
@@ -203,8 +201,7 @@ def _indexer_program_bytes(launch: Any, l2_reuse: bool) -> list[float]:
     split) its keys (128 bf16) and their fp32 scores, and the row's q [64, 128] and weights,
     loaded once per item (before the splits: once per 64-key tile). l2_reuse: only a row's
     first item reads q from DRAM (16 KB, shared by all its items)."""
-    a = launch.args
-    n_work, n_splits, split_len, Hi, Di, _, S = a[7:14]
+    n_work, n_splits, split_len, Hi, Di, S = (launch.arg(n) for n in ("n_work", "n_splits", "split_len", "Hi", "Di", "S"))
     grid = launch.grid[0]
     costs = [0.0] * grid
     for w in range(n_work):

@@ -49,6 +49,12 @@ def op_cases(device: torch.device | str = "cpu", dtype: torch.dtype = torch.floa
     def ints(*shape: int) -> torch.Tensor:  # small integers: exact in every float dtype and every sum order
         return torch.randint(-3, 4, shape, generator=gen).to(device=device, dtype=dtype)
 
+    def codes(*shape: int) -> torch.Tensor:  # int8 KV codes
+        return torch.randint(-127, 128, shape, generator=gen, dtype=torch.int8).to(device)
+
+    def scales(*shape: int) -> torch.Tensor:  # fp32 per-token scales, positive, of a real amax / 127
+        return (torch.rand(*shape, generator=gen) / 40 + 0.005).to(device)
+
     qsl, seq, bt, slots, kv_lens = b["qsl"], b["seq"], b["bt"], b["slots"], b["kv_lens"]
     Hq, Hkv, D, H, L, R, Hi, Di = 4, 2, 16, 2, 16, 8, 2, 8
     idx_cache = ints(NB, BS, Di)
@@ -97,6 +103,14 @@ def op_cases(device: torch.device | str = "cpu", dtype: torch.dtype = torch.floa
                                 torch.rand(T, R // 2, generator=gen).to(device),
                                 torch.zeros(NB, BS, L + R, dtype=dtype, device=device), slots, 1e-6, 1e-6,
                                 "interleave"), (15,)),
+        # Quantised KV (issue 39): int8 pages with an fp32 scale per token and KV head (MLA: per token),
+        # the cached context as codes and scales already there, the new tokens quantised by the op.
+        "cp::quant_cache_write": ((rnd(T, Hkv, D), codes(NB, BS, Hkv, D), scales(NB, BS, Hkv), slots), (1, 2)),
+        "cp::gqa_paged_attention_quant": ((rnd(T, Hq, D), rnd(T, Hkv, D), rnd(T, Hkv, D), codes(NB, BS, Hkv, D),
+                                           codes(NB, BS, Hkv, D), scales(NB, BS, Hkv), scales(NB, BS, Hkv), slots, bt,
+                                           seq, qsl, SCALE), (3, 4, 5, 6)),
+        "cp::mla_attention_quant": ((rnd(T, H, L), rnd(T, H, R), rnd(T, L), rnd(T, R), codes(NB, BS, L + R),
+                                     scales(NB, BS, 1), slots, bt, seq, qsl, SCALE), (4, 5)),
     }
 
 

@@ -27,7 +27,7 @@ def _world(rank: int, world: int, ckpt: str, tp: int, dcp: int, budget: int, blo
            lowering: str, context: int, batch: int, steps: int) -> dict[str, Any]:
     from cp_compile.runtime.parallel_state import destroy_parallel
     from cp_compile.serving.entrypoints.executors import EngineArgs, build_engine
-    from cp_compile.serving.hf.scheduler import StepPlan
+    from cp_compile.serving.loop.scheduler import StepPlan
 
     engine = build_engine(EngineArgs(model=ckpt, tensor_parallel_size=tp, decode_context_parallel_size=dcp,
                                      block_size=block, max_model_len=max_len, max_num_seqs=64,

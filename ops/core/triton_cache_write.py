@@ -187,10 +187,23 @@ def _lowering_examples():
                    functools.partial(cache_write_device, torch.empty(2, *shape, dtype=dtype), cache, slots))
     cache = torch.empty(2, 16, 576, dtype=torch.bfloat16)  # fp32 new rows into a bf16 cache
     yield "fp32 -> bf16 row 576", functools.partial(cache_write_device, torch.empty(2, 576), cache, slots)
+    # Quantised caches (issue 39): GQA K/V heads of 128 and the MLA latent + rope (one scale per token).
+    for qdtype in (torch.int8, torch.float8_e4m3fn):
+        for shape, scale_shape in (((8, 128), (8,)), ((576,), (1,))):
+            cache = torch.empty(2, 16, *shape, dtype=qdtype)
+            yield (f"bf16 -> {str(qdtype)[6:]} row {shape}",
+                   functools.partial(cache_write_device, torch.empty(2, *shape, dtype=torch.bfloat16), cache, slots,
+                                     torch.empty(2, 16, *scale_shape)))
 
+
+_QUANT_NOT_ON_NPU = ("the NPU declares the quantised-KV ops Absent (docs/quant_kv.md): triton-adapter-opt aborts "
+                     "on the int8 write and triton-ascend has no fp8 type")
 
 LOWERING = LoweringDeclaration(
     examples=_lowering_examples,
     int64={"_cache_write_kernel": "slot values are int64 data (vLLM's slot mapping dtype); cast to int32 once "
-                                  "after the -1 test, no int64 addressing"},
+                                  "after the -1 test, no int64 addressing",
+           "_cache_write_quant_kernel": "the same int64 slot mapping as _cache_write_kernel"},
+    helpers=("_rint", "_round_e4m3"),
+    not_on_ascend={"_cache_write_quant_kernel": _QUANT_NOT_ON_NPU},
 )

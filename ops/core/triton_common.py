@@ -120,6 +120,17 @@ class Launch:
     args: tuple[Any, ...]
     kwargs: dict[str, Any]
 
+    def arg(self, name: str) -> Any:
+        """An argument by the kernel's parameter name: readers of a launch do not depend on
+        its argument positions, which move when a kernel gains a parameter."""
+        if name in self.kwargs:
+            return self.kwargs[name]
+        names = list(self.kernel.arg_names)
+        if name not in names or names.index(name) >= len(self.args):
+            raise KeyError(f"{getattr(self.kernel, '__name__', self.kernel)} has no positional argument {name!r}: "
+                           f"{names[:len(self.args)]}")
+        return self.args[names.index(name)]
+
 
 _CAPTURE: list[Launch] | None = None
 
@@ -245,11 +256,15 @@ class LoweringDeclaration:
         example launches fails the check.
     int64: kernel name -> why it needs int64 values (docs/architecture.md §8 wants int32).
     helpers: @triton.jit device functions of the module, called from kernels only.
+    not_on_ascend: kernel name -> why the NPU does not run it (its ops declare `npu=Absent`):
+        still launched by an example, so the CUDA AOT check compiles it; the Triton-Ascend
+        check lists it as absent with the reason instead of lowering it.
     """
 
     examples: Callable[[], Iterable[tuple[str, Callable[[], Any]]]]
     int64: dict[str, str] = field(default_factory=dict)
     helpers: tuple[str, ...] = ()
+    not_on_ascend: dict[str, str] = field(default_factory=dict)
 
 
 __all__ = ["CPU_MAX_PROGRAMS", "INT32_MAX", "Launch", "LoweringDeclaration", "capture_launches", "grid_size",

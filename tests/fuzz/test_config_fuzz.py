@@ -229,13 +229,16 @@ def _mutate_mla_context_lens() -> None:
     """Issue 35's reverted fix: MLA DCP attends each query's cached-context length
     instead of its causal length (the step's own keys dropped). Applied only in the
     spawned ranks (their own import of the pass), never in the test process."""
-    original = dcp_attention.MLAPattern.composition
+    # The pass builds MLA from the pattern's `partial` (then its own merge: project before the
+    # merge, decision 61) and calls `composition` where a pattern has no partial: mutate both.
+    for attr in ("composition", "partial"):
+        original = getattr(dcp_attention.MLAPattern, attr)
 
-    def mutant(*, local: Any, **kwargs: Any) -> torch.Tensor:
-        # The pass calls its composition with keywords only (passes/dcp_attention.py).
-        return original(**kwargs, local=local._replace(causal_lens=local.context_lens))
+        def mutant(*, local: Any, _original: Callable[..., Any] = original, **kwargs: Any) -> Any:
+            # The pass calls them with keywords only (passes/dcp_attention.py).
+            return _original(**kwargs, local=local._replace(causal_lens=local.context_lens))
 
-    dcp_attention.MLAPattern.composition = staticmethod(mutant)
+        setattr(dcp_attention.MLAPattern, attr, staticmethod(mutant))
 
 
 MUTATIONS: dict[str, Callable[[], None]] = {"mla_context_lens": _mutate_mla_context_lens}

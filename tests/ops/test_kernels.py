@@ -437,9 +437,9 @@ def test_split_kv_mla_head_blocks(dtype: torch.dtype, use_dot: bool, num_splits:
     with capture_launches() as launches:
         paged_attention_with_lse_triton(*args, **kw)
     att = launches[0]
-    splits = att.args[13]
-    assert att.kwargs["BLOCK_H"] == 32 and att.args[12] == 2  # two head blocks of 32
-    assert att.args[9] == 4 * splits * 2 and (num_splits is None) == (splits != 5) and splits > 1
+    splits = att.arg("n_splits")
+    assert att.kwargs["BLOCK_H"] == 32 and att.arg("n_hblk") == 2  # two head blocks of 32
+    assert att.arg("n_work") == 4 * splits * 2 and (num_splits is None) == (splits != 5) and splits > 1
     if use_dot:
         assert att.kwargs["BLOCK_N"] == 32
     out, lse = paged_attention_with_lse_triton(*args, **kw)

@@ -41,7 +41,7 @@ from cp_compile.serving.hf.kv_budget import bytes_per_block, check_budget, plan_
 from cp_compile.serving.hf.rank_load import checkpoint_dtype, load_rank_local
 from cp_compile.serving.hf.support import attention_spec
 from cp_compile.serving.kv_transfer import KVTransferConfig
-from cp_compile.runtime.parallel_state import init_parallel, parallel_state_or_none
+from cp_compile.runtime.parallel_state import ParallelState, init_parallel
 
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
            "float16": torch.float16, "fp16": torch.float16, "half": torch.float16}
@@ -125,17 +125,16 @@ def _max_model_len(args: EngineArgs, hf_config: Any) -> int:
     return min(args.max_model_len or min(model_max, 2048), model_max)
 
 
-def build_engine(args: EngineArgs, init: bool = True) -> Any:
-    """On one rank (after the env:// rendezvous when world > 1): the model and its engine."""
-    import transformers
-
+def build_engine(args: EngineArgs, init: bool = True, parallel: ParallelState | None = None) -> Any:
+    """On one rank (after the env:// rendezvous when world > 1): the model and its engine.
+    `init=False` uses the caller's `parallel` state (its init_parallel) instead of making one."""
     cfg = args.cp_config()
-    state = None  # without init: Engine reads the current state (the caller's init_parallel)
+    state = parallel
     if init and (args.world_size > 1 or args.decode_context_parallel_size > 1):
         state = init_parallel(cfg, device=args.device)
     # Rank-local: this rank's TP shard straight from the safetensors files (rank_load.py);
     # the Engine sees the model is sharded already.
-    live = state if state is not None else parallel_state_or_none()
+    live = state
     tp_rank = live.layout.tp.rank if live is not None else 0
     model = load_rank_local(args.model, cfg.tensor_parallel_size, tp_rank, live.tp_group if live is not None else None,
                             dtype=args.torch_dtype())

@@ -26,13 +26,12 @@ import torch
 
 from cp_compile.base.config import ConfigError, CPConfig
 from cp_compile.runtime.kv_cache import allocate_kv_cache
+from cp_compile.serving.hf.engine import kv_cache_spec
 
 
 def bytes_per_block(cfg: CPConfig, hf_config: Any, dtype: torch.dtype, tp_rank: int = 0) -> int:
     """One block's bytes on TP rank `tp_rank` (sharded + replicated caches), from a
     one-block cache on the meta device (nothing allocated, the engine's own layout)."""
-    from cp_compile.serving.hf.engine import kv_cache_spec
-
     spec = kv_cache_spec(hf_config, cfg.tensor_parallel_size, tp_rank)
     cache = allocate_kv_cache(cfg, spec, 1, dtype=dtype, device="meta", check_layout=False)
     return cache.sharded_bytes + cache.replicated_bytes
