@@ -90,8 +90,10 @@ class AllReduceFoldPass(CPPass):
                 if w_uv is not None:
                     scaled = torch.einsum(fold.projection.equation, scaled, ShapedProxy(w_uv, tracer))
                 y = torch.nn.functional.linear(scaled.flatten(1), ShapedProxy(w_o, tracer))  # [T, hidden]
+                for _ in range(fold.leading_ones):  # o_proj's input was [1, ..., 1, T, H*Dv]
+                    y = y.unsqueeze(0)
             fold.linear.replace_all_uses_with(y.node)
-            for n in (fold.linear, fold.reshape) + ((fold.projection.user,) if fold.projection else ()):
+            for n in (fold.linear, *reversed(fold.reshapes)) + ((fold.projection.user,) if fold.projection else ()):
                 graph.erase_node(n)
             _erase_old_merge(graph, merged, site)
             self.decision["folded"] += 1

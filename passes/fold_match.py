@@ -3,8 +3,9 @@ o_proj and its TP all-reduce alone? (issue 37, decision 62; the rewrite: passes/
 
 Proven structurally on the graph (the DCP pass runs it on the single-device graph before
 rewriting, the fold pass again on the merged node): the attention output's only reader is
-(MLA: the per-head projection of passes/projection_match.py, then) one reshape / view /
-flatten to 2-D [T, H*Dv], whose only reader is `F.linear(x, W)` with a parameter weight
+(MLA: the per-head projection of passes/projection_match.py, then) a chain of reshape / view /
+flatten / (un)squeeze / contiguous ops (no transpose: the row-major order is kept) ending in
+[1, ..., 1, T, H*Dv] (the HF engine adds a batch dim), whose only reader is `F.linear(x, W)` with a parameter weight
 [hidden, H*Dv] and no bias (a bias before the all-reduce would be added by every rank of the
 DCP group: N times; one added after the all-reduce, as `RowParallelLinear` does, is untouched),
 whose only reader is a sum all-reduce over the TP group, read by its wait alone. Anything else
@@ -25,8 +26,11 @@ from cp_compile.passes.query_replication import parameter_value
 
 _c10d = torch.ops._c10d_functional
 _LINEARS = (torch._C._nn.linear, torch.nn.functional.linear)
-_RESHAPE_METHODS = {"reshape", "view", "flatten"}
-_RESHAPE_FUNCTIONS = {torch.reshape, torch.flatten}
+# Ops that only regroup a tensor's dims in its row-major element order (no transpose / permute):
+# a chain of them from [T, H, Dv] to [1, ..., 1, T, H*Dv] keeps each token's heads and head dim
+# contiguous and in order, so the rows it hands o_proj are the flattened [H, Dv] of each token.
+_RESHAPE_METHODS = {"reshape", "view", "flatten", "unsqueeze", "squeeze", "contiguous"}
+_RESHAPE_FUNCTIONS = {torch.reshape, torch.flatten, torch.unsqueeze, torch.squeeze}
 
 
 def _is(node: fx.Node, op: torch._ops.OpOverloadPacket) -> bool:
@@ -42,15 +46,16 @@ def _only_reader(node: fx.Node) -> fx.Node | str:
 
 @dataclass(frozen=True)
 class Fold:
-    """The chain the fold replaces: (MLA: W_UV's einsum,) the reshape, o_proj's linear (its
+    """The chain the fold replaces: (MLA: W_UV's einsum,) the reshapes, o_proj's linear (its
     weight a parameter), the TP all-reduce and its wait."""
 
     projection: Projection | None
-    reshape: fx.Node
+    reshapes: tuple[fx.Node, ...]  # attention output -> o_proj input, in order
     linear: fx.Node
     weight: fx.Node
     all_reduce: fx.Node
     wait: fx.Node
+    leading_ones: int = 0  # unit dims before [T, H*Dv] in o_proj's input (the HF engine's batch dim)
 
 
 def find_fold(node: fx.Node, heads: int, tp_group: str, projects: bool) -> Fold | str:
@@ -63,19 +68,25 @@ def find_fold(node: fx.Node, heads: int, tp_group: str, projects: bool) -> Fold 
         if isinstance(proj, str):
             return f"{proj} (the fold projects the group's heads by W_UV first)"
         cur = proj.user
+    chain: list[fx.Node] = []
     r = _only_reader(cur)
+    while not isinstance(r, str) and ((r.op == "call_method" and str(r.target) in _RESHAPE_METHODS) or (
+            r.op == "call_function" and r.target in _RESHAPE_FUNCTIONS)):
+        chain.append(r)
+        r = _only_reader(r)
     if isinstance(r, str):
         return f"{r}; the fold needs the attention output read by the o_proj input's reshape only"
-    is_reshape = (r.op == "call_method" and str(r.target) in _RESHAPE_METHODS) or (
-        r.op == "call_function" and r.target in _RESHAPE_FUNCTIONS)
-    flat = fake_value(r) if is_reshape else None
-    head_dim = fake_value(cur).shape[-1] if fake_value(cur) is not None else None
-    if not is_reshape or flat is None or flat.dim() != 2 or head_dim is None or flat.shape[1] != heads * head_dim:
+    if not chain:
         return (f"{cur.name} is read by {r.name} ({r.target}), not a reshape to [T, H*Dv] feeding a row-parallel "
                 "o_proj (nothing may come between the attention output and o_proj)")
-    lin = _only_reader(r)
-    if isinstance(lin, str):
-        return f"{lin}; the fold needs the reshaped output read by o_proj only"
+    flat = fake_value(chain[-1])
+    head_dim = fake_value(cur).shape[-1] if fake_value(cur) is not None else None
+    lead = tuple(flat.shape[:-2]) if flat is not None and flat.dim() >= 2 else None
+    if lead is None or head_dim is None or flat.shape[-1] != heads * head_dim or not all(
+            isinstance(d, int) and d == 1 for d in lead):
+        return (f"{chain[-1].name} {list(flat.shape) if flat is not None else '?'}: the reshapes after {cur.name} do "
+                "not end in [1, ..., 1, T, H*Dv] (the o_proj input the fold rebuilds)")
+    r, lin = chain[-1], r
     if lin.op != "call_function" or lin.target not in _LINEARS:
         return f"{r.name} is read by {lin.name} ({lin.target}), not F.linear (a float row-parallel o_proj)"
     args = list(lin.args) + [lin.kwargs.get(k) for k in ("input", "weight", "bias")[len(lin.args):]]
@@ -89,8 +100,8 @@ def find_fold(node: fx.Node, heads: int, tp_group: str, projects: bool) -> Fold 
         return (f"{lin.name}'s weight is not a parameter with a real value in the graph: its other ranks' columns "
                 "cannot be gathered at compile time")
     w = parameter_value(weight)
-    if w.dim() != 2 or w.shape[1] != flat.shape[1]:
-        return f"{lin.name}'s weight {list(w.shape)} is not [hidden, H*Dv] with H*Dv = {flat.shape[1]}"
+    if w.dim() != 2 or w.shape[1] != flat.shape[-1]:
+        return f"{lin.name}'s weight {list(w.shape)} is not [hidden, H*Dv] with H*Dv = {flat.shape[-1]}"
     ar = _only_reader(lin)
     if isinstance(ar, str):
         return f"{ar}; o_proj's output must go straight to the TP all-reduce (nothing in between)"
@@ -102,4 +113,4 @@ def find_fold(node: fx.Node, heads: int, tp_group: str, projects: bool) -> Fold 
     wait = _only_reader(ar)
     if isinstance(wait, str) or not _is(wait, _c10d.wait_tensor):
         return f"{ar.name}'s result is not read by its wait_tensor alone"
-    return Fold(proj, r, lin, weight, ar, wait)
+    return Fold(proj, tuple(chain), lin, weight, ar, wait, len(lead))

@@ -118,3 +118,34 @@ def test_allreduce_fold_inductor() -> None:
     for rank, outs in enumerate(per_rank):
         for (kind, *_), out in zip(cases, outs):
             check_fold(out, refs[kind], kind, models[kind][0], rank, None)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["qwen3", "deepseek_v3"])
+def test_allreduce_fold_hf_engine(kind: str) -> None:
+    """The HF engine's models (Qwen3 GQA; DeepSeek-V3 MLA, W_UV a slice of kv_b_proj.weight)
+    folded ("on") at tp 2 / dcp 2, continuous batching (a join, a leave): tokens equal and
+    logits within 1e-4 of HF's own single-device `generate`; every layer folded; the gathered
+    o_proj columns counted in `Engine.capacity()`."""
+    import copy
+
+    from examples.hf_generate import hf_reference, serve, tiny_hf
+    from tests.hf.test_hf_engine import ARRIVALS, BLOCK as HF_BLOCK, MAX_NEW, NUM_BLOCKS as HF_BLOCKS, _prompts
+
+    hf = tiny_hf(kind, num_kv_heads=1 if kind == "qwen3" else 4)
+    sd = {k: v.detach().clone() for k, v in hf.state_dict().items()}
+    prompts = _prompts()
+    outs = run_on_ranks(serve, 2, copy.deepcopy(hf.config), sd, prompts, MAX_NEW, 2, HF_BLOCK, HF_BLOCKS,
+                        "aot_eager", ARRIVALS, config_kw={"dcp_merge_fold": "on"}, timeout=900)
+    ref_tokens, ref_logits = hf_reference(hf, prompts, max(MAX_NEW))
+    c = hf.config
+    layers = c.num_hidden_layers
+    for rank, out in enumerate(outs):
+        assert dict(out["history"])["allreduce_fold"] == layers, out["history"]
+        assert out["decisions"]["dcp_attention"]["fold"] is True
+        assert out["capacity"]["gathered_weight_bytes_per_rank"] >= out["decisions"]["allreduce_fold"][
+            "gathered_o_proj_bytes"] > 0
+        for i in range(len(prompts)):
+            n = MAX_NEW[i]
+            assert out["tokens"][i] == ref_tokens[i][:n], f"rank {rank} prompt {i}"
+            torch.testing.assert_close(out["logits"][i], ref_logits[i][:n], atol=1e-4, rtol=1e-4)
