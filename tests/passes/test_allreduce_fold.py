@@ -62,7 +62,8 @@ def _sizes(kind: str, c) -> tuple[int, int, int]:
     return h, c.kv_lora_rank + c.qk_rope_head_dim, c.kv_lora_rank
 
 
-def check_fold(out: dict, ref: list[torch.Tensor], kind: str, hf_config, rank: int, unfolded: dict | None) -> None:
+def check_fold(out: dict, ref: list[torch.Tensor], kind: str, hf_config, rank: int, unfolded: dict | None,
+               merge: str = "ag_rs") -> None:
     assert out["graphs"] == 1, f"rank {rank}: {out['graphs']} graphs"
     for step, (got, want) in enumerate(zip(out["logits"], ref)):
         torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4, msg=f"rank {rank} step {step} ({kind} fold)")
@@ -80,7 +81,7 @@ def check_fold(out: dict, ref: list[torch.Tensor], kind: str, hf_config, rank: i
     # The decode step, counted at dispatch: no output collective, the Q and LSE all-gathers only.
     T = sum(n for _, n in STEPS[-1].values()) + PAD
     assert "reduce_scatter" not in out["sent"] and "all_to_all" not in out["sent"], out["sent"]
-    want = merge_collectives(T, h, dq, dv, 4, DCP, "ag_rs", fold=True)
+    want = merge_collectives(T, h, dq, dv, 4, DCP, "replicate" if merge == "replicate" else "ag_rs", fold=True)
     assert out["sent"]["all_gather"] == layers * sum(b for _, b in want), out["sent"]
     assert out["calls"]["all_gather"] == layers * len(want)
     if unfolded is not None:  # one collective fewer per layer than AG+RS; the TP all-reduces unchanged
@@ -109,15 +110,17 @@ def test_allreduce_fold_tp2_dcp2_exact() -> None:
 
 
 @pytest.mark.slow
-def test_allreduce_fold_inductor() -> None:
-    """The same, lowered by Inductor (GQA and MLA)."""
+def test_allreduce_fold_inductor_and_replicate() -> None:
+    """The same, lowered by Inductor (GQA and MLA), and the fold over replicated queries
+    (dcp_merge="replicate": no Q all-gather, the LSE all-gather is the layer's only DCP collective)."""
     models = _models()
-    cases = [("gqa", "ag_rs", "on", "inductor"), ("mla", "ag_rs", "on", "inductor")]
+    cases = [("gqa", "ag_rs", "on", "inductor"), ("mla", "ag_rs", "on", "inductor"),
+             ("gqa", "replicate", "on", "aot_eager"), ("mla", "replicate", "on", "aot_eager")]
     per_rank = run_on_ranks(_world, TP, models, cases, timeout=900)
     refs = {kind: _reference(c, sd, DCP) for kind, (c, sd) in models.items()}
     for rank, outs in enumerate(per_rank):
-        for (kind, *_), out in zip(cases, outs):
-            check_fold(out, refs[kind], kind, models[kind][0], rank, None)
+        for (kind, merge, *_), out in zip(cases, outs):
+            check_fold(out, refs[kind], kind, models[kind][0], rank, None, merge)
 
 
 @pytest.mark.slow
