@@ -6,8 +6,9 @@ over every batch kind (tests/passes/test_project_before_merge.py's steps: prefil
 prefill beside a decode, decode, a mixed batch, decode after a request left), teacher-forced,
 against the single-device eager model (every token's logits, fp32 1e-4). The last (decode)
 step's collectives are counted at dispatch: folded, the layer has no reduce-scatter /
-all-to-all, one collective fewer than the unfolded AG+RS graph, and the bytes equal
-`merge_collectives(..., fold=True)`; the TP all-reduces are unchanged. The refusals run in one
+all-to-all, one collective fewer than AG+RS (the formula; the slow test also runs the unfolded
+graph beside it), and the bytes equal `merge_collectives(..., fold=True)`; the TP all-reduces
+are unchanged. The refusals run in one
 process on the matcher (tests/passes/test_allreduce_fold_match.py).
 """
 
@@ -40,7 +41,7 @@ def _world(rank: int, world: int, models: dict, cases: list[tuple]) -> list[dict
         slot = metered(compiled)
         logits = run_steps(compiled, layer_caches(cache), BLOCK * DCP, slot)
         pms = compiled.backend.pass_managers
-        results.append(dict(logits=logits, graphs=len(pms), sent=dict(slot.meter.sent), calls=dict(slot.meter.calls),
+        results.append(dict(logits=logits, graphs=len(pms), lowering=lowering, sent=dict(slot.meter.sent), calls=dict(slot.meter.calls),
                             history={h.name: (h.rewrites, h.before, h.after, h.decision) for h in pms[0].history}))
         cp_compile.destroy_parallel()
         torch._dynamo.reset()
@@ -84,6 +85,14 @@ def check_fold(out: dict, ref: list[torch.Tensor], kind: str, hf_config, rank: i
     want = merge_collectives(T, h, dq, dv, 4, DCP, "replicate" if merge == "replicate" else "ag_rs", fold=True)
     assert out["sent"]["all_gather"] == layers * sum(b for _, b in want), out["sent"]
     assert out["calls"]["all_gather"] == layers * len(want)
+    # One collective fewer per layer than AG+RS (its Q + LSE all-gathers + reduce-scatter; over
+    # replicated queries the all-to-all is swapped for the LSE all-gather, as many); the TP
+    # all-reduces (o_proj's, the MLP's) unchanged: 2 per layer, T x hidden fp32, ring bytes at tp 2.
+    if merge != "replicate":
+        assert out["calls"]["all_gather"] == layers * (len(merge_collectives(T, h, dq, dv, 4, DCP, "ag_rs")) - 1)
+    if out["lowering"] != "inductor":  # Inductor's all-reduce is the in-place `all_reduce_`, which the meter skips
+        assert out["calls"]["all_reduce"] == 2 * layers
+        assert out["sent"]["all_reduce"] == 2 * layers * 2 * T * hidden * 4 * (TP - 1) // TP
     if unfolded is not None:  # one collective fewer per layer than AG+RS; the TP all-reduces unchanged
         assert sum(unfolded["calls"].values()) - sum(out["calls"].values()) == layers, (unfolded["calls"],
                                                                                        out["calls"])
@@ -92,35 +101,39 @@ def check_fold(out: dict, ref: list[torch.Tensor], kind: str, hf_config, rank: i
         assert unfolded["sent"]["reduce_scatter"] > 0
 
 
-CASES = [("gqa", "ag_rs", "off", "aot_eager"), ("gqa", "ag_rs", "on", "aot_eager"), ("mla", "a2a", "on", "aot_eager")]
+CASES = [("gqa", "ag_rs", "on", "aot_eager"), ("mla", "a2a", "on", "aot_eager")]
 
 
 def test_allreduce_fold_tp2_dcp2_exact() -> None:
-    """GQA (vs its unfolded AG+RS graph) and MLA folded at tp 2 / dcp 2, aot_eager, every batch kind."""
+    """GQA and MLA folded at tp 2 / dcp 2, aot_eager, every batch kind (MLA asked with a2a:
+    folded on the gathered queries)."""
     models = _models()
     per_rank = run_on_ranks(_world, TP, models, CASES, timeout=600)
     refs = {kind: _reference(c, sd, DCP) for kind, (c, sd) in models.items()}
     for rank, outs in enumerate(per_rank):
-        base = outs[0]
-        for step, (got, want) in enumerate(zip(base["logits"], refs["gqa"])):
-            torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4, msg=f"rank {rank} step {step} (unfolded)")
-        assert "allreduce_fold" not in base["history"]
-        check_fold(outs[1], refs["gqa"], "gqa", models["gqa"][0], rank, base)
-        check_fold(outs[2], refs["mla"], "mla", models["mla"][0], rank, None)
+        for (kind, *_), out in zip(CASES, outs):
+            check_fold(out, refs[kind], kind, models[kind][0], rank, None)
 
 
 @pytest.mark.slow
 def test_allreduce_fold_inductor_and_replicate() -> None:
-    """The same, lowered by Inductor (GQA and MLA), and the fold over replicated queries
-    (dcp_merge="replicate": no Q all-gather, the LSE all-gather is the layer's only DCP collective)."""
+    """The same, lowered by Inductor (GQA and MLA), the fold over replicated queries
+    (dcp_merge="replicate": no Q all-gather, the LSE all-gather is the layer's only DCP collective),
+    and GQA side by side with its unfolded AG+RS graph (the counts compared run to run)."""
     models = _models()
     cases = [("gqa", "ag_rs", "on", "inductor"), ("mla", "ag_rs", "on", "inductor"),
-             ("gqa", "replicate", "on", "aot_eager"), ("mla", "replicate", "on", "aot_eager")]
+             ("gqa", "replicate", "on", "aot_eager"), ("mla", "replicate", "on", "aot_eager"),
+             ("gqa", "ag_rs", "off", "aot_eager"), ("gqa", "ag_rs", "on", "aot_eager")]
     per_rank = run_on_ranks(_world, TP, models, cases, timeout=900)
     refs = {kind: _reference(c, sd, DCP) for kind, (c, sd) in models.items()}
     for rank, outs in enumerate(per_rank):
-        for (kind, merge, *_), out in zip(cases, outs):
-            check_fold(out, refs[kind], kind, models[kind][0], rank, None, merge)
+        base = outs[4]
+        for step, (got, want) in enumerate(zip(base["logits"], refs["gqa"])):
+            torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4, msg=f"rank {rank} step {step} (unfolded)")
+        assert "allreduce_fold" not in base["history"]
+        for i, ((kind, merge, *_), out) in enumerate(zip(cases, outs)):
+            if i != 4:
+                check_fold(out, refs[kind], kind, models[kind][0], rank, base if i == 5 else None, merge)
 
 
 @pytest.mark.slow
