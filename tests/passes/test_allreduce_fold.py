@@ -41,7 +41,7 @@ def _world(rank: int, world: int, models: dict, cases: list[tuple]) -> list[dict
         slot = metered(compiled)
         logits = run_steps(compiled, layer_caches(cache), BLOCK * DCP, slot)
         pms = compiled.backend.pass_managers
-        results.append(dict(logits=logits, graphs=len(pms), lowering=lowering, sent=dict(slot.meter.sent), calls=dict(slot.meter.calls),
+        results.append(dict(logits=logits, graphs=len(pms), lowering=lowering, tp=world, sent=dict(slot.meter.sent), calls=dict(slot.meter.calls),
                             history={h.name: (h.rewrites, h.before, h.after, h.decision) for h in pms[0].history}))
         cp_compile.destroy_parallel()
         torch._dynamo.reset()
@@ -55,9 +55,9 @@ def _models() -> dict:
     return out
 
 
-def _sizes(kind: str, c) -> tuple[int, int, int]:
+def _sizes(kind: str, c, tp: int = TP) -> tuple[int, int, int]:
     """(heads per rank, q head dim, merged head dim) of the config."""
-    h = c.num_attention_heads // TP
+    h = c.num_attention_heads // tp
     if kind == "gqa":
         return h, c.head_dim, c.head_dim
     return h, c.kv_lora_rank + c.qk_rope_head_dim, c.kv_lora_rank
@@ -72,7 +72,8 @@ def check_fold(out: dict, ref: list[torch.Tensor], kind: str, hf_config, rank: i
     assert out["history"]["dcp_attention"][3]["fold"] is True, out["history"]["dcp_attention"][3]
     rw, before, after, decision = out["history"]["allreduce_fold"]
     assert rw == layers and decision["folded"] == layers
-    h, dq, dv = _sizes(kind, hf_config)
+    tp = out["tp"]
+    h, dq, dv = _sizes(kind, hf_config, tp)
     hidden = hf_config.hidden_size
     v_dim = hf_config.head_dim if kind == "gqa" else hf_config.v_head_dim
     # The other rank's o_proj columns [hidden, H*Dv] fp32, every layer (MLA: and its W_UV [H, L, Dv]).
@@ -92,7 +93,7 @@ def check_fold(out: dict, ref: list[torch.Tensor], kind: str, hf_config, rank: i
         assert out["calls"]["all_gather"] == layers * (len(merge_collectives(T, h, dq, dv, 4, DCP, "ag_rs")) - 1)
     if out["lowering"] != "inductor":  # Inductor's all-reduce is the in-place `all_reduce_`, which the meter skips
         assert out["calls"]["all_reduce"] == 2 * layers
-        assert out["sent"]["all_reduce"] == 2 * layers * 2 * T * hidden * 4 * (TP - 1) // TP
+        assert out["sent"]["all_reduce"] == 2 * layers * 2 * T * hidden * 4 * (tp - 1) // tp
     if unfolded is not None:  # one collective fewer per layer than AG+RS; the TP all-reduces unchanged
         assert sum(unfolded["calls"].values()) - sum(out["calls"].values()) == layers, (unfolded["calls"],
                                                                                        out["calls"])
@@ -165,3 +166,15 @@ def test_allreduce_fold_hf_engine(kind: str) -> None:
             n = MAX_NEW[i]
             assert out["tokens"][i] == ref_tokens[i][:n], f"rank {rank} prompt {i}"
             torch.testing.assert_close(out["logits"][i], ref_logits[i][:n], atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.slow
+def test_allreduce_fold_tp4_dcp2() -> None:
+    """tp 4 / dcp 2: two DCP groups inside one TP group (4 gloo ranks, 1 head per rank), so the
+    TP all-reduce sums the two groups' folded partials as well as each group's ranks."""
+    models = _models()
+    per_rank = run_on_ranks(_world, 4, models, CASES, timeout=900)
+    refs = {kind: _reference(c, sd, DCP) for kind, (c, sd) in models.items()}
+    for rank, outs in enumerate(per_rank):
+        for (kind, merge, *_), out in zip(CASES, outs):
+            check_fold(out, refs[kind], kind, models[kind][0], rank, None, merge)
