@@ -32,6 +32,7 @@ from cp_compile.passes.project_before_merge import _erase_old_merge
 from cp_compile.passes.projection_match import MERGE_SITE_KEY
 from cp_compile.passes.query_replication import _declare_to_aot, parameter_value
 
+
 def _group_buffer(gm: fx.GraphModule, name: str, weight: torch.Tensor) -> fx.Node:
     """`weight` held by the graph as a buffer (a compile-time snapshot), read by a get_attr node."""
     gm.register_buffer(name, weight)
