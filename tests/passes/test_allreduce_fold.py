@@ -41,7 +41,8 @@ def _world(rank: int, world: int, models: dict, cases: list[tuple]) -> list[dict
         slot = metered(compiled)
         logits = run_steps(compiled, layer_caches(cache), BLOCK * DCP, slot)
         pms = compiled.backend.pass_managers
-        results.append(dict(logits=logits, graphs=len(pms), lowering=lowering, tp=world, sent=dict(slot.meter.sent), calls=dict(slot.meter.calls),
+        results.append(dict(logits=logits, graphs=len(pms), lowering=lowering, tp=world, sent=dict(slot.meter.sent),
+                            calls=dict(slot.meter.calls),
                             history={h.name: (h.rewrites, h.before, h.after, h.decision) for h in pms[0].history}))
         cp_compile.destroy_parallel()
         torch._dynamo.reset()
