@@ -23,7 +23,8 @@ from cp_compile.passes.context import CompileContext
 from cp_compile.ops.parallel import dcp as dcp_compose
 from cp_compile.passes.base import CPPass
 from cp_compile.passes.fx_utils import ShapedProxy, bind_op_args, fake_value
-from cp_compile.base.merge_cost import ProjectionWeights
+from cp_compile.base.merge_cost import FoldWeights, ProjectionWeights
+from cp_compile.passes.fold_match import find_fold
 from cp_compile.passes.projection_match import MERGE_SITE_KEY, MergeSite, find_projection
 from cp_compile.base.config import ConfigError
 from cp_compile.passes.merge_choice import resolve_merge
@@ -43,6 +44,8 @@ class AttentionPattern:
     # The composition up to the merge (returns `dcp.Partial`), for outputs a per-head projection
     # may follow (MLA's latent: project before the merge, issue 37); None: already in the V head dim.
     partial: Callable[..., Any] | None = None
+    # The composition up to the merge for the all-reduce fold (decision 62): GQA's too; None: not built.
+    fold_partial: Callable[..., Any] | None = None
 
     def matches(self, node: fx.Node) -> bool:
         return node.op == "call_function" and node.target in (self.op, self.op.default)
@@ -82,12 +85,14 @@ def rewrite_attention_nodes(graph: fx.Graph, patterns: tuple[AttentionPattern, .
 class GQAPattern(AttentionPattern):
     op = torch.ops.cp.gqa_paged_attention
     composition = staticmethod(dcp_compose.dcp_gqa_attention)
+    fold_partial = staticmethod(dcp_compose.dcp_gqa_partial)
 
 
 class MLAPattern(AttentionPattern):
     op = torch.ops.cp.mla_attention
     composition = staticmethod(dcp_compose.dcp_mla_attention)
     partial = staticmethod(dcp_compose.dcp_mla_partial)
+    fold_partial = staticmethod(dcp_compose.dcp_mla_partial)
     queries = ("q_nope", "q_pe")
 
 
@@ -176,8 +181,55 @@ class DCPAttentionPass(CPPass):
         return ProjectionWeights(bytes=w.numel() * w.element_size(), matrix_elements=w.numel(),
                                  out_dim=found[0].out_dim), None
 
+    def folds(self, gm: fx.GraphModule) -> tuple[FoldWeights | None, str | None]:
+        """The per-layer o_proj weights the all-reduce fold would gather (every attention node's
+        output provably read by a row-parallel o_proj and its TP all-reduce alone,
+        passes/fold_match.py), or (None, why not)."""
+        nodes = [(n, p) for n in gm.graph.nodes for p in self.patterns if p.matches(n)]
+        if not nodes:
+            return None, None
+        missing = [type(p).__name__ for _, p in nodes if p.fold_partial is None]
+        if missing:
+            return None, f"the all-reduce fold is not built for {missing[0]} ({self.name} pass)"
+        if self.ctx.pcp.size > 1:
+            return None, ("the all-reduce fold is not built for decode graphs at prefill_context_parallel_size > 1 "
+                          "(no exactness test over the pcp * dcp ranks)")
+        if self.ctx.tp.size == 1:
+            return None, "no TP all-reduce after o_proj to fold the merge into (tensor_parallel_size = 1)"
+        found, kv = [], {}
+        for node, pattern in nodes:
+            args = pattern.bind(node)
+            q = fake_value(args["q"] if "q" in args else args["q_nope"])
+            fold = find_fold(node, int(q.shape[1]), self.ctx.tp.name, pattern.partial is not None)
+            if isinstance(fold, str):
+                return None, fold
+            found.append(fold)
+            kv.update({v: fake_value(v) for k, v in args.items() if "cache" in k and isinstance(v, fx.Node)})
+        if self.ctx.cp_collectives is None:
+            return None, "no process group to gather the o_proj columns over (a context without init_parallel)"
+        w = fake_value(found[0].weight)
+        n = self.cp.group.size
+        proj = found[0].projection
+        projection = None
+        extra = (n - 1) * sum(fake_value(f.weight).numel() * fake_value(f.weight).element_size() for f in found)
+        if proj is not None:
+            pw = fake_value(proj.weight)
+            projection = ProjectionWeights(bytes=pw.numel() * pw.element_size(), matrix_elements=pw.numel(),
+                                           out_dim=proj.out_dim)
+            extra += (n - 1) * len(found) * projection.bytes
+        kv_bytes = sum(t.numel() * t.element_size() for t in kv.values() if t is not None)
+        return FoldWeights(bytes=w.numel() * w.element_size(), matrix_elements=w.numel(), extra_bytes=int(extra),
+                           kv_bytes=int(kv_bytes), projection=projection), None
+
     def __call__(self, gm: fx.GraphModule) -> int:
         self.prepare(gm)
+        fold = self.ctx.config.dcp_merge_fold
+        fold_weights, not_foldable = self.folds(gm) if fold != "off" else (None, None)
+        if fold == "on" and not_foldable is not None:
+            raise ConfigError("dcp_merge_fold='on' needs each attention output provably read by a row-parallel o_proj "
+                              "(no bias before its TP all-reduce) and that all-reduce alone",
+                              f"{not_foldable} ({self.ctx.describe()})",
+                              "use dcp_merge_fold='auto' (folds where provable and cheaper) or 'off'")
         project = self.ctx.config.dcp_project_before_merge
         projection, not_projectable = self.projections(gm) if project != "off" else (None, None)
         if project == "on" and not_projectable not in (None, NOTHING_TO_PROJECT):
@@ -199,8 +251,10 @@ class DCPAttentionPass(CPPass):
                                                projection=projection,
                                                # GQA: nothing to record (the project pass says it)
                                                not_projectable=None if not_projectable == NOTHING_TO_PROJECT
-                                               else not_projectable)
+                                               else not_projectable, fold=fold, fold_weights=fold_weights,
+                                               not_foldable=not_foldable)
         project_here = bool(self.decision and self.decision.get("project"))
+        fold_here = bool(self.decision and self.decision.get("fold"))
         if self.cp.replicated:
             for node, chain in chains.items():
                 for old, new in zip(chain.outputs, replicate_queries(gm, node, chain, self.cp.group.rank,
@@ -212,20 +266,23 @@ class DCPAttentionPass(CPPass):
         # Metadata localisation once per graph (per distinct metadata): every layer reuses it.
         count, _ = rewrite_attention_nodes(
             graph, self.patterns, wrap, lambda *meta: dcp_compose.localize(self.cp, *meta),
-            lambda pattern, args, local: self._rewrite(pattern, args, local, project_here))
+            lambda pattern, args, local: self._rewrite(pattern, args, local, project_here, fold_here))
         if count:
             # No dead-code elimination: the cache writes have no users by design.
             graph.lint()
             gm.recompile()
         return count
 
-    def _rewrite(self, pattern: AttentionPattern, args: dict[str, Any], local: Any, project: bool) -> Any:
+    def _rewrite(self, pattern: AttentionPattern, args: dict[str, Any], local: Any, project: bool,
+                 fold: bool = False) -> Any:
         """One attention node's composition; where a partial exists, the merge is built here
-        and marked (`MergeSite`) for the project-before-merge pass."""
-        if pattern.partial is None:
+        and marked (`MergeSite`) for the project-before-merge pass, or, where the decision
+        says fold, for the all-reduce fold pass (GQA's partial too)."""
+        partial = pattern.fold_partial if fold else pattern.partial
+        if partial is None:
             return pattern.composition(**args, ctx=self.cp, local=local)
-        part = pattern.partial(**args, ctx=self.cp, local=local)
+        part = partial(**args, ctx=self.cp, local=local)
         merged = dcp_compose.merge_partial(part, self.cp)
         merged.node.meta[MERGE_SITE_KEY] = MergeSite(part.out.node, part.lse.node, part.heads, part.dtype,
-                                                     self.cp, project)
+                                                     self.cp, project, fold, pattern.partial is not None)
         return merged

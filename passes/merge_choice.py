@@ -52,7 +52,9 @@ def resolve_merge(ctx: CompileContext, view: Any, gm: fx.GraphModule, patterns: 
                   query_weights: merge_cost.QueryWeights | None = None,
                   not_replicable: str | None = None, *, project: str = "off",
                   projection: merge_cost.ProjectionWeights | None = None,
-                  not_projectable: str | None = None) -> tuple[Any, dict | None]:
+                  not_projectable: str | None = None, fold: str = "off",
+                  fold_weights: merge_cost.FoldWeights | None = None,
+                  not_foldable: str | None = None) -> tuple[Any, dict | None]:
     """(`view` with a concrete merge, the decision) for a DCP / PCP pass's context view.
 
     `query_weights`: the graph's replicable query projection per layer (the DCP pass,
@@ -61,20 +63,26 @@ def resolve_merge(ctx: CompileContext, view: Any, gm: fx.GraphModule, patterns: 
     `project` (dcp_project_before_merge; "off" for passes that do not build it) with
     `projection`: the graph's per-head output projection (passes/projection_match.py),
     making each merge "+project" a candidate; else `not_projectable` says why. The
-    decision's "project" is True where the graph is to be projected before the merge."""
-    # An explicit merge, and nothing for the cost model to decide (projection off, or "auto"
-    # with nothing to project or no measured costs): the merge as given, not projected.
-    if view.merge != "auto" and (project == "off" or project == "auto" and (
-            projection is None or ctx.collective_costs is None)):
+    decision's "project" is True where the graph is to be projected before the merge.
+    `fold` (dcp_merge_fold) with `fold_weights`: the graph's row-parallel o_proj after each
+    attention (passes/allreduce_fold.py), making "+fold" candidates; else `not_foldable` says
+    why. The decision's "fold" is True where the all-reduce fold is to be built."""
+    # An explicit merge, and nothing for the cost model to decide (projection / fold off, or
+    # "auto" with nothing to project / fold or no measured costs): the merge as given.
+    undecided = lambda mode, weights: mode == "off" or mode == "auto" and (  # noqa: E731
+        weights is None or ctx.collective_costs is None)
+    if view.merge != "auto" and undecided(project, projection) and undecided(fold, fold_weights):
         decision = {"merge": view.merge, "reason": "explicit dcp_merge"}
         if project != "off" and not_projectable is not None:
             decision["not_projectable"] = not_projectable
+        if fold != "off" and not_foldable is not None:
+            decision["not_foldable"] = not_foldable
         return view, decision
     sizes = attention_sizes(gm, patterns)
     if sizes is None:  # nothing to rewrite: any concrete value will do
         return dataclasses.replace(view, merge="ag_rs" if view.merge == "auto" else view.merge), None
     choice = merge_cost.choose(ctx.collective_costs, **sizes, query_weights=query_weights, projection=projection,
-                               merge=view.merge, project=project)
+                               merge=view.merge, project=project, fold=fold, fold_weights=fold_weights)
     decision = choice.to_json()
     if view.merge != "auto":
         decision["reason"] = "explicit dcp_merge; " + decision["reason"]
@@ -86,4 +94,8 @@ def resolve_merge(ctx: CompileContext, view: Any, gm: fx.GraphModule, patterns: 
         decision["projection_weights"] = dataclasses.asdict(projection)
     elif not_projectable is not None and project != "off":
         decision["not_projectable"] = not_projectable
+    if fold_weights is not None:
+        decision["fold_weights"] = dataclasses.asdict(fold_weights)
+    elif not_foldable is not None and fold != "off":
+        decision["not_foldable"] = not_foldable
     return dataclasses.replace(view, merge=choice.merge), decision

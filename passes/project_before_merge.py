@@ -93,7 +93,8 @@ class ProjectBeforeMergePass(CPPass):
         self.decision = {"merges": len(sites), "projected": 0, "gathered_weight_bytes": 0}
         if not marked:
             self.decision["reason"] = ("no merge marked for projection (see the dcp_attention / sfa_dcp decision)"
-                                       if sites else "no MLA / SFA merge in the graph (GQA: nothing to project)")
+                                       if sites else "no MLA / SFA merge left in the graph (GQA: nothing "
+                                       "to project; a merge the allreduce_fold pass folded: projected there)")
             return 0
         group = self.ctx.cp_collectives
         if group is None:  # the DCP pass marks nothing without a group; a hand-built context could

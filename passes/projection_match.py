@@ -42,7 +42,9 @@ _EINSUM = {torch.einsum, torch.functional.einsum, torch.ops.aten.einsum.default}
 class MergeSite:
     """A DCP merge in the rewritten graph: its partial (out [T, N*H, Dv], lse [T, N*H]),
     this rank's heads, the output dtype, the merge's context, and whether the DCP pass
-    decided to project before it (the cost model's or the config's choice)."""
+    decided to project before it (the cost model's or the config's choice) or to fold it into
+    the TP all-reduce after o_proj (`fold`, decision 62: passes/allreduce_fold.py); `latent`:
+    the partial is MLA's latent (a per-head projection follows it)."""
 
     out: fx.Node
     lse: fx.Node
@@ -50,6 +52,8 @@ class MergeSite:
     dtype: torch.dtype
     ctx: DCPContext
     project: bool
+    fold: bool = False
+    latent: bool = True
 
 
 @dataclass(frozen=True)

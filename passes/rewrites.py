@@ -8,6 +8,7 @@ error, the rewrite passes that would handle a leftover op: it reads this list, a
 from __future__ import annotations
 
 from cp_compile.passes.base import CPPass
+from cp_compile.passes.allreduce_fold import AllReduceFoldPass
 from cp_compile.passes.dcp_attention import DCPAttentionPass
 from cp_compile.passes.dsa_cp import DSACPPass
 from cp_compile.passes.mla_preprocess import MLAPreprocessCacheWritePass, MLAPreprocessPass
@@ -21,7 +22,8 @@ REWRITES: tuple[type[CPPass], ...] = (
     PCPAttentionPass,  # first: it token-shards the prefill graph every later pass sees
     DCPAttentionPass,
     SFADCPPass,
-    ProjectBeforeMergePass,  # after the DCP passes: it rebuilds the merges they marked, projected
+    AllReduceFoldPass,  # after the DCP passes: it folds the merges they marked into the TP all-reduce
+    ProjectBeforeMergePass,  # after the DCP passes and the fold (a folded MLA merge is projected by the fold)
     DSACPPass,
     OProjDSACPPass,  # after the attention passes: it rewrites what reads their output
     MLAPreprocessCacheWritePass,  # after the attention passes: folds the latent write they placed

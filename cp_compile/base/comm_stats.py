@@ -18,13 +18,16 @@ _c10d = torch.ops._c10d_functional
 
 
 def merge_collectives(num_tokens: int, heads_per_rank: int, q_dim: int, v_dim: int, dtype_bytes: int, dcp: int,
-                      merge: str = "ag_rs") -> list[tuple[str, int]]:
+                      merge: str = "ag_rs", fold: bool = False) -> list[tuple[str, int]]:
     """(collective kind, bytes this rank sends) of one DCP attention layer and step, in order.
 
     Q all-gather: (N-1)*T*H*dq*bytes. AG+RS merge: LSE all-gather (N-1)*T*N*H*4 plus
     reduce-scatter (N-1)*T*H*dv*bytes. All-to-all merge: (N-1)*T*H*(dv*bytes + 4)
     ([out | lse], lse as 4 raw bytes). Query replication ("replicate"): no Q all-gather
-    (every rank computed the group's queries), the all-to-all only.
+    (every rank computed the group's queries), the all-to-all only. The all-reduce fold
+    (`fold`, decision 62): the Q all-gather (none when replicated) and the LSE all-gather
+    only; the output merge is left to the TP all-reduce after o_proj, whose bytes do not
+    change (not counted here, as for every merge).
     """
     n, t, h = dcp, num_tokens, heads_per_rank
     if n == 1:  # no DCP group: nothing to merge, whatever the (possibly still 'auto') merge says
@@ -32,6 +35,9 @@ def merge_collectives(num_tokens: int, heads_per_rank: int, q_dim: int, v_dim: i
     if merge not in ("ag_rs", "a2a", "replicate"):
         raise ValueError(f"merge={merge!r}: use 'ag_rs', 'a2a' or 'replicate' (the DCP pass resolves 'auto' per "
                          "graph; pass the merge it chose, PassRecord.decision)")
+    if fold:
+        lses = [("all_gather", (n - 1) * t * n * h * 4)]
+        return lses if merge == "replicate" else [("all_gather", (n - 1) * t * h * q_dim * dtype_bytes)] + lses
     a2a = ("all_to_all", (n - 1) * t * h * (v_dim * dtype_bytes + 4))
     if merge == "replicate":
         return [a2a]

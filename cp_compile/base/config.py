@@ -102,6 +102,17 @@ class CPConfig:
     # costs, off); "on": wherever provable (a ConfigError where an MLA / SFA attention's
     # output is not provably followed by one); "off": never. GQA has nothing to project.
     dcp_project_before_merge: Literal["auto", "on", "off"] = "auto"
+    # The all-reduce fold (issue 37, decision 62): where the attention's output reaches a
+    # row-parallel o_proj (no bias before its TP all-reduce, nothing between o_proj and the
+    # all-reduce), gather only the LSEs over the DCP group, rescale this rank's partial of the
+    # group's N*H heads, multiply it by the o_proj columns of those heads (gathered at compile
+    # time: (N - 1) x this rank's o_proj shard more weight memory per layer) and let the TP
+    # all-reduce sum heads and shards in one collective: the output merge's reduce-scatter /
+    # all-to-all goes. "auto": the cost model decides with the merge (under dcp_merge="auto",
+    # costs measured) and never where the gathered o_proj columns exceed
+    # `merge_cost.FOLD_KV_FRACTION` of the graph's KV cache bytes; "on": wherever provable
+    # (a ConfigError naming the reason elsewhere); "off" (default): never.
+    dcp_merge_fold: Literal["auto", "on", "off"] = "off"
     # MLAPO: the `mla_preprocess` pass fuses each MLA layer's pre-attention subgraph
     # (projections, norms, rope, W_UK absorption, latent cache write) into
     # cp::mla_preprocess. Off by default: exact everywhere, but faster only where the
@@ -183,6 +194,9 @@ class CPConfig:
             raise ConfigError("dcp_project_before_merge is auto|on|off",
                               f"dcp_project_before_merge={self.dcp_project_before_merge!r}",
                               "use 'auto' (the cost model decides with the merge), 'on' or 'off'")
+        if self.dcp_merge_fold not in ("auto", "on", "off"):
+            raise ConfigError("dcp_merge_fold is auto|on|off", f"dcp_merge_fold={self.dcp_merge_fold!r}",
+                              "use 'off' (default), 'on' (fold wherever provable) or 'auto' (the cost model decides)")
 
     @property
     def world_size(self) -> int:

@@ -26,6 +26,14 @@ rank projects the group's N * H heads instead of its H (`ProjectionWeights`: N -
 W_UV products per layer, the other ranks' W_UV gathered at compile time). Each merge is
 a candidate with and without it (`candidates`); "auto" picks the cheapest pair.
 
+The all-reduce fold (issue 37, decision 62): the merge is linear and so is the row-parallel
+o_proj after it, whose TP all-reduce sums over heads anyway; each rank rescales its partial
+of the group's N * H heads, multiplies it by those heads' o_proj columns (`FoldWeights`:
+gathered at compile time, N - 1 more o_proj products per layer) and the TP all-reduce sums
+the group's ranks too. The candidate "<merge>+fold" keeps the Q all-gather (or replication)
+and the LSE all-gather and drops the output collective. Under "auto" it is left out where the
+gathered o_proj columns exceed `FOLD_KV_FRACTION` of the graph's KV cache bytes.
+
 Why measure rather than count collectives: A2A moves fewer bytes and has one
 collective fewer, but an all-to-all is not as well optimised as a ring all-gather on
 every backend (NCCL / HCCL at large messages, gloo's pairwise exchange), so the per
@@ -47,6 +55,10 @@ MERGES = ("ag_rs", "a2a", "replicate")
 # provable; an explicit "on" that is not provable is a ConfigError), "off".
 PROJECT = ("auto", "on", "off")
 PROJECTED = "+project"  # the candidate name suffix: "a2a+project"
+FOLDED = "+fold"  # the all-reduce fold's suffix: "ag_rs+fold" (MLA: "ag_rs+project+fold")
+# dcp_merge_fold="auto" takes the fold only where the o_proj columns it gathers (all layers) are at
+# most this fraction of the KV cache bytes the graph holds: that memory would otherwise hold KV blocks.
+FOLD_KV_FRACTION = 0.05
 KINDS = ("all_gather", "reduce_scatter", "all_to_all")
 # Message sizes of the calibration (bytes each rank sends): a small one for the latency,
 # a large one for the bandwidth. Decode merges send KiB to a few MiB per layer.
@@ -99,13 +111,40 @@ class ProjectionWeights:
     out_dim: int
 
 
-def candidate(merge: str, project: bool) -> str:
-    """The name of a (merge, project) candidate: "a2a", "a2a+project", ..."""
-    return merge + (PROJECTED if project else "")
+@dataclass(frozen=True)
+class FoldWeights:
+    """One rank's row-parallel o_proj of one layer, which the all-reduce fold applies to the
+    group's N * H heads (decision 62). bytes / matrix_elements: this rank's shard
+    [hidden, H * Dv] (N - 1 more products per layer, 2 * T * elements flops each);
+    extra_bytes: the other group ranks' columns it holds, all layers; kv_bytes: the KV cache
+    bytes the graph holds on this rank (what "auto" weighs extra_bytes against);
+    projection: MLA's W_UV (the fold projects the group's heads first), None for GQA."""
+
+    bytes: int
+    matrix_elements: int
+    extra_bytes: int
+    kv_bytes: int
+    projection: ProjectionWeights | None = None
+
+    @property
+    def kv_fraction(self) -> float:
+        return self.extra_bytes / self.kv_bytes if self.kv_bytes else float("inf")
+
+
+def candidate(merge: str, project: bool, fold: bool = False) -> str:
+    """The name of a (merge, project, fold) candidate: "a2a", "a2a+project", "ag_rs+fold", ..."""
+    return merge + (PROJECTED if project else "") + (FOLDED if fold else "")
 
 
 def split_candidate(name: str) -> tuple[str, bool]:
+    """(merge, project) of a candidate name (a "+fold" suffix dropped: `is_fold`)."""
+    if name.endswith(FOLDED):
+        name = name[: -len(FOLDED)]
     return (name[: -len(PROJECTED)], True) if name.endswith(PROJECTED) else (name, False)
+
+
+def is_fold(name: str) -> bool:
+    return name.endswith(FOLDED)
 
 
 @dataclass(frozen=True)
@@ -115,6 +154,7 @@ class MergeChoice:
     tokens: int
     reason: str
     project: bool = False  # project before the merge (issue 37)
+    fold: bool = False  # the all-reduce fold (decision 62): no output collective, o_proj on the group's heads
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -122,14 +162,17 @@ class MergeChoice:
 
 def predict(costs: CollectiveCosts, merge: str, *, tokens: int, heads: int, q_dim: int, v_dim: int,
             dtype_bytes: int, query_weights: QueryWeights | None = None,
-            projection: ProjectionWeights | None = None) -> float:
+            projection: ProjectionWeights | None = None, fold: FoldWeights | None = None) -> float:
     """Predicted seconds per layer of `merge` (its Q all-gather included; for "replicate"
     the N - 1 extra query projections, which need `query_weights`). With `projection`
     (project before the merge): the merge moves `projection.out_dim` columns per head and
     each rank runs the projection N - 1 more times (the group's heads, not its own)."""
     merged_dim = v_dim if projection is None else projection.out_dim
     sec = sum(costs.seconds(kind, sent) for kind, sent in
-              merge_collectives(tokens, heads, q_dim, merged_dim, dtype_bytes, costs.group_size, merge))
+              merge_collectives(tokens, heads, q_dim, merged_dim, dtype_bytes, costs.group_size, merge,
+                                fold=fold is not None))
+    if fold is not None:  # (N - 1) more o_proj products per layer (the group's heads' columns)
+        sec += (costs.group_size - 1) * costs.matmul_seconds(fold.bytes, 2 * tokens * fold.matrix_elements)
     if merge == "replicate":
         if query_weights is None:
             raise ValueError("predict('replicate') needs query_weights (the query projection's parameters)")
@@ -153,31 +196,63 @@ def candidates(merge: str = "auto", project: str = "auto", *, replicable: bool =
     return tuple((m, p) for m in merges for p in projects)
 
 
+def fold_candidates(merge: str = "auto", fold: str = "off", *, replicable: bool = True,
+                    weights: FoldWeights | None = None) -> tuple[tuple[tuple[str, bool], ...], str | None]:
+    """The (merge, project) pairs the all-reduce fold adds, and why none where it adds none.
+    One Q source per kind: "ag_rs" stands for the gathered queries (a2a's fold graph is the
+    same), "replicate" where replicable; MLA's fold projects by W_UV (project True)."""
+    if fold == "off":
+        return (), None
+    if weights is None:
+        return (), "the all-reduce fold not provable"
+    if fold == "auto" and weights.kv_fraction > FOLD_KV_FRACTION:
+        return (), (f"the all-reduce fold left out: its gathered o_proj columns ({weights.extra_bytes} bytes) are "
+                    f"{weights.kv_fraction:.3f} of the KV cache bytes ({weights.kv_bytes}), above FOLD_KV_FRACTION "
+                    f"{FOLD_KV_FRACTION} (dcp_merge_fold='on' takes it)")
+    merges = ("ag_rs", "replicate") if merge == "auto" else ("ag_rs" if merge == "a2a" else merge,)
+    if not replicable:
+        merges = tuple(m for m in merges if m != "replicate")
+    return tuple((m, weights.projection is not None) for m in merges), None
+
+
 def choose(costs: CollectiveCosts | None, *, tokens: int, heads: int, q_dim: int, v_dim: int,
            dtype_bytes: int, query_weights: QueryWeights | None = None,
-           projection: ProjectionWeights | None = None, merge: str = "auto", project: str = "auto") -> MergeChoice:
+           projection: ProjectionWeights | None = None, merge: str = "auto", project: str = "auto",
+           fold: str = "off", fold_weights: FoldWeights | None = None) -> MergeChoice:
     """The cheapest candidate for a graph of `tokens` tokens: AG+RS, A2A and, where the
     graph's query projection can be replicated (`query_weights` given), replicate; each
     with and without projecting before the merge where the graph's output projection
     allows it (`projection` given). `merge` / `project` explicit narrow the candidates.
     Without measured costs (a context built for a test, no `init_parallel`), AG+RS (or the
     explicit merge), not projected unless `project="on"`, and the reason says so."""
-    if costs is None:
+    folds, no_fold = fold_candidates(merge, fold, replicable=query_weights is not None, weights=fold_weights)
+    if costs is None or fold == "on" and folds:
         m = "ag_rs" if merge == "auto" else merge
         p = project == "on" and projection is not None
+        if fold == "on" and folds:  # asked for: the fold, on the first Q source it allows
+            (m, p), f = folds[0], True
+            pred = {} if costs is None else {candidate(m, p, f): predict(
+                costs, m, tokens=tokens, heads=heads, q_dim=q_dim, v_dim=v_dim, dtype_bytes=dtype_bytes,
+                query_weights=query_weights, projection=fold_weights.projection, fold=fold_weights)}
+            return MergeChoice(m, pred, tokens, f"dcp_merge_fold='on': {candidate(m, p, f)}", p, True)
         return MergeChoice(m, {}, tokens, f"no calibrated collective costs (no init_parallel): {candidate(m, p)}", p)
     cands = candidates(merge, project, replicable=query_weights is not None, projectable=projection is not None)
     pred = {candidate(m, p): predict(costs, m, tokens=tokens, heads=heads, q_dim=q_dim, v_dim=v_dim,
                                      dtype_bytes=dtype_bytes, query_weights=query_weights,
                                      projection=projection if p else None) for m, p in cands}
+    for m, p in folds:
+        pred[candidate(m, p, True)] = predict(costs, m, tokens=tokens, heads=heads, q_dim=q_dim, v_dim=v_dim,
+                                              dtype_bytes=dtype_bytes, query_weights=query_weights,
+                                              projection=fold_weights.projection, fold=fold_weights)
     best = min(pred, key=lambda c: pred[c])
-    why = ""
+    why = "" if no_fold is None or fold == "off" else f"; {no_fold}"
     if merge == "auto" and query_weights is None:
         why += "; replicate not a candidate (query projection not replicable)"
     if project == "auto" and projection is None:
         why += "; project-before-merge not a candidate"
     m, p = split_candidate(best)
-    return MergeChoice(m, pred, tokens, f"cost model, {costs.backend} group of {costs.group_size}{why}", p)
+    return MergeChoice(m, pred, tokens, f"cost model, {costs.backend} group of {costs.group_size}{why}", p,
+                       is_fold(best))
 
 
 # torch 2.13 renamed the tensor collectives (`*_single`); older torch has only the old names.

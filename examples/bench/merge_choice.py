@@ -3,6 +3,7 @@
 
     .venv/bin/python -m examples.bench.merge_choice                        # GQA (Qwen3-235B), batch 1, 8, 64
     .venv/bin/python -m examples.bench.merge_choice --model mla            # MLA (DeepSeek-R1), with projection
+    .venv/bin/python -m examples.bench.merge_choice --fold                 # + o_proj, and the all-reduce fold
 
 On `--dcp` spawned gloo ranks (one DCP group), `init_parallel` with dcp_merge="auto"
 measures the group's collective costs (`merge_cost.calibrate`); then, per batch (decode:
@@ -24,6 +25,13 @@ runs once is left out). Collectives and bytes: one layer of each candidate under
 `merge_cost.choose`, which the DCP pass uses per compiled graph. `auto / fastest`:
 measured time of the chosen candidate over the fastest one, per round; `within spread`:
 the chosen candidate's median is at most the max of the one with the best median.
+
+`--fold` (issue 37, decision 62): every candidate's layer also runs this rank's o_proj
+(`[T, H*Dv] @ W_o^T`, W_o `[model hidden, H*Dv]`), and the "+fold" candidates run instead the
+LSE all-gather, `cp::lse_rescale` on the group's N*H heads (MLA: W_UV on them) and the o_proj of
+the group's heads (`[model hidden, N*H*Dv]`); the TP all-reduce after o_proj, the same bytes for
+every candidate, is left out (folded, it carries the merge). "auto" weighs the fold's gathered
+weights (all layers, fp32) against `--kv-gib` GiB of KV cache per rank (`FOLD_KV_FRACTION`).
 """
 
 from __future__ import annotations
@@ -43,7 +51,7 @@ import torch.distributed as dist
 import cp_compile
 from cp_compile.base import merge_cost
 from cp_compile.base.comm_stats import CollectiveMeter, merge_collectives
-from cp_compile.ops.parallel.dcp import DCPContext, all_gather_heads, merge_heads
+from cp_compile.ops.parallel.dcp import DCPContext, Partial, all_gather_heads, merge_heads, rescale_partial
 from cp_compile.testing.multirank import run_on_ranks
 from examples.bench.attention_bandwidth import commit
 
@@ -62,17 +70,19 @@ class Shape:
     out_dim: int | None
     hidden: int
     layers: int  # the model's layers (per-step figures = per layer x layers)
+    model_hidden: int = 4096  # o_proj's output (the residual stream)
 
 
 SHAPES = {
     # Qwen3-235B at tp 8: 64 q heads / 8, head dim 128, hidden 4096, 94 layers.
-    "gqa": Shape("Qwen3-235B tp8 per rank", 8, 128, 128, None, 4096, 94),
+    "gqa": Shape("Qwen3-235B tp8 per rank", 8, 128, 128, None, 4096, 94, 4096),
     # DeepSeek-R1 at tp 8: 128 heads / 8, latent 512 + rope 64, V head dim 128, q_lora 1536, 61 layers.
-    "mla": Shape("DeepSeek-R1 tp8 per rank", 16, 576, 512, 128, 1536, 61),
+    "mla": Shape("DeepSeek-R1 tp8 per rank", 16, 576, 512, 128, 1536, 61, 7168),
 }
 
 
-def _world(rank: int, world: int, batches: list[int], shape: Shape, rounds: int, layers: int) -> dict:
+def _world(rank: int, world: int, batches: list[int], shape: Shape, rounds: int, layers: int, fold: bool = False,
+           kv_bytes: int = 32 << 30) -> dict:
     cfg = cp_compile.CPConfig(tensor_parallel_size=world, decode_context_parallel_size=world, block_size=16)
     state = cp_compile.init_parallel(cfg, device="cpu")
     costs = state.collective_costs
@@ -88,8 +98,17 @@ def _world(rank: int, world: int, batches: list[int], shape: Shape, rounds: int,
         w_uv = torch.randn(H, shape.v_dim, shape.out_dim, generator=g) * shape.v_dim ** -0.5
         w_uv_group = torch.cat([w_uv] * N)
         pw = merge_cost.ProjectionWeights(bytes=4 * w_uv.numel(), matrix_elements=w_uv.numel(), out_dim=shape.out_dim)
-    cands = merge_cost.candidates(replicable=True, projectable=pw is not None)
-    names = [merge_cost.candidate(m, p) for m, p in cands]
+    cands = [(m, p, False) for m, p in merge_cost.candidates(replicable=True, projectable=pw is not None)]
+    w_o, w_o_group, fw = None, None, None
+    if fold:  # this rank's o_proj [model hidden, H*Dv]; the group's columns [model hidden, N*H*Dv]
+        dv = shape.out_dim or shape.v_dim
+        w_o = torch.randn(shape.model_hidden, H * dv, generator=g) * (H * dv) ** -0.5
+        w_o_group = torch.cat([w_o] * N, dim=1)
+        fw = merge_cost.FoldWeights(bytes=4 * w_o.numel(), matrix_elements=w_o.numel(),
+                                    extra_bytes=shape.layers * (N - 1) * (4 * w_o.numel() + (pw.bytes if pw else 0)),
+                                    kv_bytes=kv_bytes, projection=pw)
+        cands += [(m, p, True) for m, p in merge_cost.fold_candidates("auto", "on", weights=fw)[0]]
+    names = [merge_cost.candidate(m, p, f) for m, p, f in cands]
     for T in batches:
         g = torch.Generator().manual_seed(rank)
         q = torch.randn(T, H, shape.q_dim, generator=g)
@@ -105,12 +124,21 @@ def _world(rank: int, world: int, batches: list[int], shape: Shape, rounds: int,
                     torch.nn.functional.linear(x, w)
             else:
                 all_gather_heads(q, ctxs[m])
+            if merge_cost.is_fold(name):  # LSE all-gather + rescale, (W_UV,) o_proj on the group's heads
+                scaled = rescale_partial(Partial(part, lse, H, torch.float32), ctxs[m])
+                if w_uv_group is not None:
+                    scaled = torch.einsum("thl,hlv->thv", scaled, w_uv_group)
+                torch.nn.functional.linear(scaled.flatten(1), w_o_group)
+                return
             if projected:  # W_UV on the group's heads, then the merge of [T, N*H, Dv]
-                merge_heads(torch.einsum("thl,hlv->thv", part, w_uv_group), lse, ctxs[m], H, torch.float32)
+                merged = merge_heads(torch.einsum("thl,hlv->thv", part, w_uv_group), lse, ctxs[m], H,
+                                     torch.float32)[0]
             else:  # the merge of [T, N*H, L], then W_UV on this rank's heads (none for GQA)
                 merged = merge_heads(part, lse, ctxs[m], H, torch.float32)[0]
                 if w_uv is not None:
-                    torch.einsum("thl,hlv->thv", merged, w_uv)
+                    merged = torch.einsum("thl,hlv->thv", merged, w_uv)
+            if w_o is not None:  # this rank's o_proj
+                torch.nn.functional.linear(merged.flatten(1), w_o)
 
         counted = {}
         for name in names:  # warm-up, and one layer's collectives counted at dispatch
@@ -131,17 +159,24 @@ def _world(rank: int, world: int, batches: list[int], shape: Shape, rounds: int,
                 dist.all_reduce(t, op=dist.ReduceOp.MAX)
                 ms[c].append(t.item())
         sizes = dict(tokens=T, heads=H, q_dim=shape.q_dim, v_dim=shape.v_dim, dtype_bytes=4)
-        choice = merge_cost.choose(costs, **sizes, query_weights=qw, projection=pw)
-        chosen = merge_cost.candidate(choice.merge, choice.project)
+        choice = merge_cost.choose(costs, **sizes, query_weights=qw, projection=pw, fold="auto" if fold else "off",
+                                   fold_weights=fw)
+        if fold:  # "+fold" predictions even where "auto" leaves them out (the KV fraction)
+            for m, p, f in cands:
+                if f:
+                    choice.predicted_s.setdefault(merge_cost.candidate(m, p, f), merge_cost.predict(
+                        costs, m, **sizes, query_weights=qw, projection=pw if p else None, fold=fw))
+        chosen = merge_cost.candidate(choice.merge, choice.project, choice.fold)
         best = [min(ms[c][r] for c in ms) for r in range(rounds)]
         med = {c: statistics.median(v) for c, v in ms.items()}
         best_c = min(med, key=med.get)
         cand_rows = {}
-        for m, p in cands:
-            c = merge_cost.candidate(m, p)
-            coll = merge_collectives(T, H, shape.q_dim, shape.out_dim if p else shape.v_dim, 4, N, m)
+        for m, p, f in cands:
+            c = merge_cost.candidate(m, p, f)
+            coll = merge_collectives(T, H, shape.q_dim, shape.out_dim if p else shape.v_dim, 4, N, m, fold=f)
             output_merge = [b for _, b in (coll if m == "replicate" else coll[1:])]  # all but the Q all-gather
             extra_weights = (N - 1) * (qw.bytes if m == "replicate" else 0) + ((N - 1) * pw.bytes if p else 0)
+            extra_weights += (N - 1) * fw.bytes if f else 0
             cand_rows[c] = {
                 "collectives_per_layer": counted[c]["calls"], "bytes_per_layer_measured": counted[c]["sent"],
                 "bytes_per_layer_formula": sum(b for _, b in coll), "collectives_per_layer_formula": len(coll),
@@ -168,13 +203,17 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--layers", type=int, default=10)
     ap.add_argument("--out", default="results/merge_choice")
+    ap.add_argument("--fold", action="store_true", help="o_proj in every layer, and the all-reduce fold candidates")
+    ap.add_argument("--kv-gib", type=float, default=32.0, help="KV cache GiB per rank the fold's weights are weighed "
+                    "against under auto")
     a = ap.parse_args(argv)
     shape = SHAPES[a.model]
     load0 = os.getloadavg()[0]
-    res = run_on_ranks(_world, a.dcp, [int(b) for b in a.batch.split(",")], shape, a.rounds, a.layers,
-                       timeout=1800)[0]
+    res = run_on_ranks(_world, a.dcp, [int(b) for b in a.batch.split(",")], shape, a.rounds, a.layers, a.fold,
+                       int(a.kv_gib * (1 << 30)), timeout=1800)[0]
     meta = {"commit": commit(), "load_avg_start": load0, "load_avg_end": os.getloadavg()[0], "dcp": a.dcp,
-            "rounds": a.rounds, "layers": a.layers, "shape": dataclasses.asdict(shape)}
+            "rounds": a.rounds, "layers": a.layers, "shape": dataclasses.asdict(shape), "fold": a.fold,
+            "kv_gib": a.kv_gib}
     print(f"commit {meta['commit']}, load average {load0:.1f} -> {meta['load_avg_end']:.1f}, dcp {a.dcp} gloo ranks, "
           f"{a.rounds} rounds (rotated order) x {a.layers} layers, {shape.name}: {shape.heads} heads, q dim "
           f"{shape.q_dim}, partial dim {shape.v_dim}, projected dim {shape.out_dim}, hidden {shape.hidden}, fp32")
@@ -199,7 +238,8 @@ def main(argv: list[str] | None = None) -> None:
               f"spread: {'yes' if r['within_spread'] else 'no'} | | | | | | | |")
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / ("merge_choice.json" if a.model == "gqa" else f"merge_choice_{a.model}.json")).write_text(json.dumps({"meta": meta, **res}, indent=1))
+    name = "merge_choice" + ("" if a.model == "gqa" else f"_{a.model}") + ("_fold" if a.fold else "")
+    (out / f"{name}.json").write_text(json.dumps({"meta": meta, **res}, indent=1))
 
 
 if __name__ == "__main__":

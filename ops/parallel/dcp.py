@@ -215,13 +215,23 @@ def dcp_gqa_attention(q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_cache:
     Exact for decode, prefill, chunked prefill and mixed batches: every query
     attends its local causal prefix `local_len(r, pos+1)` on every rank.
     """
+    return merge_partial(dcp_gqa_partial(q, k, v, k_cache, v_cache, slot_mapping, block_table, seq_lens,
+                                         query_start_loc, scale, ctx, local, k_scale_cache, v_scale_cache), ctx)
+
+
+def dcp_gqa_partial(q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, slot_mapping: Tensor,
+                    block_table: Tensor, seq_lens: Tensor, query_start_loc: Tensor, scale: float,
+                    ctx: DCPContext, local: LocalMetadata | None = None, k_scale_cache: Tensor | None = None,
+                    v_scale_cache: Tensor | None = None) -> "Partial":
+    """`dcp_gqa_attention` up to the merge: local K/V writes, the group's queries, the partial
+    over the local shard (out [T, N*Hq, Dv], lse [T, N*Hq]; the all-reduce fold, issue 37)."""
     if local is None:
         local = localize(ctx, slot_mapping, query_start_loc, seq_lens)
     write_cache(k, k_cache, local.slot_mapping, k_scale_cache)
     write_cache(v, v_cache, local.slot_mapping, v_scale_cache)
     out, lse = gathered_gqa_partial(q, k_cache, v_cache, block_table, query_start_loc, local.causal_lens, scale,
                                     k.shape[1], ctx, k_scale_cache, v_scale_cache)  # [T, N*Hq, Dv], [T, N*Hq]
-    return merge_heads(out, lse, ctx, own_heads(q, ctx), q.dtype)[0]
+    return Partial(out, lse, own_heads(q, ctx), q.dtype)
 
 
 def own_heads(q: Tensor, ctx: DCPContext) -> int:
@@ -244,6 +254,17 @@ class Partial(NamedTuple):
 def merge_partial(part: Partial, ctx: DCPContext) -> Tensor:
     """The merged output [T, H, Dv] of this rank's heads."""
     return merge_heads(part.out, part.lse, ctx, part.heads, part.dtype)[0]
+
+
+def rescale_partial(part: Partial, ctx: DCPContext) -> Tensor:
+    """Each rank's share of the merged output of the group's N*H heads: the partial weighted by
+    `w_r = exp(lse_r - LSE)` (`cp::lse_rescale` on the all-gathered LSEs, AG+RS's first half),
+    [T, N*H, Dv] in the partial's dtype. Summed over the group's ranks it is the merged output of
+    every head of the group; the all-reduce fold (passes/allreduce_fold.py) leaves that sum to the
+    TP all-reduce after o_proj, so no output collective runs here, only the LSE all-gather."""
+    lse_all = _c10d.all_gather_into_tensor.default(dense(part.lse.transpose(0, 1)), ctx.group.size, ctx.group.name)
+    lse_all = _c10d.wait_tensor.default(lse_all)  # [N*N*H, T]
+    return _cp.lse_rescale.default(part.out, part.lse, lse_all)[0].to(part.dtype)
 
 
 def dcp_mla_partial(q_nope: Tensor, q_pe: Tensor, kv_c: Tensor, k_pe: Tensor, kv_cache: Tensor,

@@ -107,6 +107,16 @@ def test_dcp_project_before_merge_choice():
             CPConfig(dcp_project_before_merge=bad)
 
 
+def test_dcp_merge_fold_choice():
+    """Decision 62: auto | on | off, default off (the fold costs weight memory the KV pool does not budget)."""
+    assert CPConfig().dcp_merge_fold == "off"
+    for v in ("on", "auto"):
+        assert CPConfig(dcp_merge_fold=v).dcp_merge_fold == v
+    for bad in (True, "yes"):
+        with raises("dcp_merge_fold is auto|on|off", f"dcp_merge_fold={bad!r}"):
+            CPConfig(dcp_merge_fold=bad)
+
+
 def test_replace_revalidates():
     cfg = CPConfig(block_size=128, cp_kv_cache_interleave_size=64)
     assert cfg.replace(block_size=64).block_size == 64

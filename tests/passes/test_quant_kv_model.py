@@ -29,32 +29,35 @@ def _hf(kind: str):
     return hf_qwen3(num_kv_heads=1, num_heads=4) if kind == "qwen3" else hf_deepseek_v3(q_lora_rank=None, num_heads=4)
 
 
-def _world(rank: int, world: int, models: list[tuple[str, str, object, dict]]):
+def _world(rank: int, world: int, models: list[tuple[str, str, object, dict]], fold: str = "off"):
     out = []
     for kind, kv_dtype, hf_config, sd in models:
         cfg = cp_compile.CPConfig(tensor_parallel_size=world, decode_context_parallel_size=world, block_size=BLOCK,
-                                  dcp_merge="ag_rs", kv_cache_dtype=kv_dtype)
+                                  dcp_merge="ag_rs", kv_cache_dtype=kv_dtype, dcp_merge_fold=fold)
         state = cp_compile.init_parallel(cfg, device="cpu")
         model = example_from_config(hf_config, sd, world, state.layout.tp.rank, state.tp_group)
         cache = cp_compile.allocate_kv_cache(cfg, model.kv_cache_spec(), NUM_BLOCKS, attention=model.attention_spec())
         compiled = cp_compile.compile_model(model, lowering="aot_eager")
         res = run_schedule(compiled, layer_caches(cache), cfg, NUM_BLOCKS, tiny_schedule(VOCAB, num_steps=STEPS))
         hist = compiled.backend.pass_managers[0].history[-1].after
-        out.append(dict(results=res, after=hist, scale_bytes=cache.scale_bytes))
+        folded = sum(h.rewrites for h in compiled.backend.pass_managers[0].history if h.name == "allreduce_fold")
+        out.append(dict(results=res, after=hist, scale_bytes=cache.scale_bytes, folded=folded))
         cp_compile.destroy_parallel()
     return out
 
 
 @pytest.mark.slow
-def test_compiled_dcp2_quantised_model_matches_single_device():
+@pytest.mark.parametrize("fold", ["off", "on"])
+def test_compiled_dcp2_quantised_model_matches_single_device(fold: str):
     """`-m slow` (~70 s: a spawned world, two aot_eager compiles); the default run checks the
     pass's plumbing in process (below) and the numerics per op on gloo ranks
-    (tests/ops/test_quant_kv_dcp.py)."""
+    (tests/ops/test_quant_kv_dcp.py). `fold="on"`: the merges folded into the TP all-reduce
+    (decision 62) over the quantised caches."""
     models = []
     for kind, kv_dtype in CASES:
         hf = _hf(kind)
         models.append((kind, kv_dtype, hf.config, {k: v.detach().clone() for k, v in hf.state_dict().items()}))
-    per_rank = run_on_ranks(_world, 2, models, timeout=900)
+    per_rank = run_on_ranks(_world, 2, models, fold, timeout=900)
     for i, (kind, kv_dtype, hf_config, sd) in enumerate(models):
         model = example_from_config(hf_config, sd)
         cfg = cp_compile.CPConfig(block_size=BLOCK * 2, kv_cache_dtype=kv_dtype)
@@ -63,6 +66,7 @@ def test_compiled_dcp2_quantised_model_matches_single_device():
         for rank, out in enumerate(per_rank):
             got = out[i]
             assert got["scale_bytes"] * 2 == cache.scale_bytes  # the scales are sharded with the pages
+            assert got["folded"] == (hf_config.num_hidden_layers if fold == "on" else 0)
             # no single-device attention op left: the pass rewrote them, scales and all
             assert not any("gqa_paged_attention" in k or "cp.mla_attention" in k for k in got["after"]), got["after"]
             for step, (g, w) in enumerate(zip(got["results"], ref)):

@@ -168,7 +168,17 @@ class Engine:
         return dict(tokens_per_rank=self.cache.tokens_per_rank, tokens_per_group=self.cache.tokens_per_rank * n,
                     kv_bytes_per_rank=bytes_rank, kv_bytes_per_rank_dcp1=bytes_rank * n,
                     dcp=self.config.decode_context_parallel_size, pcp=self.config.prefill_context_parallel_size,
-                    index_bytes_per_rank=self.cache.replicated_bytes)  # SFA's replicated indexer cache
+                    index_bytes_per_rank=self.cache.replicated_bytes,  # SFA's replicated indexer cache
+                    gathered_weight_bytes_per_rank=self.gathered_weight_bytes())
+
+    def gathered_weight_bytes(self) -> int:
+        """Weights the compiled graphs gathered from the other DCP ranks and hold as buffers, on
+        this rank: the all-reduce fold's o_proj columns and W_UV (decision 62), project before
+        the merge's W_UV (decision 61); summed over the graphs compiled so far (each holds its
+        own), 0 before the first step. This memory is not in the KV pool's budget."""
+        keys = ("gathered_o_proj_bytes", "gathered_projection_bytes", "gathered_weight_bytes")
+        return sum(int((h.decision or {}).get(k, 0)) for pm in self.compiled.backend.pass_managers
+                   for h in pm.history for k in keys)
 
     # ---- serving ------------------------------------------------------------------
     def execute(self, plan: StepPlan) -> list[torch.Tensor]:
