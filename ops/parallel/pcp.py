@@ -179,7 +179,9 @@ def _quantized_new_tokens(new: Tensor, cache: Tensor, scale_cache: Tensor, step:
     as the single device reads it back from its cache: the codes and scale its owner
     stores (issue 39, decision 68)."""
     T = new.shape[0]
-    rows = new.shape[1:-1].numel()
+    rows = 1
+    for d in new.shape[1:-1]:  # the KV heads (GQA) or nothing (MLA); plain ints, also under a graph pass
+        rows *= d
     codes = torch.zeros((T, 1, *new.shape[1:]), dtype=cache.dtype, device=new.device)
     scales = torch.zeros((T, 1, rows), dtype=scale_cache.dtype, device=new.device)
     slots = torch.arange(T, device=new.device, dtype=torch.int64).to(step.local.slot_mapping.dtype)
@@ -190,7 +192,10 @@ def _quantized_new_tokens(new: Tensor, cache: Tensor, scale_cache: Tensor, step:
 def _check_scales(cache: Tensor, scale_cache: Tensor | None, what: str) -> bool:
     """Whether the composition runs over a quantised cache (a scale cache passed); a quantised
     cache without its scales, or scales beside a model-dtype cache, refused by name."""
-    kv_quant.check_pair(cache, scale_cache, what)
+    # Only the dtype here (shapes may be traced sizes under a graph pass): the ops check the pairing.
+    if scale_cache is None and kv_quant.is_quantized(cache.dtype):
+        raise ValueError(f"{what} is {cache.dtype} (a quantised KV cache) but no scale cache was passed; pass the "
+                         "layer's scale cache (allocate_kv_cache with CPConfig(kv_cache_dtype=...) makes it)")
     return scale_cache is not None
 
 
