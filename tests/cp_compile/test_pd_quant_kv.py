@@ -6,7 +6,8 @@ with different kv_cache_dtype are refused before any byte moves.
 The harness is examples/pd_disagg.py's (two process worlds, NIXL UCX over DRAM, a
 TCPStore). Default: one pair of worlds (P 2 ranks, D 1 rank: both eager, no dynamo
 trace), the exact case and the refusal. `slow`: the DCP layouts (P dcp 2 token
-interleave -> D dcp 1, MLA P dcp 1 -> D dcp 2 whole blocks), fp8 and int8."""
+interleave -> D dcp 1, MLA P dcp 1 -> D dcp 2 whole blocks), fp8 and int8, and a PCP
+prefill instance P(tp1,pcp2) -> D(tp2,dcp2)."""
 
 from __future__ import annotations
 
@@ -31,6 +32,8 @@ SLOW = [
     Case("gqa", Side(2, 1, 2, 1, 4, "fp8_e4m3"), Side(2, 1, 1, 1, 8, "fp8_e4m3")),  # token path, staged reads
     Case("mla", Side(2, 1, 1, 4, 4, "int8"), Side(2, 1, 2, 4, 4, "int8")),  # whole blocks into D's DCP ranks
     Case("mla", Side(2, 1, 2, 1, 4, "fp8_e4m3"), Side(2, 1, 1, 4, 8, "fp8_e4m3")),
+    # a PCP prefill instance (decision 68) -> D at dcp 2: the issue's P(tp1,pcp2) -> D(tp2,dcp2)
+    Case("gqa", Side(1, 2, 1, 1, 4, "int8"), Side(2, 1, 2, 1, 4, "int8")),
 ]
 
 
