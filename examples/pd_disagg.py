@@ -43,15 +43,17 @@ class Side:
     dcp: int = 1
     interleave: int = 1
     block_size: int = 4
+    kv_cache_dtype: str = "auto"  # "int8" / "fp8_e4m3": a quantised cache, its scales moved with the pages
 
     def config(self) -> cp_compile.CPConfig:
         return cp_compile.CPConfig(tensor_parallel_size=self.tp, prefill_context_parallel_size=self.pcp,
                                    decode_context_parallel_size=self.dcp, cp_kv_cache_interleave_size=self.interleave,
-                                   block_size=self.block_size)
+                                   block_size=self.block_size, kv_cache_dtype=self.kv_cache_dtype)
 
     def describe(self) -> str:
         s = f"tp{self.tp}" + (f",pcp{self.pcp}" if self.pcp > 1 else "") + f",dcp{self.dcp}"
-        return s + f",I{self.interleave},bs{self.block_size}"
+        s += f",I{self.interleave},bs{self.block_size}"
+        return s + (f",{self.kv_cache_dtype}" if self.kv_cache_dtype != "auto" else "")
 
 
 @dataclass(frozen=True)
@@ -63,7 +65,8 @@ class Case:
     prompt_lens: tuple[int, ...] = (13, 6)
     steps: int = 4
     fault: str = ""  # "", "mismatch" (D serves another model), "ownership" (D drops the request mid-transfer),
-    # "kill" (P rank 1 dies mid-transfer), "stall" (P rank 1 stays alive but never reports request 0 ready)
+    # "kill" (P rank 1 dies mid-transfer), "stall" (P rank 1 stays alive but never reports request 0 ready),
+    # "dtype" (the sides' kv_cache_dtype differ: refused like "mismatch", same model)
     timeout_s: float = 30.0
     num_layers: int = 2  # the fuzz's P/D pair runs 1 layer (tests/fuzz/test_config_fuzz.py)
 
@@ -161,6 +164,13 @@ def _kill_prefill_rank(store, case_index: int, rank: int) -> None:
         time.sleep(0.01)
 
 
+def _nonzero(t: torch.Tensor) -> int:
+    """Nonzero elements of a cache tensor (fp8 pages: counted on their bytes, torch has no fp8 count_nonzero)."""
+    if t.dtype == torch.float8_e4m3fn:
+        return int(t.view(torch.uint8).count_nonzero())
+    return int(t.count_nonzero())
+
+
 def decode_world(rank: int, world: int, store_port: int, cases: list[Case], models: list[tuple]) -> list[dict]:
     """The D instance: each case's requests imported, then decoded (or the fault's outcome)."""
     outs = []
@@ -173,7 +183,7 @@ def decode_world(rank: int, world: int, store_port: int, cases: list[Case], mode
         if case.fault:
             out.update(_decode_fault(case, i, consumer, alloc, rids))
             if case.fault == "stall":  # request 0 failed; what it left, then the next request is served
-                out["cache_nonzero_after_fault"] = [int(t.count_nonzero()) for layer in layer_caches(cache)
+                out["cache_nonzero_after_fault"] = [_nonzero(t) for layer in layer_caches(cache)
                                                     for t in layer]
                 out["free_after_fault"] = alloc.num_free
                 tokens, steps, imported = import_and_decode(forward, layer_caches(cache), alloc, consumer, rids[1:],
@@ -183,8 +193,8 @@ def decode_world(rank: int, world: int, store_port: int, cases: list[Case], mode
             tokens, steps, imported = import_and_decode(forward, layer_caches(cache), alloc, consumer, rids,
                                                         case.steps)
             out.update(tokens=tokens, steps=steps, imported=imported)
-        out["cache_nonzero"] = [int(t.count_nonzero()) for layer in layer_caches(cache) for t in layer]
-        out["layer_nonzero"] = [sum(int(t.count_nonzero()) for t in layer) for layer in layer_caches(cache)]
+        out["cache_nonzero"] = [_nonzero(t) for layer in layer_caches(cache) for t in layer]
+        out["layer_nonzero"] = [sum(_nonzero(t) for t in layer) for layer in layer_caches(cache)]
         out["free"], out["num_blocks"] = alloc.num_free, NUM_BLOCKS
         outs.append(out)
         cp_compile.destroy_parallel()
@@ -239,8 +249,8 @@ def reference(case: Case, hf_config, state_dict) -> dict:
     from examples.models.tiny import example_from_config
 
     model = example_from_config(hf_config, state_dict)
-    cfg = cp_compile.CPConfig(block_size=8)
-    cache = cp_compile.allocate_kv_cache(cfg, model.kv_cache_spec(), NUM_BLOCKS)
+    cfg = cp_compile.CPConfig(block_size=8, kv_cache_dtype=case.p.kv_cache_dtype)  # the same quantised cache
+    cache = cp_compile.allocate_kv_cache(cfg, model.kv_cache_spec(), NUM_BLOCKS, attention=model.attention_spec())
     alloc = cp_compile.BlockAllocator(NUM_BLOCKS, cfg.virtual_block_size)
     handoff = SameInstanceHandoff()
     prompts = prompts_of(case, hf_config.vocab_size)
@@ -249,11 +259,13 @@ def reference(case: Case, hf_config, state_dict) -> dict:
     return dict(last=last, tokens=tokens, steps=steps)
 
 
-def geometry_of(hf_config, state_dict) -> KVGeometry:
+def geometry_of(hf_config, state_dict, kv_cache_dtype: str = "auto") -> KVGeometry:
+    from cp_compile.base.config import KV_CACHE_DTYPES
     from examples.models.tiny import example_from_config
 
     model = example_from_config(hf_config, state_dict)
-    return KVGeometry.of(model.kv_cache_spec(), model.attention_spec(), torch.float32)
+    return KVGeometry.of(model.kv_cache_spec(), model.attention_spec(),
+                         KV_CACHE_DTYPES[kv_cache_dtype] or torch.float32, kv_cache_dtype)
 
 
 def compare(case: Case, ref: dict, p_out: list[dict], d_out: list[dict], geometry: KVGeometry) -> dict:
@@ -322,11 +334,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--kv-heads", type=int, default=1, help="GQA KV heads")
     ap.add_argument("--prompt-lens", type=int, nargs="+", default=[13, 6])
     ap.add_argument("--steps", type=int, default=6)
+    ap.add_argument("--kv-cache-dtype", choices=("auto", "int8", "fp8_e4m3"), default="auto",
+                    help="both instances' CPConfig.kv_cache_dtype (the single device's too)")
     ap.add_argument("--fault", choices=("mismatch", "ownership", "kill", "stall"), default="",
                     help="inject a fault (the tests' cases): the run must then fail, with the D ranks' errors")
     a = ap.parse_args(argv)
-    case = Case(a.model, Side(a.p_tp, a.p_pcp, a.p_dcp, a.p_interleave, a.p_block_size),
-                Side(a.d_tp, 1, a.d_dcp, a.d_interleave, a.d_block_size), num_kv_heads=a.kv_heads,
+    case = Case(a.model, Side(a.p_tp, a.p_pcp, a.p_dcp, a.p_interleave, a.p_block_size, a.kv_cache_dtype),
+                Side(a.d_tp, 1, a.d_dcp, a.d_interleave, a.d_block_size, a.kv_cache_dtype), num_kv_heads=a.kv_heads,
                 prompt_lens=tuple(a.prompt_lens), steps=a.steps, fault=a.fault,
                 timeout_s=3.0 if a.fault == "stall" else 30.0)
     bad = check_layouts(case)
@@ -348,7 +362,7 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     ref = reference(case, *models[0])
     p_ranks, d_ranks = [o[0] for o in p_out], [o[0] for o in d_out]
-    res = compare(case, ref, p_ranks, d_ranks, geometry_of(*models[0]))
+    res = compare(case, ref, p_ranks, d_ranks, geometry_of(*models[0], case.p.kv_cache_dtype))
     for r in sorted(ref["tokens"]):
         print(f"request {r} ({case.prompt_lens[r]} prompt tokens)")
         print(f"  single device : {ref['tokens'][r]}")

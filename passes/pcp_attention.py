@@ -64,6 +64,16 @@ class PCPMLAPattern(AttentionPattern):
     composition = staticmethod(pcp_compose.pcp_mla_attention)
 
 
+class PCPGQAQuantPattern(PCPGQAPattern):
+    """GQA over a quantised cache (issue 39): the same composition, the scale caches passed by name."""
+
+    op = torch.ops.cp.gqa_paged_attention_quant
+
+
+class PCPMLAQuantPattern(PCPMLAPattern):
+    op = torch.ops.cp.mla_attention_quant
+
+
 def _same_size(a: Any, b: Any) -> bool:
     """Whether two sizes are the same size *structurally* (the same symbol, or equal
     ints); comparing SymInts with == would add a guard to the shape environment."""
@@ -83,7 +93,8 @@ class PCPAttentionPass(CPPass):
     """Token-shard a prefill graph over PCP (see module docstring)."""
 
     name = "pcp_attention"
-    patterns: tuple[AttentionPattern, ...] = (PCPGQAPattern(), PCPMLAPattern())
+    patterns: tuple[AttentionPattern, ...] = (PCPGQAPattern(), PCPMLAPattern(), PCPGQAQuantPattern(),
+                                              PCPMLAQuantPattern())
     handles = tuple(p.op for p in patterns)
     enabled_when = "prefill_context_parallel_size > 1 (prefill graphs)"
 

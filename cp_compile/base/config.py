@@ -176,8 +176,6 @@ class CPConfig:
             # What is not built yet (issue 39), refused by name rather than run on a path that
             # would read quantised bytes as if they were the model's dtype.
             for name, on, why in (
-                    ("prefill_context_parallel_size", self.prefill_context_parallel_size > 1,
-                     "the PCP prefill compositions do not carry the scales yet"),
                     ("enable_dsa_cp", self.enable_dsa_cp, "the DSA-CP row ops do not read scales yet"),
                     ("enable_mla_preprocess", self.enable_mla_preprocess,
                      "cp::mla_preprocess writes the latent unquantised")):

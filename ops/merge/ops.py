@@ -36,7 +36,9 @@ def lse_rescale(out: Tensor, lse: Tensor, lse_all: Tensor) -> tuple[Tensor, Tens
     w = torch.where(empty, torch.zeros_like(mine), torch.exp(mine - total))  # NaN / +inf LSEs propagate
     scaled = torch.where(empty[..., None], torch.zeros((), dtype=torch.float32, device=out.device),
                          out.float() * w[..., None])
-    return scaled, total
+    # Contiguous, as the fake kernel says: elementwise results keep a strided `out`'s layout
+    # (a head-permuted partial), which Inductor's assert_size_stride refused (PCP at dcp 2).
+    return scaled.contiguous(), total.contiguous()
 
 
 @lse_rescale.register_fake

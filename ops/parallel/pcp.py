@@ -40,7 +40,7 @@ from torch import Tensor
 
 import cp_compile.ops  # noqa: F401  (registers the cp::* building blocks)
 from cp_compile.base.errors import ConfigError
-from cp_compile.ops.core import layout, pcp_layout
+from cp_compile.ops.core import kv_quant, layout, pcp_layout
 from cp_compile.ops.parallel.dcp import (DCPContext, all_gather_heads, dense, kv_major_heads, localize, merge_heads,
                                           rank_major_heads)
 from cp_compile.base.parallel_layout import Group
@@ -171,12 +171,32 @@ def pcp_restore_tokens(x: Tensor, step: _Step, ctx: PCPContext) -> Tensor:
     return torch.where(step.real[:, None], flat, 0).view_as(glob)
 
 
-def _refuse_quantized(*scale_caches: Tensor | None) -> None:
-    """CPConfig refuses kv_cache_dtype != 'auto' with PCP; this is the backstop for a caller
-    that built the caches by hand (the new-token part would read unquantised rows)."""
-    if any(s is not None for s in scale_caches):
-        raise NotImplementedError("PCP prefill with a quantised KV cache (kv_cache_dtype int8 / fp8) is not built "
-                                  "(issue 39). Fix: prefill_context_parallel_size=1, or kv_cache_dtype='auto'")
+def _quantized_new_tokens(new: Tensor, cache: Tensor, scale_cache: Tensor, step: _Step) -> tuple[Tensor, Tensor]:
+    """The gathered new tokens [T, rows..., D] (model dtype, global order) as a quantised
+    paged "cache" of block size 1: ([T, 1, rows..., D] codes in the cache's dtype,
+    [T, 1, rows] fp32 scales), written by the op that writes the owner's cache
+    (`cp::quant_cache_write`), so the new-token part reads every new token's K / V exactly
+    as the single device reads it back from its cache: the codes and scale its owner
+    stores (issue 39, decision 68)."""
+    T = new.shape[0]
+    rows = 1
+    for d in new.shape[1:-1]:  # the KV heads (GQA) or nothing (MLA); plain ints, also under a graph pass
+        rows *= d
+    codes = torch.zeros((T, 1, *new.shape[1:]), dtype=cache.dtype, device=new.device)
+    scales = torch.zeros((T, 1, rows), dtype=scale_cache.dtype, device=new.device)
+    slots = torch.arange(T, device=new.device, dtype=torch.int64).to(step.local.slot_mapping.dtype)
+    _cp.quant_cache_write.default(new, codes, scales, slots)
+    return codes, scales
+
+
+def _check_scales(cache: Tensor, scale_cache: Tensor | None, what: str) -> bool:
+    """Whether the composition runs over a quantised cache (a scale cache passed); a quantised
+    cache without its scales, or scales beside a model-dtype cache, refused by name."""
+    # Only the dtype here (shapes may be traced sizes under a graph pass): the ops check the pairing.
+    if scale_cache is None and kv_quant.is_quantized(cache.dtype):
+        raise ValueError(f"{what} is {cache.dtype} (a quantised KV cache) but no scale cache was passed; pass the "
+                         "layer's scale cache (allocate_kv_cache with CPConfig(kv_cache_dtype=...) makes it)")
+    return scale_cache is not None
 
 
 def pcp_gqa_attention(q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, slot_mapping: Tensor,
@@ -190,17 +210,27 @@ def pcp_gqa_attention(q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_cache:
     out [T_loc, Hq, Dv]. Exact for prefill, chunked prefill with a cached prefix and
     mixed batches; at `ctx.fresh` only for steps without cached context.
     """
-    _refuse_quantized(k_scale_cache, v_scale_cache)
+    quant = _check_scales(k_cache, k_scale_cache, "k_cache") | _check_scales(v_cache, v_scale_cache, "v_cache")
     if step is None:
         step = pcp_step(ctx, token_index, slot_mapping, query_start_loc, seq_lens)
     D = k.shape[-1]
     kv = _gather_tokens(torch.cat([k, v], dim=-1), ctx)[step.inv]  # [T, Hkv, D+Dv], global order; one gather
-    k_new, v_new = kv[..., :D].to(k_cache.dtype), kv[..., D:].to(v_cache.dtype)
-    _cp.cache_write.default(k_new, k_cache, step.local.slot_mapping)
-    _cp.cache_write.default(v_new, v_cache, step.local.slot_mapping)
-    # New tokens: the single-device op reads them back from the cache, in its dtype.
-    new = _cp.paged_attention_lse.default(q, k_new.unsqueeze(1), v_new.unsqueeze(1), step.new_table,
-                                          step.local_qsl, step.new_lens, scale)
+    if quant:  # the owner stores codes + scales; the new-token part reads the same codes + scales
+        assert k_scale_cache is not None and v_scale_cache is not None
+        k_new, v_new = kv[..., :D], kv[..., D:]
+        _cp.quant_cache_write.default(k_new, k_cache, k_scale_cache, step.local.slot_mapping)
+        _cp.quant_cache_write.default(v_new, v_cache, v_scale_cache, step.local.slot_mapping)
+        kq, ks = _quantized_new_tokens(k_new, k_cache, k_scale_cache, step)
+        vq, vs = _quantized_new_tokens(v_new, v_cache, v_scale_cache, step)
+        new = _cp.paged_attention_lse.default(q, kq, vq, step.new_table, step.local_qsl, step.new_lens, scale,
+                                              ks, vs)
+    else:
+        k_new, v_new = kv[..., :D].to(k_cache.dtype), kv[..., D:].to(v_cache.dtype)
+        _cp.cache_write.default(k_new, k_cache, step.local.slot_mapping)
+        _cp.cache_write.default(v_new, v_cache, step.local.slot_mapping)
+        # New tokens: the single-device op reads them back from the cache, in its dtype.
+        new = _cp.paged_attention_lse.default(q, k_new.unsqueeze(1), v_new.unsqueeze(1), step.new_table,
+                                              step.local_qsl, step.new_lens, scale)
     if ctx.fresh:  # no cached context: the new tokens are all the keys (module docstring)
         return _finish(new[0], step, q.dtype)
     # Context: every global query, every DCP-group head, against this rank's shard.
@@ -209,7 +239,7 @@ def pcp_gqa_attention(q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_cache:
     # Each DCP rank's heads with their own KV head (identity at one KV head per rank).
     q_glob = kv_major_heads(_gather_tokens(q_h, ctx)[step.inv], ctx.dcp.size, kv_heads)  # [T, dcp*Hq, D]
     part = _cp.paged_attention_lse.default(q_glob, k_cache, v_cache, block_table, query_start_loc,
-                                           step.local.context_lens, scale)
+                                           step.local.context_lens, scale, k_scale_cache, v_scale_cache)
     ctx_out, ctx_lse = _context_part(rank_major_heads(part[0], ctx.dcp.size, kv_heads),
                                      rank_major_heads(part[1], ctx.dcp.size, kv_heads), step, ctx, q.shape[1],
                                      q.dtype)
@@ -225,20 +255,28 @@ def pcp_mla_attention(q_nope: Tensor, q_pe: Tensor, kv_c: Tensor, k_pe: Tensor, 
     q_nope [T_loc, H, L], q_pe [T_loc, H, R], kv_c [T_loc, L], k_pe [T_loc, R],
     kv_cache [NB, BS, L+R] (this rank's shard) -> latent out [T_loc, H, L].
     """
-    _refuse_quantized(kv_scale_cache)
+    quant = _check_scales(kv_cache, kv_scale_cache, "kv_cache")
     if step is None:
         step = pcp_step(ctx, token_index, slot_mapping, query_start_loc, seq_lens)
     L = q_nope.shape[-1]
-    latent = _gather_tokens(torch.cat([kv_c, k_pe], dim=-1), ctx)[step.inv].to(kv_cache.dtype)  # [T, L+R]
-    _cp.cache_write.default(latent, kv_cache, step.local.slot_mapping)
-    new = _cp.mla_partial_attention.default(q_nope, q_pe, latent.unsqueeze(1), step.new_table, step.local_qsl,
-                                            step.new_lens, scale)
+    latent = _gather_tokens(torch.cat([kv_c, k_pe], dim=-1), ctx)[step.inv]  # [T, L+R]
+    if quant:  # one scale per token over [c | k_pe], as the owner writes it
+        assert kv_scale_cache is not None
+        _cp.quant_cache_write.default(latent, kv_cache, kv_scale_cache, step.local.slot_mapping)
+        lq, ls = _quantized_new_tokens(latent, kv_cache, kv_scale_cache, step)
+        new = _cp.mla_partial_attention.default(q_nope, q_pe, lq, step.new_table, step.local_qsl, step.new_lens,
+                                                scale, ls)
+    else:
+        latent = latent.to(kv_cache.dtype)
+        _cp.cache_write.default(latent, kv_cache, step.local.slot_mapping)
+        new = _cp.mla_partial_attention.default(q_nope, q_pe, latent.unsqueeze(1), step.new_table, step.local_qsl,
+                                                step.new_lens, scale)
     if ctx.fresh:  # no cached context (module docstring)
         return _finish(new[0], step, q_nope.dtype)
     q = torch.cat([q_nope, q_pe], dim=-1)  # [T_loc, H, L+R]: one gather per group
     q_h = all_gather_heads(q, ctx.dcp_group_view()) if ctx.dcp.size > 1 else q  # [T_loc, dcp*H, L+R]
     q_glob = _gather_tokens(q_h, ctx)[step.inv]  # [T, dcp*H, L+R]
     part = _cp.mla_partial_attention.default(q_glob[..., :L], q_glob[..., L:], kv_cache, block_table,
-                                             query_start_loc, step.local.context_lens, scale)
+                                             query_start_loc, step.local.context_lens, scale, kv_scale_cache)
     ctx_out, ctx_lse = _context_part(part[0], part[1], step, ctx, q_nope.shape[1], q_nope.dtype)
     return _combine(ctx_out, ctx_lse, new[0], new[1], step, q_nope.dtype)

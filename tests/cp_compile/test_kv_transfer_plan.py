@@ -47,14 +47,25 @@ def _value(p: int, h: int, which: int) -> torch.Tensor:  # unique per (token, he
     return torch.arange(8, dtype=torch.float32) + 1000.0 * (p + 1) + 10.0 * h + 0.1 * which
 
 
+def _code(p: int, h: int, which: int) -> torch.Tensor:  # int8 "codes" of a quantised cache, never 0
+    return ((torch.arange(8) + 7 * p + 3 * h + 5 * which) % 125 + 1).to(torch.int8)
+
+
 def _caches(geo: KVGeometry, layout: KVLayout, rank: int, num_blocks: int, n: int, blocks: list[int] | None):
-    """A rank's caches; filled with the request's values when `blocks` is given (P side)."""
+    """A rank's caches; filled with the request's values when `blocks` is given (P side).
+    A quantised geometry: int8 pages and, beside them, fp32 scales per (page, offset, head)."""
     heads = geo.kv_heads_of(layout, rank)
     bs = layout.block_size
+    dt = torch.int8 if geo.quantized else torch.float32
     if geo.kind == "gqa":
-        layers = [(torch.zeros(num_blocks, bs, len(heads), HEAD), torch.zeros(num_blocks, bs, len(heads), VHEAD))]
+        layers = [(torch.zeros(num_blocks, bs, len(heads), HEAD, dtype=dt),
+                   torch.zeros(num_blocks, bs, len(heads), VHEAD, dtype=dt))]
+        if geo.quantized:
+            layers = [layers[0] + (torch.zeros(num_blocks, bs, len(heads)), torch.zeros(num_blocks, bs, len(heads)))]
     else:
-        layers = [(torch.zeros(num_blocks, bs, LATENT),)]
+        layers = [(torch.zeros(num_blocks, bs, LATENT, dtype=dt),)]
+        if geo.quantized:
+            layers = [layers[0] + (torch.zeros(num_blocks, bs, 1),)]
     index = [torch.zeros(num_blocks, layout.virtual_block_size, INDEX)] if geo.kind == "sfa" else []
     if blocks is not None:
         fill(geo, layout, rank, layers, index, n, blocks)
@@ -67,22 +78,29 @@ def fill(geo, layout, rank, layers, index, n, blocks):
     for p, (owner, slot) in _deal(layout, n, blocks).items():
         if owner == me:
             page, off = divmod(slot, layout.block_size)
+            val = _code if geo.quantized else _value
             if geo.kind == "gqa":
                 for i, h in enumerate(heads):
-                    layers[0][0][page, off, i] = _value(p, h, 0)[:HEAD]
-                    layers[0][1][page, off, i] = _value(p, h, 1)[:VHEAD]
+                    layers[0][0][page, off, i] = val(p, h, 0)[:HEAD]
+                    layers[0][1][page, off, i] = val(p, h, 1)[:VHEAD]
+                    if geo.quantized:  # the scales: unique per (token, head, tensor)
+                        layers[0][2][page, off, i] = _value(p, h, 4)[0]
+                        layers[0][3][page, off, i] = _value(p, h, 5)[0]
             else:
-                layers[0][0][page, off] = _value(p, 0, 2)[:LATENT]
+                layers[0][0][page, off] = val(p, 0, 2)[:LATENT]
+                if geo.quantized:
+                    layers[0][1][page, off, 0] = _value(p, 0, 6)[0]
     for p in range(n):
         vb, j = divmod(p, layout.virtual_block_size)
         if index:
             index[0][blocks[vb], j] = _value(p, 0, 3)[:INDEX]
 
 
-def _geometry(kind: str, kv_heads: int) -> KVGeometry:
+def _geometry(kind: str, kv_heads: int, kv_cache_dtype: str = "auto") -> KVGeometry:
+    q = dict(dtype="torch.int8", kv_cache_dtype=kv_cache_dtype) if kv_cache_dtype != "auto" else {}
     if kind == "gqa":
-        return KVGeometry("gqa", 1, num_kv_heads=kv_heads, head_dim=HEAD, v_head_dim=VHEAD)
-    return KVGeometry(kind, 1, latent_dim=LATENT, index_dim=INDEX if kind == "sfa" else 0)
+        return KVGeometry("gqa", 1, num_kv_heads=kv_heads, head_dim=HEAD, v_head_dim=VHEAD, **q)
+    return KVGeometry(kind, 1, latent_dim=LATENT, index_dim=INDEX if kind == "sfa" else 0, **q)
 
 
 def _blocks(layout: KVLayout, n: int, offset: int) -> list[int]:
@@ -103,16 +121,18 @@ def transfer(src: KVLayout, dst: KVLayout, geo: KVGeometry, n: int, coalesce: bo
     nb = 2 * (-(-n // min(src.virtual_block_size, dst.virtual_block_size))) + 4
     sb, db = _blocks(src, n, 1), _blocks(dst, n, 0)
     p_caches = {r: _caches(geo, src, r, nb, n, sb) for r in range(src.world_size)}
-    p_regions = {r: regions_of(*p_caches[r], geo.kind) for r in p_caches}
+    p_regions = {r: regions_of(*p_caches[r], geo.kind, quantized=geo.quantized) for r in p_caches}
     moved = runs = ndesc = 0
     for d in range(dst.world_size):
         got = _caches(geo, dst, d, nb, n, None)
         want = _caches(geo, dst, d, nb, n, db)
-        written = _caches(geo, dst, d, nb, n, None)  # per-element write counts
+        # per-element write counts (fp32 tensors of the caches' shapes)
+        written = ([tuple(torch.zeros(t.shape) for t in layer) for layer in got[0]], [torch.zeros(t.shape)
+                                                                                      for t in got[1]])
         plan = plan_rank(src, dst, geo, n, sb, db, d)
         assert set(plan.dst_blocks) == set(db)
         assert plan.bytes(geo) == expected_rank_bytes(geo, dst, n, d)
-        local = regions_of(*got, geo.kind)
+        local = regions_of(*got, geo.kind, quantized=geo.quantized)
         runs += len(plan.runs)
         # as the connector does: the runs grouped once (layer 0's row sizes), reused for every layer
         groups = group_runs(plan, local, p_regions, 0) if coalesce and same_rows(local, p_regions) else None
@@ -133,11 +153,11 @@ def transfer(src: KVLayout, dst: KVLayout, geo: KVGeometry, n: int, coalesce: bo
                         continue  # counted when scattered
                     # count writes: local address -> same offset in the counts tensors
                     reg = next(i for i, r in enumerate(local) if r.addr <= la < r.addr + r.nbytes)
-                    off = la - local[reg].addr
-                    _flat(written)[reg].view(-1)[off // 4: (off + ln) // 4] += 1  # fp32 elements
+                    off, e = la - local[reg].addr, _flat(got)[reg].element_size()
+                    _flat(written)[reg].view(-1)[off // e: (off + ln) // e] += 1
             reads.scatter(_flat(got), staging)
             for sc in reads.scatters:  # index_add_: a slot scattered twice counts twice
-                rows = _flat(written)[sc.region].view(-1, sc.row_bytes // 4)
+                rows = _flat(written)[sc.region].view(-1, sc.row_bytes // _flat(got)[sc.region].element_size())
                 idx = torch.from_numpy(sc.dst_slots)
                 rows.index_add_(0, idx, torch.ones(len(idx), rows.shape[1]))
         for g, w, c in zip(_flat(got), _flat(want), _flat(written)):
@@ -270,7 +290,8 @@ def test_mutated_plan_is_caught():
 
 
 @pytest.mark.parametrize("field,value", [("num_layers", 3), ("num_kv_heads", 4), ("head_dim", 8),
-                                         ("v_head_dim", 8), ("dtype", "torch.bfloat16"), ("kind", "mla")])
+                                         ("v_head_dim", 8), ("dtype", "torch.bfloat16"), ("kind", "mla"),
+                                         ("kv_cache_dtype", "int8")])
 def test_geometry_mismatch_refused(field, value):
     p = _geometry("gqa", 2)
     d = KVGeometry(**{**p.__dict__, field: value})
@@ -334,3 +355,69 @@ def test_runs_grouped_once_serve_every_layer(kind, kv_heads, src, dst):
             for c, e in zip(a.scatters, b.scatters):
                 np.testing.assert_array_equal(c.dst_slots, e.dst_slots)
 
+
+
+# A quantised cache (issue 39, decisions 65 and 67): int8 pages and their fp32 scales per
+# (page, offset, KV head) move together, between layouts, head subsets included.
+QUANT_CASES = [
+    ("gqa", 1, L(2, 1, 2, 1, 4), L(2, 1, 1, 1, 8)),  # token interleave -> dcp 1: staged reads, scattered
+    ("gqa", 2, L(2, 1, 1, 1, 4), L(1, 1, 1, 1, 8)),  # P one head per rank -> D both heads: head segments
+    ("gqa", 2, L(4, 1, 2, 1, 4), L(1, 1, 1, 2, 8)),
+    ("gqa", 1, L(2, 1, 1, 4, 4), L(2, 1, 2, 4, 4)),  # whole blocks
+    ("mla", 0, L(2, 1, 2, 1, 4), L(2, 1, 1, 1, 8)),
+    ("mla", 0, L(4, 1, 4, 2, 4), L(2, 1, 2, 8, 8)),
+]
+
+
+@pytest.mark.parametrize("kind,kv_heads,src,dst", QUANT_CASES,
+                         ids=[f"{c[0]}-{c[2].describe()}->{c[3].describe()}".replace(" ", ",") for c in QUANT_CASES])
+@pytest.mark.parametrize("coalesce", [True, False])
+def test_quantised_pages_and_scales_match_brute_force(kind, kv_heads, src, dst, coalesce):
+    """Every D rank's codes and scales equal the brute-force deal, each written once, and the
+    bytes moved equal the formula with the scales counted (4 bytes per token and KV head and
+    page tensor)."""
+    geo = _geometry(kind, kv_heads, "int8")
+    for n in (7, 37):
+        moved, _, _ = transfer(src, dst, geo, n, coalesce=coalesce)
+        assert moved == expected_bytes(geo, dst, n)
+        plain = _geometry(kind, kv_heads)
+        copies = dst.tensor_parallel_size // dst.decode_context_parallel_size
+        heads = len(geo.kv_heads_of(dst, 0)) if kind == "gqa" else 1
+        scales = n * copies * heads * 4 * (2 if kind == "gqa" else 1)
+        assert moved == expected_bytes(plain, dst, n) // 4 + scales  # int8 codes: a quarter of fp32's bytes
+
+
+def test_quantised_transfer_without_the_scale_regions_is_caught():
+    """The check fails on a broken transfer: the scale tensors left out of the regions (the
+    codes move, the scales stay zero on D)."""
+    real = globals()["regions_of"]
+
+    def codes_only(layers, replicated, kind, quantized=None):
+        return real([tuple(layer[: len(layer) // 2]) for layer in layers], replicated, kind, quantized=False)
+
+    globals()["regions_of"] = codes_only
+    try:
+        with pytest.raises(AssertionError):
+            transfer(L(2, 1, 2, 1, 4), L(2, 1, 1, 1, 8), _geometry("gqa", 1, "int8"), 9)
+    finally:
+        globals()["regions_of"] = real
+
+
+def test_kv_cache_dtype_mismatch_refused_with_the_fix():
+    p, d = _geometry("gqa", 2, "fp8_e4m3"), _geometry("gqa", 2, "int8")
+    for a, b in ((p, d), (p, _geometry("gqa", 2)), (_geometry("mla", 0), _geometry("mla", 0, "int8"))):
+        with pytest.raises(ConfigError) as err:
+            check_compatible(a, b)
+        msg = str(err.value)
+        assert f"kv_cache_dtype: prefill {a.kv_cache_dtype!r}, decode {b.kv_cache_dtype!r}" in msg, msg
+        assert f"Fix: start the decode instance with CPConfig(kv_cache_dtype={a.kv_cache_dtype!r})" in msg, msg
+    check_compatible(p, p)
+
+
+def test_quantised_layer_of_the_wrong_length_refused():
+    k = torch.zeros(2, 4, 1, HEAD, dtype=torch.int8)
+    with pytest.raises(ValueError, match=r"layer 0 has 2 cache tensors, a quantised gqa cache has 4 "
+                                         r"\(k, v, k_scale, v_scale\)"):
+        regions_of([(k, k)], [], "gqa", quantized=True)
+    with pytest.raises(ValueError, match="k_scale cache of layer 0 is torch.float16"):
+        regions_of([(k, k, torch.zeros(2, 4, 1, dtype=torch.float16), torch.zeros(2, 4, 1))], [], "gqa")

@@ -56,6 +56,7 @@ class Case:
     padding: int = 2
     merge: str = "ag_rs"  # DCP head merge inside the context part (and the decode)
     dtype: torch.dtype = torch.float32
+    kv_dtype: str = "auto"  # CPConfig.kv_cache_dtype: "int8" / "fp8_e4m3" pages with their scales (issue 39)
 
 
 def _metas(case: Case):
@@ -73,27 +74,56 @@ def _inputs(case: Case, T: int, seed: int) -> dict[str, torch.Tensor]:
     return dict(q_nope=r(T, HQ, 16), q_pe=r(T, HQ, 8), kv_c=r(T, 16), k_pe=r(T, 8))
 
 
+PAGE = {"auto": None, "int8": torch.int8, "fp8_e4m3": torch.float8_e4m3fn}
+
+
 def _caches(case: Case, block: int):
-    z = lambda *s: torch.zeros(*s, dtype=case.dtype)  # noqa: E731
+    """(k, v) / (latent,); a quantised cache: (k, v, k_scale, v_scale) / (latent, latent_scale)."""
+    dt = PAGE[case.kv_dtype] or case.dtype
+    z = lambda *s: torch.zeros(*s, dtype=dt)  # noqa: E731
+    sc = lambda *s: torch.zeros(*s) if case.kv_dtype != "auto" else None  # noqa: E731
     if case.kind == "gqa":
-        return (z(NUM_BLOCKS, block, 1, 16), z(NUM_BLOCKS, block, 1, 12))
-    return (z(NUM_BLOCKS, block, 24),)
+        out = (z(NUM_BLOCKS, block, 1, 16), z(NUM_BLOCKS, block, 1, 12), sc(NUM_BLOCKS, block, 1),
+               sc(NUM_BLOCKS, block, 1))
+    else:
+        out = (z(NUM_BLOCKS, block, 24), sc(NUM_BLOCKS, block, 1))
+    return tuple(t for t in out if t is not None)
+
+
+def _pages(caches) -> tuple:
+    """The page tensors of `_caches` (the first half of a quantised cache's tuple)."""
+    return caches[: len(caches) // 2] if caches[-1].dtype == torch.float32 and caches[0].dtype in \
+        (torch.int8, torch.float8_e4m3fn) else caches
+
+
+def _scales(case: Case, caches) -> dict:
+    """The scale caches as the compositions' keyword arguments ({} for "auto")."""
+    if case.kv_dtype == "auto":
+        return {}
+    if case.kind == "gqa":
+        return dict(k_scale_cache=caches[2], v_scale_cache=caches[3])
+    return dict(kv_scale_cache=caches[1])
 
 
 def _meta_args(m):
     return (m.slot_mapping, m.block_table, m.seq_lens, m.query_start_loc)
 
 
-def _reference(case: Case) -> list[torch.Tensor]:
+def _reference(case: Case, keep: list | None = None) -> list[torch.Tensor]:
+    """The single-device outputs per step; `keep`: gets the single device's caches."""
     caches = _caches(case, BLOCK * case.pcp * case.dcp)
+    if keep is not None:
+        keep.append(caches)
     outs = []
     for step, meta in enumerate(_metas(case)):
         x = _inputs(case, meta.num_tokens, seed=step)
+        quant = case.kv_dtype != "auto"  # the quantised ops take the scale caches after the pages
         if case.kind == "gqa":
-            outs.append(torch.ops.cp.gqa_paged_attention(x["q"], x["k"], x["v"], *caches, *_meta_args(meta), 0.25))
+            op = torch.ops.cp.gqa_paged_attention_quant if quant else torch.ops.cp.gqa_paged_attention
+            outs.append(op(x["q"], x["k"], x["v"], *caches, *_meta_args(meta), 0.25))
         else:
-            outs.append(torch.ops.cp.mla_attention(x["q_nope"], x["q_pe"], x["kv_c"], x["k_pe"], *caches,
-                                                   *_meta_args(meta), 0.2))
+            op = torch.ops.cp.mla_attention_quant if quant else torch.ops.cp.mla_attention
+            outs.append(op(x["q_nope"], x["q_pe"], x["kv_c"], x["k_pe"], *caches, *_meta_args(meta), 0.2))
     return outs
 
 
@@ -134,7 +164,7 @@ def _run(rank: int, world: int, cases: list[Case]):
         cfg = cp_compile.CPConfig(tensor_parallel_size=case.tp, decode_context_parallel_size=case.dcp,
                                   prefill_context_parallel_size=case.pcp,
                                   cp_kv_cache_interleave_size=case.interleave, block_size=BLOCK,
-                                  dcp_merge=case.merge)
+                                  dcp_merge=case.merge, kv_cache_dtype=case.kv_dtype)
         state = cp_compile.init_parallel(cfg, device="cpu")
         pctx = CompileContext.from_state(state).pcp_view()
         cp_rank, cp_name = _cp_group(case, state)
@@ -156,13 +186,15 @@ def _run(rank: int, world: int, cases: list[Case]):
                 dctx = D.DCPContext(group=Group(pctx.cp.size, cp_rank, cp_name), interleave=case.interleave,
                                     block_size=BLOCK, merge=case.merge)
                 if case.kind == "gqa":
-                    o = D.dcp_gqa_attention(x["q"], x["k"], x["v"], *caches, *_meta_args(meta), 0.25, dctx)
+                    o = D.dcp_gqa_attention(x["q"], x["k"], x["v"], *_pages(caches), *_meta_args(meta), 0.25, dctx,
+                                            **_scales(case, caches))
                 else:
-                    o = D.dcp_mla_attention(x["q_nope"], x["q_pe"], x["kv_c"], x["k_pe"], *caches,
-                                            *_meta_args(meta), 0.2, dctx)
+                    o = D.dcp_mla_attention(x["q_nope"], x["q_pe"], x["kv_c"], x["k_pe"], *_pages(caches),
+                                            *_meta_args(meta), 0.2, dctx, **_scales(case, caches))
                 outs.append((None, o, None))
         assert [c.data_ptr() for c in caches] == ptrs  # the decode read the tensors the prefill wrote
-        results.append(dict(outs=outs, tp_rank=state.layout.tp.rank, pcp_rank=state.layout.pcp.rank))
+        results.append(dict(outs=outs, tp_rank=state.layout.tp.rank, pcp_rank=state.layout.pcp.rank,
+                            caches=caches, cp_rank=cp_rank))
         cp_compile.destroy_parallel()
     return results
 
@@ -173,9 +205,10 @@ def _pcp_prefill(case: Case, xs: dict[str, torch.Tensor], caches, meta, row: tor
     if pctx is None:
         return None
     if case.kind == "gqa":
-        return P.pcp_gqa_attention(xs["q"], xs["k"], xs["v"], *caches, *_meta_args(meta), row, 0.25, pctx)
-    return P.pcp_mla_attention(xs["q_nope"], xs["q_pe"], xs["kv_c"], xs["k_pe"], *caches, *_meta_args(meta), row,
-                               0.2, pctx)
+        return P.pcp_gqa_attention(xs["q"], xs["k"], xs["v"], *_pages(caches), *_meta_args(meta), row, 0.25, pctx,
+                                   **_scales(case, caches))
+    return P.pcp_mla_attention(xs["q_nope"], xs["q_pe"], xs["kv_c"], xs["k_pe"], *_pages(caches), *_meta_args(meta),
+                               row, 0.2, pctx, **_scales(case, caches))
 
 
 def _assemble(per_rank: list, i: int, case: Case, step: int, which: int, want: torch.Tensor,
@@ -212,7 +245,10 @@ def _check(world: int, cases: list[Case]) -> dict[str, list[float]]:
     for i, case in enumerate(cases):
         if case.tp * case.pcp != world:
             continue
-        ref = _reference(case)
+        ref_caches: list = []
+        ref = _reference(case, ref_caches)
+        if case.kv_dtype != "auto":
+            _check_owner_bytes(case, ref_caches[0], [outs[i] for outs in per_rank])
         tol = 1e-5 if case.dtype == torch.float32 else 2e-2
         errs[str(case)] = []
         for step in range(3):
@@ -232,6 +268,26 @@ def _check(world: int, cases: list[Case]) -> dict[str, list[float]]:
     return errs
 
 
+def _check_owner_bytes(case: Case, single: tuple, results: list[dict]) -> None:
+    """A quantised cache: each token's codes (byte-equal) and scale sit on its owner cp rank
+    as the single device stores them (virtual offset o of a block of BLOCK * N lives on cp
+    rank (o // I) % N at local offset (o // (N * I)) * I + o % I, docs/architecture.md §5)."""
+    N, I = case.pcp * case.dcp, case.interleave
+    o = torch.arange(BLOCK * N)
+    owner, local = (o // I) % N, (o // (N * I)) * I + o % I
+    by_cp = {res["cp_rank"]: res["caches"] for res in results}
+    n = len(single) // 2
+    for j, want in enumerate(single):
+        for r in range(N):
+            mine = owner == r
+            w, g = want[:, o[mine]], by_cp[r][j][:, local[mine]]
+            if j < n:
+                assert torch.equal(g.view(torch.uint8), w.view(torch.uint8)), (case, j, r)
+            else:
+                torch.testing.assert_close(g, w, atol=0, rtol=1e-6, msg=f"{case} scales, cp rank {r}")
+    assert single[n].abs().sum() > 0  # something was written and compared
+
+
 def test_pcp_exact_two_ranks():
     """pcp = 2, tp = 1 (world 2): GQA and MLA, interleave 1 and block."""
     cases = [Case(k, 1, 1, i) for k in ("gqa", "mla") for i in (1, BLOCK)]
@@ -241,6 +297,22 @@ def test_pcp_exact_two_ranks():
 def test_pcp_exact_four_ranks():
     """pcp = 2, tp = 2, dcp = 2 (world 4, cache over 4 ranks); dcp = 1 at tp = 2 is in the slow sweep."""
     cases = [Case("gqa", 2, 2, 1), Case("mla", 2, 2, BLOCK)]
+    assert len(_check(4, cases)) == len(cases)
+
+
+def test_pcp_quantised_cache_exact_two_ranks():
+    """A quantised KV cache (issue 39, decision 68): pcp = 2, GQA int8 and MLA fp8 (interleave 1
+    and block): prefill, chunked prefill and the DCP decode on the same cache equal one device
+    with the same quantised cache, and each token's codes and scale sit on its owner rank."""
+    cases = [Case("gqa", 1, 1, 1, kv_dtype="int8"), Case("mla", 1, 1, BLOCK, kv_dtype="fp8_e4m3")]
+    assert len(_check(2, cases)) == len(cases)
+
+
+@pytest.mark.slow
+def test_pcp_quantised_cache_exact_four_ranks():
+    cases = [Case("gqa", 2, 2, 1, kv_dtype="fp8_e4m3"), Case("mla", 2, 2, BLOCK, kv_dtype="int8"),
+             Case("gqa", 2, 1, 2, kv_dtype="int8", dtype=torch.bfloat16),
+             Case("mla", 2, 2, 1, kv_dtype="fp8_e4m3", merge="a2a", dtype=torch.bfloat16)]
     assert len(_check(4, cases)) == len(cases)
 
 

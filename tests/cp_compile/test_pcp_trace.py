@@ -59,3 +59,28 @@ def test_pcp_compositions_trace_symbolic(kind, dcp):
     assert h["cp.dcp_localize_metadata.default"] == 1
     assert h["cp.cache_write.default"] == (2 if kind == "gqa" else 1)
     assert h["cp.lse_combine.default"] == 1
+
+
+@pytest.mark.parametrize("kind", ["gqa", "mla"])
+def test_pcp_quantised_compositions_trace_symbolic(kind):
+    """Over a quantised cache (issue 39, decision 68): still no data-dependent branch; the same
+    collectives (the scales add none); every write is `cp::quant_cache_write`, the owner's and
+    the new-token part's (the gathered new tokens quantised by the same op)."""
+    ctx, meta, T_loc = _setup(2)
+    if kind == "gqa":
+        args = (torch.randn(T_loc, 2, 16), torch.randn(T_loc, 1, 16), torch.randn(T_loc, 1, 12),
+                torch.zeros(16, 4, 1, 16, dtype=torch.int8), torch.zeros(16, 4, 1, 12, dtype=torch.int8), *meta)
+        scales = (torch.zeros(16, 4, 1), torch.zeros(16, 4, 1))
+        fn = lambda *a: P.pcp_gqa_attention(*a[:-2], 0.25, ctx, k_scale_cache=a[-2], v_scale_cache=a[-1])  # noqa: E731
+    else:
+        args = (torch.randn(T_loc, 2, 16), torch.randn(T_loc, 2, 8), torch.randn(T_loc, 16),
+                torch.randn(T_loc, 8), torch.zeros(16, 4, 24, dtype=torch.float8_e4m3fn), *meta)
+        scales = (torch.zeros(16, 4, 1),)
+        fn = lambda *a: P.pcp_mla_attention(*a[:-1], 0.2, ctx, kv_scale_cache=a[-1])  # noqa: E731
+    gm = make_fx(fn, tracing_mode="symbolic")(*args, *scales)
+    h = _histogram(gm)
+    assert h["_c10d_functional.all_gather_into_tensor.default"] == 6
+    assert h["_c10d_functional.reduce_scatter_tensor.default"] == 2
+    assert h["cp.quant_cache_write.default"] == (4 if kind == "gqa" else 2)
+    assert "cp.cache_write.default" not in h
+    assert h["cp.lse_combine.default"] == 1

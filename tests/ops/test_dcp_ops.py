@@ -32,6 +32,10 @@ def test_opcheck_building_blocks():
     torch.library.opcheck(cp.paged_attention_lse, (r(T, 4, 8), r(8, 4, 1, 8), r(8, 4, 1, 6), bt, qsl, kv_lens, 0.3))
     torch.library.opcheck(cp.mla_partial_attention, (r(T, 4, 8), r(T, 4, 2), r(8, 4, 10), bt, qsl, kv_lens, 0.3))
     torch.library.opcheck(cp.lse_rescale, (r(T, 4, 6), lse, torch.cat([lse.T, r(4, T)])))
+    # A head-permuted partial (strides of [H, T, Dv] transposed, as the PCP context part at dcp 2
+    # hands it over): the outputs are contiguous like the fake's (Inductor asserted the strides)
+    torch.library.opcheck(cp.lse_rescale, (r(4, T, 6).transpose(0, 1), lse.T.contiguous().T,
+                                           torch.cat([lse.T, r(4, T)])))
     torch.library.opcheck(cp.lse_combine, (r(3, T, 4, 6), torch.stack([lse, lse, r(T, 4)])))
 
 

@@ -29,12 +29,13 @@ BLOCK, NUM_BLOCKS = 4, 16
 def test_config_refusals_name_field_value_and_fix():
     with pytest.raises(cp_compile.ConfigError, match=r"kv_cache_dtype='fp16'.*Fix: use 'auto'"):
         cp_compile.CPConfig(kv_cache_dtype="fp16")
-    for kw, name in ((dict(prefill_context_parallel_size=2, tensor_parallel_size=2), "prefill_context_parallel_size"),
-                     (dict(enable_mla_preprocess=True), "enable_mla_preprocess"),
+    for kw, name in ((dict(enable_mla_preprocess=True), "enable_mla_preprocess"),
                      (dict(enable_dsa_cp=True), "enable_dsa_cp")):
         with pytest.raises(cp_compile.ConfigError, match=rf"kv_cache_dtype='int8'.*{name}=.*Fix: set "
                                                          rf"kv_cache_dtype='auto', or {name}="):
             cp_compile.CPConfig(kv_cache_dtype="int8", **kw)
+    # PCP carries the scales since decision 68 (tests/cp_compile/test_pcp_exactness.py)
+    cp_compile.CPConfig(kv_cache_dtype="int8", prefill_context_parallel_size=2, tensor_parallel_size=2)
     cfg = cp_compile.CPConfig(kv_cache_dtype="fp8_e4m3", tensor_parallel_size=2, decode_context_parallel_size=2)
     with pytest.raises(cp_compile.ConfigError, match=r"attention kind='sfa'.*Fix: set kv_cache_dtype='auto'"):
         cfg.validate_for(cp_compile.AttentionSpec("sfa", 4, has_indexer=True))

@@ -150,9 +150,10 @@ def _poisoner(cfg: cp_compile.CPConfig, cp_rank: int, models: spec.SpecModels, k
                                    block_size=cfg.block_size)
         local = local[local >= 0]
         for layer in caches:
-            for t in layer:  # K and V, or the latent: this rank's shard; SFA's indexer cache: every token
+            for t in layer:  # K and V, or the latent: this rank's shard; SFA's indexer cache: every token;
+                # a quantised cache's codes (the largest code) and scales (the poison)
                 sharded = t.shape[1] == cfg.block_size
-                t.view(-1, *t.shape[2:])[local if sharded else slots] = POISONS[kind]
+                t.view(-1, *t.shape[2:])[local if sharded else slots] = _poison_value(t, kind)
 
     def on_rollback(r: Rollback) -> None:
         alloc = alloc_holder["alloc"]
@@ -166,13 +167,24 @@ def _poisoner(cfg: cp_compile.CPConfig, cp_rank: int, models: spec.SpecModels, k
     return on_rollback
 
 
+def _poison_value(t: torch.Tensor, kind: str) -> float:
+    """The poison for a cache tensor: POISONS[kind], except in a quantised cache's pages
+    (int8 / fp8 codes hold no NaN nor 1e4): the largest code, which its scale (poisoned
+    too) turns into NaN or a huge value."""
+    if t.dtype == torch.int8:
+        return 127.0
+    if t.dtype == torch.float8_e4m3fn:
+        return 448.0
+    return POISONS[kind]
+
+
 def _world(rank: int, world: int, cases: list[dict]) -> list[dict]:
     outs = []
     for c in cases:
         cfg = cp_compile.CPConfig(tensor_parallel_size=c["tp"], decode_context_parallel_size=c["dcp"],
                                   prefill_context_parallel_size=c["pcp"],
                                   cp_kv_cache_interleave_size=c["interleave"], block_size=BLOCK,
-                                  dcp_merge=c["merge"])
+                                  dcp_merge=c["merge"], kv_cache_dtype=c.get("kv_cache_dtype", "auto"))
         state = cp_compile.init_parallel(cfg, device="cpu")
         models = spec.build(cfg, c["hf_config"], c["state_dict"], c["proposer"], c["k"], NUM_BLOCKS,
                             state.layout.tp.rank, state.tp_group, lowering=c["lowering"],
@@ -226,7 +238,7 @@ def _mtp_keeps_draft_positions(proposer: Any) -> None:
 
 def _reference(c: dict, prompts: dict[int, list[int]], k: int, oracle: dict[int, list[int]] | None = None) -> Any:
     """Single device, eager: without speculation (k = 0) or with it (drafts from `oracle`)."""
-    cfg = cp_compile.CPConfig(block_size=BLOCK * c["dcp"] * c["pcp"])
+    cfg = cp_compile.CPConfig(block_size=BLOCK * c["dcp"] * c["pcp"], kv_cache_dtype=c.get("kv_cache_dtype", "auto"))
     models = spec.build(cfg, c["hf_config"], c["state_dict"], c["proposer"] if k else None, k, NUM_BLOCKS,
                         draft_hf=c["draft_hf"], padding=PAD, max_blocks_per_req=MAX_BLOCKS)
     if k:
@@ -238,10 +250,12 @@ def _reference(c: dict, prompts: dict[int, list[int]], k: int, oracle: dict[int,
 
 def case(kind: str, tp: int, dcp: int, pcp: int = 1, lowering: str = "eager", k: int = 2, interleave: int = 1,
          draft_lowering: str | None = None, poison: str | None = "finite", second_run: bool = False,
-         proposer: str | None = None, oracle: bool = True, fault: str | None = None, merge: str = "auto") -> dict:
+         proposer: str | None = None, oracle: bool = True, fault: str | None = None, merge: str = "auto",
+         kv_cache_dtype: str = "auto") -> dict:
     """One row of the table; oracle False: the proposer's own drafts (random weights
     accept ~0); poison "nan", "finite" or None; fault "mtp_keeps_draft_positions":
-    `_mtp_keeps_draft_positions`; merge: `CPConfig.dcp_merge`."""
+    `_mtp_keeps_draft_positions`; merge: `CPConfig.dcp_merge`; kv_cache_dtype: the target's
+    and the proposer's caches, and the single-device references' (lowering None: uncompiled)."""
     if poison not in (None, *POISONS):
         raise ValueError(f"poison={poison!r}: use None, " + " or ".join(map(repr, POISONS)))
     hf = _hf(kind, tp, dcp)
@@ -251,13 +265,15 @@ def case(kind: str, tp: int, dcp: int, pcp: int = 1, lowering: str = "eager", k:
     return dict(kind=kind, tp=tp, dcp=dcp, pcp=pcp, lowering=lowering, k=k, interleave=interleave,
                 draft_lowering=draft_lowering or lowering, poison=poison, second_run=second_run,
                 proposer=proposer, hf_config=hf.config, state_dict=sd, oracle=oracle, fault=fault, merge=merge,
+                kv_cache_dtype=kv_cache_dtype,
                 draft_hf=None if dcfg is None else (dcfg, dsd))
 
 
 def name(c: dict) -> str:
     return (f"{c['kind']}+{c['proposer']} tp={c['tp']} dcp={c['dcp']} pcp={c['pcp']} I={c['interleave']} "
             f"{c['lowering']}/{c['draft_lowering']} k={c['k']} merge={c['merge']} poison={c['poison']} "
-            f"drafts={'oracle' if c['oracle'] else 'own'}" + (f" fault={c['fault']}" if c["fault"] else ""))
+            f"drafts={'oracle' if c['oracle'] else 'own'}" + (f" fault={c['fault']}" if c["fault"] else "")
+            + (f" kv={c['kv_cache_dtype']}" if c.get("kv_cache_dtype", "auto") != "auto" else ""))
 
 
 def _full(prompts: dict[int, list[int]], generated: dict[int, list[int]]) -> dict[int, list[int]]:

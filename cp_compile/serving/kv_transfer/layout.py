@@ -19,6 +19,8 @@ from cp_compile.base.config import AttentionSpec, CPConfig
 from cp_compile.base.errors import ConfigError
 from cp_compile.runtime.kv_cache import KVCacheSpec, tp_kv_head_ids
 
+SCALE_BYTES = 4  # a quantised cache's scales are fp32 (decision 65)
+
 
 @dataclass(frozen=True)
 class RankCoords:
@@ -81,16 +83,31 @@ class KVGeometry:
     v_head_dim: int = 0  # GQA V
     latent_dim: int = 0  # MLA / SFA latent (kv_lora_rank + rope dim)
     index_dim: int = 0  # SFA indexer key dim (replicated cache)
-    dtype: str = "torch.float32"
+    dtype: str = "torch.float32"  # the pages' dtype (a quantised cache: int8 / float8_e4m3fn)
+    # CPConfig.kv_cache_dtype: "auto", or "int8" / "fp8_e4m3" (decision 65): the pages then hold
+    # codes and each token carries an fp32 scale per KV head (MLA: one), which moves with it
+    kv_cache_dtype: str = "auto"
 
     @classmethod
-    def of(cls, spec: KVCacheSpec, attention: AttentionSpec, dtype: torch.dtype) -> "KVGeometry":
+    def of(cls, spec: KVCacheSpec, attention: AttentionSpec, dtype: torch.dtype,
+           kv_cache_dtype: str = "auto") -> "KVGeometry":
+        """`dtype`: the pages' dtype (`KVCache.layers[0][0].dtype`); `kv_cache_dtype`: the cache's
+        `KVCache.kv_cache_dtype` (the config field)."""
         gqa = spec.kind == "gqa"
         return cls(kind=spec.kind, num_layers=spec.num_layers, num_kv_heads=attention.num_kv_heads if gqa else 0,
                    head_dim=spec.head_dim if gqa else 0,
                    v_head_dim=(spec.v_head_dim or spec.head_dim) if gqa else 0,
                    latent_dim=0 if gqa else spec.latent_dim, index_dim=spec.index_dim if spec.kind == "sfa" else 0,
-                   dtype=str(dtype))
+                   dtype=str(dtype), kv_cache_dtype=kv_cache_dtype)
+
+    @property
+    def quantized(self) -> bool:
+        return self.kv_cache_dtype != "auto"
+
+    def scale_bytes_per_head(self) -> int:
+        """Bytes of scale one token carries per KV head and page tensor (GQA: K and V each;
+        MLA: one for the latent row): 4 (fp32) for a quantised cache, else 0."""
+        return SCALE_BYTES if self.quantized else 0
 
     @property
     def element_size(self) -> int:
@@ -106,7 +123,15 @@ class KVGeometry:
 def check_compatible(prefill: KVGeometry, decode: KVGeometry) -> None:
     """Refuse a P -> D transfer whose caches do not hold the same thing: `ConfigError`
     naming every differing field (P value, D value). Called on every D rank with the
-    same two descriptors, so every rank refuses alike, before any transfer is posted."""
+    same two descriptors, so every rank refuses alike, before any transfer is posted.
+    A different `kv_cache_dtype` is refused first with its own fix (the codes of one
+    quantisation are not values, nor codes, of the other; decision 67)."""
+    if prefill.kv_cache_dtype != decode.kv_cache_dtype:
+        raise ConfigError("prefill and decode instances store the KV cache in the same kv_cache_dtype (KV transfer)",
+                          f"kv_cache_dtype: prefill {prefill.kv_cache_dtype!r}, decode {decode.kv_cache_dtype!r}",
+                          f"start the decode instance with CPConfig(kv_cache_dtype={prefill.kv_cache_dtype!r}), "
+                          f"the prefill instance's (or the prefill with the decode's "
+                          f"{decode.kv_cache_dtype!r}): pages and scales are copied as bytes, never converted")
     diff = [(f.name, getattr(prefill, f.name), getattr(decode, f.name)) for f in fields(KVGeometry)
             if getattr(prefill, f.name) != getattr(decode, f.name)]
     if diff:

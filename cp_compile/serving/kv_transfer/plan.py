@@ -11,6 +11,9 @@ with P virtual block table `src_blocks` and D virtual block table `dst_blocks`:
   is read from a P rank holding those heads. Among P replicas of the same data (TP
   ranks holding the same heads and tokens) the D rank picks `d % replicas`, so D's
   own replicas read from different P ranks.
+- a quantised cache's scale tensors (decision 65: fp32, at the same (page, offset) as
+  their codes, one per KV head or one per latent row) are more "kv" regions: the same
+  runs move them, `num_heads * 4` bytes per token (decision 67).
 - the replicated indexer cache (SFA): every D rank receives every position, in
   D's full virtual-block pages, from P rank `d % P world size`.
 
@@ -71,9 +74,10 @@ def _token_bytes(geometry: KVGeometry, run: SlotRun) -> int:
     e, layers = geometry.element_size, geometry.num_layers
     if run.cache == "index":
         return geometry.index_dim * e * layers
+    sc = geometry.scale_bytes_per_head()  # a quantised cache: each token's scales move with its codes
     if geometry.kind == "gqa":
-        return run.num_heads * (geometry.head_dim + geometry.v_head_dim) * e * layers
-    return geometry.latent_dim * e * layers
+        return run.num_heads * ((geometry.head_dim + geometry.v_head_dim) * e + 2 * sc) * layers
+    return (geometry.latent_dim * e + sc) * layers
 
 
 def expected_bytes(geometry: KVGeometry, dst: KVLayout, num_tokens: int) -> int:
@@ -83,13 +87,13 @@ def expected_bytes(geometry: KVGeometry, dst: KVLayout, num_tokens: int) -> int:
     its cp rank (D's TP replicas), with that rank's KV heads (GQA) or the latent;
     the replicated indexer: each token once on every D rank.
     """
-    e, layers = geometry.element_size, geometry.num_layers
+    e, layers, sc = geometry.element_size, geometry.num_layers, geometry.scale_bytes_per_head()
     copies = dst.tensor_parallel_size // dst.decode_context_parallel_size
     if geometry.kind == "gqa":
         heads = len(geometry.kv_heads_of(dst, 0))
-        total = num_tokens * copies * heads * (geometry.head_dim + geometry.v_head_dim) * e * layers
+        total = num_tokens * copies * heads * ((geometry.head_dim + geometry.v_head_dim) * e + 2 * sc) * layers
     else:
-        total = num_tokens * copies * geometry.latent_dim * e * layers
+        total = num_tokens * copies * (geometry.latent_dim * e + sc) * layers
     if geometry.kind == "sfa":
         total += num_tokens * dst.world_size * geometry.index_dim * e * layers
     return total
@@ -98,15 +102,16 @@ def expected_bytes(geometry: KVGeometry, dst: KVLayout, num_tokens: int) -> int:
 def expected_rank_bytes(geometry: KVGeometry, dst: KVLayout, num_tokens: int, rank: int) -> int:
     """The same for one D rank: the tokens its cp rank owns (`local_len`, §5) with its
     KV heads (or the latent), plus every token of the replicated indexer (SFA)."""
-    e, layers = geometry.element_size, geometry.num_layers
+    e, layers, sc = geometry.element_size, geometry.num_layers, geometry.scale_bytes_per_head()
     mine = int(local_len(torch.tensor(num_tokens), cp=dst.context_parallel_size, rank=dst.coords(rank).cp_rank,
                          interleave=dst.cp_kv_cache_interleave_size))
     if geometry.kind == "gqa":
-        row = len(geometry.kv_heads_of(dst, rank)) * (geometry.head_dim + geometry.v_head_dim)
+        heads = len(geometry.kv_heads_of(dst, rank))
+        row = heads * ((geometry.head_dim + geometry.v_head_dim) * e + 2 * sc)
     else:
-        row = geometry.latent_dim
-    index = num_tokens * geometry.index_dim if geometry.kind == "sfa" else 0
-    return (mine * row + index) * e * layers
+        row = geometry.latent_dim * e + sc
+    index = num_tokens * geometry.index_dim * e if geometry.kind == "sfa" else 0
+    return (mine * row + index) * layers
 
 
 def _blocks_needed(num_tokens: int, vbs: int) -> int:

@@ -20,7 +20,8 @@ from cp_compile.serving.kv_transfer.plan import RankPlan
 
 @dataclass(frozen=True)
 class CacheRegion:
-    """One cache tensor of one rank: `cache` is "k", "v", "latent" or "index"."""
+    """One cache tensor of one rank: `cache` is "k", "v", "latent" or "index", or a quantised
+    cache's scales "k_scale", "v_scale", "latent_scale" (fp32, one per KV head / latent row)."""
 
     cache: str
     layer: int
@@ -31,25 +32,39 @@ class CacheRegion:
     device_id: int = 0
 
 
-def regions_of(layers: list[tuple[torch.Tensor, ...]], replicated: list[torch.Tensor], kind: str
-               ) -> tuple[CacheRegion, ...]:
-    """Regions of a rank's caches (`KVCache.layers`, `.replicated`), in layer order."""
-    names = ("k", "v") if kind == "gqa" else ("latent",)
+def regions_of(layers: list[tuple[torch.Tensor, ...]], replicated: list[torch.Tensor], kind: str,
+               quantized: bool | None = None) -> tuple[CacheRegion, ...]:
+    """Regions of a rank's caches (`KVCache.layers`, `.replicated`), in layer order.
+
+    A quantised cache (`KVCache.kv_cache_dtype` int8 / fp8_e4m3, decision 65) has layers
+    `(k, v, k_scale, v_scale)` / `(latent, latent_scale)`: the scale tensors are regions of
+    their own, rows of `kv_heads * 4` bytes (heads of 4 bytes), so every plan run that moves
+    a token's codes (or a subset of its KV heads) moves its scales too (decision 67).
+    `quantized`: whether the cache is quantised (`KVCache.quantized`); None infers it from
+    the number of tensors per layer."""
+    plain = ("k", "v") if kind == "gqa" else ("latent",)
+    names = plain + tuple(f"{n}_scale" for n in plain)
     out = []
 
     def region(name: str, layer: int, t: torch.Tensor) -> CacheRegion:
         if not t.is_contiguous():
             raise ValueError(f"{name} cache of layer {layer} is not contiguous; allocate it with allocate_kv_cache")
+        if name.endswith("_scale") and t.dtype != torch.float32:
+            raise ValueError(f"{name} cache of layer {layer} is {t.dtype}; a quantised cache's scales are fp32 "
+                             f"(allocate it with allocate_kv_cache)")
         e = t.element_size()
         row = t[0, 0].numel() * e
-        head = t[0, 0, 0].numel() * e if name in ("k", "v") else row
+        head = t[0, 0, 0].numel() * e if name in ("k", "v", "k_scale", "v_scale") else row
         dev = t.device.index if t.device.index is not None else 0
         return CacheRegion(name, layer, t.data_ptr(), t.numel() * e, row, head, dev)
 
     for i, layer in enumerate(layers):
-        if len(layer) != len(names):
-            raise ValueError(f"layer {i} has {len(layer)} cache tensors, a {kind} cache has {len(names)}")
-        out += [region(n, i, t) for n, t in zip(names, layer)]
+        q = len(layer) == len(names) if quantized is None else quantized
+        want = names if q else plain
+        if len(layer) != len(want):
+            raise ValueError(f"layer {i} has {len(layer)} cache tensors, a {'quantised ' if q else ''}{kind} cache "
+                             f"has {len(want)} ({', '.join(want)})")
+        out += [region(n, i, t) for n, t in zip(want, layer)]
     for i, t in enumerate(replicated):
         out.append(region("index", i, t))
     return tuple(out)
