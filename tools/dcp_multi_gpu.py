@@ -36,21 +36,29 @@ if str(REPO) not in sys.path:
 def _time_us(fn, cuda: bool, iters: int) -> float:
     import torch
 
-    fn()
+    _complete(fn())
     times = []
     for _ in range(iters):
         if cuda:
             a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             a.record()
-            fn()
+            _complete(fn())
             b.record()
             b.synchronize()
             times.append(a.elapsed_time(b) * 1e3)
         else:
             t0 = time.perf_counter()
-            fn()
+            _complete(fn())
             times.append((time.perf_counter() - t0) * 1e6)
     return statistics.median(times)
+
+
+def _complete(out: object) -> None:
+    """Wait for a functional collective's result (an AsyncCollectiveTensor until read): the
+    CPU time then includes it, and no collective is still in flight at the teardown (an
+    unwaited gloo collective at destroy_process_group aborted a rank under load)."""
+    if hasattr(out, "wait"):
+        out.wait()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -140,6 +148,7 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps({"world": world, "batch": B, "context": n, "q_heads_per_rank": Hq, "D": D, "block": bk,
                           "dtype": str(dt).split(".")[1], "ok": ok, "rows": [r for rs in gathered for r in rs]}),
               flush=True)
+    dist.barrier()  # every rank's work done before either tears the group down
     dist.destroy_process_group()
     return 0 if ok else 1
 
