@@ -79,8 +79,11 @@ def _attention_programs(launch: Any, ctx: int, D: int, Dv: int) -> tuple[list[fl
     return seconds, dram
 
 
-def _merge_program_bytes(launch: Any, Dv: int) -> list[float]:
-    n_splits, n_rows, n_dblk = (launch.arg(n) for n in ("n_splits", "n_rows", "n_dblk"))
+def _merge_program_bytes(launch: Any) -> list[float]:
+    """Bytes each program of a split merge launch moves (the paged `_split_merge_kernel` and the
+    sparse `_sparse_split_merge_kernel`): per row block and Dv block, every split's fp32 partial
+    and LSE in, the output and the LSE out."""
+    n_splits, n_rows, Dv, n_dblk = (launch.arg(n) for n in ("n_splits", "n_rows", "Dv", "n_dblk"))
     block_r, block_d, grid = launch.kwargs["BLOCK_R"], launch.kwargs["BLOCK_D"], launch.grid[0]
     costs = [0.0] * grid
     for w in range(-(-n_rows // block_r) * n_dblk):
@@ -135,7 +138,7 @@ def plan_rows() -> list[dict[str, Any]]:
                         if name == "_paged_attention_lse_kernel":
                             times, costs = _attention_programs(lc, ctx, D, Dv)
                         else:
-                            costs = _merge_program_bytes(lc, Dv)
+                            costs = _merge_program_bytes(lc)
                             times = [c / _DRAM_PER_SM for c in costs]
                         seconds = _schedule(times, SMS)
                         total_s += seconds
@@ -182,17 +185,6 @@ def _sparse_mla_program_bytes(launch: Any, l2_reuse: bool) -> list[float]:
         keys = max(0, min(split_len, K - sp * split_len))
         rows = 0 if l2_reuse and hb > 0 else keys * ((L + R) * BYTES + 4)
         costs[w % grid] += rows + heads[hb] * ((L + R) * BYTES + L * part + 4)
-    return costs
-
-
-def _sparse_merge_program_bytes(launch: Any) -> list[float]:
-    n_splits, n_rows, Dv, n_dblk = (launch.arg(n) for n in ("n_splits", "n_rows", "Dv", "n_dblk"))
-    block_r, block_d, grid = launch.kwargs["BLOCK_R"], launch.kwargs["BLOCK_D"], launch.grid[0]
-    costs = [0.0] * grid
-    for w in range(-(-n_rows // block_r) * n_dblk):
-        rows = min(block_r, n_rows - (w // n_dblk) * block_r)
-        cols = min(block_d, Dv - (w % n_dblk) * block_d)
-        costs[w % grid] += rows * (n_splits * (cols + 1) * 4 + cols * BYTES + 4)
     return costs
 
 
@@ -257,7 +249,7 @@ def sparse_plan_rows() -> list[dict[str, Any]]:
                             name = lc.kernel.fn.__name__
                             costs = (_sparse_mla_program_bytes(lc, l2) if name == "_sparse_mla_kernel"
                                      else _indexer_program_bytes(lc, l2) if name == "_index_scores_kernel"
-                                     else _sparse_merge_program_bytes(lc))
+                                     else _merge_program_bytes(lc))
                             seconds = _schedule(costs, SMS) / (HBM_BYTES_PER_S / SMS * STREAM_EFFICIENCY)
                             total_s += seconds
                             launch_rows.append({
