@@ -389,11 +389,7 @@ def main(argv: Seq[str] | None = None) -> list[dict[str, Any]]:
         results = [r for f in args.merge.split(",") for r in json.load(open(f))]
         for res in results:
             print(format_rows(res) + "\n", flush=True)
-        with open(args.out, "w") as f:
-            json.dump(results, f, indent=1)
-        if args.plot:
-            print(f"wrote {plot(results, args.plot)}", flush=True)
-        return results
+        return _save(results, args)
     lo, hi = map(int, args.prompt.split(","))
     olo, ohi = map(int, args.output.split(","))
     spec = TraceSpec(args.requests, lo, hi, olo, ohi, args.interval)
@@ -427,6 +423,11 @@ def main(argv: Seq[str] | None = None) -> list[dict[str, Any]]:
             res["hf"] = bench_hf(ckpt, budget, spec, hf_config.vocab_size, args.runs, args.hf_compile)
         results.append(res)
         print(format_rows(res) + "\n", flush=True)
+    return _save(results, args)
+
+
+def _save(results: list[dict[str, Any]], args: argparse.Namespace) -> list[dict[str, Any]]:
+    """The JSON (`--out`) and, with `--plot`, the KV-use plot."""
     with open(args.out, "w") as f:
         json.dump(results, f, indent=1)
     if args.plot:

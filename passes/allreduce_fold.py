@@ -27,21 +27,10 @@ from cp_compile.passes.base import CPPass
 from cp_compile.passes.context import CompileContext
 from cp_compile.passes.dcp_attention import DCPAttentionPass
 from cp_compile.passes.fold_match import find_fold
-from cp_compile.passes.fx_utils import VALUE_KEY, ShapedProxy, graph_fake_mode
+from cp_compile.passes.fx_utils import ShapedProxy
 from cp_compile.passes.project_before_merge import _erase_old_merge
 from cp_compile.passes.projection_match import MERGE_SITE_KEY
-from cp_compile.passes.query_replication import _declare_to_aot, parameter_value
-
-
-def _group_buffer(gm: fx.GraphModule, name: str, weight: torch.Tensor) -> fx.Node:
-    """`weight` held by the graph as a buffer (a compile-time snapshot), read by a get_attr node."""
-    gm.register_buffer(name, weight)
-    _declare_to_aot(gm, name)
-    node = gm.graph.get_attr(name)
-    mode = graph_fake_mode(gm.graph)
-    if mode is not None:  # static sizes (as project_before_merge: no symbol without a source in the frame)
-        node.meta[VALUE_KEY] = mode.from_tensor(weight, static_shapes=True)
-    return node
+from cp_compile.passes.query_replication import constant_buffer, parameter_value
 
 
 class AllReduceFoldPass(CPPass):
@@ -78,13 +67,15 @@ class AllReduceFoldPass(CPPass):
             o_parts = group.all_gather(parameter_value(fold.weight))  # [hidden, H*Dv] each, group rank order
             self.decision["gathered_o_proj_bytes"] += sum(p.numel() * p.element_size() for p in o_parts[1:])
             with graph.inserting_before(fold.linear):
-                w_o = _group_buffer(gm, f"_cp_fold_o_{merged.name}", torch.cat(o_parts, dim=1))  # [hidden, N*H*Dv]
+                w_o = constant_buffer(gm, f"_cp_fold_o_{merged.name}", torch.cat(o_parts, dim=1),  # [hidden, N*H*Dv]
+                                      static_shapes=True)
                 w_uv = None
                 if fold.projection is not None:
                     proj = fold.projection
                     parts = [proj.weight_of(p).contiguous() for p in group.all_gather(parameter_value(proj.parameter))]
                     self.decision["gathered_projection_bytes"] += sum(p.numel() * p.element_size() for p in parts[1:])
-                    w_uv = _group_buffer(gm, f"_cp_fold_uv_{merged.name}", torch.cat(parts, dim=proj.head_axis))
+                    w_uv = constant_buffer(gm, f"_cp_fold_uv_{merged.name}", torch.cat(parts, dim=proj.head_axis),
+                                           static_shapes=True)
                 part = dcp_compose.Partial(ShapedProxy(site.out, tracer), ShapedProxy(site.lse, tracer), site.heads,
                                            site.dtype)
                 scaled = dcp_compose.rescale_partial(part, site.ctx)  # [T, N*H, Dv] (MLA: L)

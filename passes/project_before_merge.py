@@ -31,9 +31,9 @@ from cp_compile.ops.parallel import dcp as dcp_compose
 from cp_compile.passes.base import CPPass
 from cp_compile.passes.context import CompileContext
 from cp_compile.passes.dcp_attention import DCPAttentionPass
-from cp_compile.passes.fx_utils import VALUE_KEY, ShapedProxy, fake_value, graph_fake_mode
+from cp_compile.passes.fx_utils import ShapedProxy, fake_value
 from cp_compile.passes.projection_match import MERGE_SITE_KEY, MergeSite, find_projection
-from cp_compile.passes.query_replication import _ancestors, _declare_to_aot, _mutates, parameter_value
+from cp_compile.passes.query_replication import _ancestors, _mutates, constant_buffer, parameter_value
 from cp_compile.passes.sfa_dcp import SFADCPPass
 
 
@@ -99,7 +99,6 @@ class ProjectBeforeMergePass(CPPass):
         group = self.ctx.cp_collectives
         if group is None:  # the DCP pass marks nothing without a group; a hand-built context could
             raise RuntimeError("project_before_merge: a merge is marked but the context has no cp_collectives")
-        mode = graph_fake_mode(graph)
         tracer = fx.proxy.GraphAppendingTracer(graph)
         for merged, site in marked:
             proj = find_projection(merged, site.heads)
@@ -108,18 +107,13 @@ class ProjectBeforeMergePass(CPPass):
             gathered = group.all_gather(parameter_value(proj.parameter))  # group rank order (collective)
             parts = [proj.weight_of(p).contiguous() for p in gathered]  # each rank's operand (its views re-run)
             weight = torch.cat(parts, dim=proj.head_axis)  # [N*H, L, Dv] (per the equation's order)
-            name = f"_cp_project_w_{merged.name}"
-            gm.register_buffer(name, weight)
-            _declare_to_aot(gm, name)
             self.decision["gathered_weight_bytes"] += sum(p.numel() * p.element_size() for p in parts[1:])
             # The head dim the merge moves: the partial's (MLA: the latent L) -> the projection's (Dv).
             self.decision["merged_head_dim"] = [int(fake_value(site.out).shape[-1]), proj.out_dim]
             with graph.inserting_before(proj.user):
-                w_node = graph.get_attr(name)
-                if mode is not None:
-                    # Static sizes: a fresh symbol per dim would have no source in the frame, and a
-                    # guard the einsum puts on one (HF's "thl,hvl->thv") breaks Dynamo's guard building.
-                    w_node.meta[VALUE_KEY] = mode.from_tensor(weight, static_shapes=True)
+                # Static sizes: a fresh symbol per dim would have no source in the frame, and a
+                # guard the einsum puts on one (HF's "thl,hvl->thv") breaks Dynamo's guard building.
+                w_node = constant_buffer(gm, f"_cp_project_w_{merged.name}", weight, static_shapes=True)
                 out = ShapedProxy(site.out, tracer)
                 projected = torch.einsum(proj.equation, out, ShapedProxy(w_node, tracer))  # [T, N*H, Dv]
                 new = dcp_compose.merge_partial(

@@ -200,6 +200,20 @@ def _declare_to_aot(gm: fx.GraphModule, name: str) -> None:
         table[name] = ConstantSource(name)
 
 
+def constant_buffer(gm: fx.GraphModule, name: str, value: torch.Tensor, *, static_shapes: bool = False) -> fx.Node:
+    """`value` held by the graph as a buffer (a compile-time snapshot, declared to aot_autograd),
+    read by a get_attr node inserted at the graph's insertion point, with its fake value.
+    static_shapes: fixed sizes, for a value whose fresh size symbols would have no source in
+    the frame (a guard on one breaks Dynamo's guard building)."""
+    gm.register_buffer(name, value)
+    _declare_to_aot(gm, name)
+    node = gm.graph.get_attr(name)
+    mode = graph_fake_mode(gm.graph)
+    if mode is not None:
+        node.meta[VALUE_KEY] = mode.from_tensor(value, static_shapes=True) if static_shapes else mode.from_tensor(value)
+    return node
+
+
 def replicate_queries(gm: fx.GraphModule, attention: fx.Node, chain: QueryChain, rank: int,
                       group: GroupCollectives) -> tuple[fx.Node, ...]:
     """Insert the N copies of `chain` before `attention` and return, per query output,
@@ -216,13 +230,7 @@ def replicate_queries(gm: fx.GraphModule, attention: fx.Node, chain: QueryChain,
                 continue
             env: dict[fx.Node, fx.Node] = {}
             for i, leaf in enumerate(chain.leaves):
-                name = f"_cp_replicated_q_{attention.name}_{i}_rank{r}"
-                gm.register_buffer(name, params[i][r])
-                _declare_to_aot(gm, name)
-                node = graph.get_attr(name)
-                if mode is not None:
-                    node.meta[VALUE_KEY] = mode.from_tensor(params[i][r])
-                env[leaf] = node
+                env[leaf] = constant_buffer(gm, f"_cp_replicated_q_{attention.name}_{i}_rank{r}", params[i][r])
             for n in chain.nodes:
                 env[n] = graph.node_copy(n, lambda a: env.get(a, a))
             per_rank.append(tuple(env[q] for q in chain.outputs))
