@@ -278,7 +278,8 @@ def markdown(rows: list[dict[str, Any]]) -> str:
             "bytes_per_program",
             "predicted_fraction_of_4.8TBps"]
     out = ["| " + " | ".join(keys) + " |", "|" + "---|" * len(keys)]
-    out += ["| " + " | ".join(str(r[k]) for k in keys) + " |" for r in rows]
+    # the sparse rows have no paged head blocks: their cells stay blank
+    out += ["| " + " | ".join(str(r.get(k, "")) for k in keys) + " |" for r in rows]
     return "\n".join(out)
 
 

@@ -7,7 +7,7 @@ row's q [Hi, Di] and weights once, then streams its range in BLOCK_N-key tiles:
 I[t, j] = sum_h w[t, h] * relu(q[t, h] . k[j]) in fp32 (tl.dot over the heads on
 accelerators) for the row's causal keys j < kv_lens[t], -inf for the rest. Each score
 belongs to one split, so there is no merge. CUDA: enough splits for 2 waves of the
-SMs (`_key_splits`), one program per item; NPU: one BLOCK_N tile per item
+SMs (`kv_splits` with splits of >= 64 keys), one program per item; NPU: one BLOCK_N tile per item
 on its persistent per-core grid (the launch it had; docs/decisions.md 58). Top-k: a
 stable descending `torch.sort` on the device, so ties go to the lower position exactly
 as in the reference, and positions past kv_lens become -1. Rows are scored in chunks
@@ -25,7 +25,7 @@ import triton.language as tl
 
 from cp_compile.ops.core.attention_tile import paged_location
 from cp_compile.ops.core import layout
-from cp_compile.ops.core.split_kv import _SPLIT_WAVES
+from cp_compile.ops.core.split_kv import kv_splits
 from cp_compile.ops.core.triton_cache_write import cache_write_triton
 from cp_compile.ops.core.triton_common import (
     LoweringDeclaration,
@@ -92,30 +92,6 @@ def _index_scores_kernel(
             tl.store(out_ptr + t * s_ot + j, tl.where(valid, score, float("-inf")), mask=j < hi)
 
 
-def _key_splits(rows: int, S: int, cores: int) -> tuple[int, int]:
-    """(splits per row, keys per split) on CUDA / the interpreter, from shapes and the
-    core count only.
-
-    At least the count that fills _SPLIT_WAVES waves of the cores (when splits of
-    _MIN_SPLIT keys allow it), and of the counts up to twice that, the one whose programs
-    finish soonest when every SM runs one at a time: rounds (ceil(rows x splits / cores))
-    x (keys per split, rounded up to 16, + the q load's worth of keys). There is no merge to feed, so the count is free;
-    `kv_splits`' rule (the wanted count, lengths rounded down) would leave a third wave of
-    one program at batch 1, 131072 keys (265 splits of 496 on 132 SMs; here 256 of 512)."""
-    most = max(1, triton.cdiv(S, _MIN_SPLIT))
-    want = min(triton.cdiv(_SPLIT_WAVES * cores, max(rows, 1)), most)
-    if want <= 1:
-        return 1, S
-    best = (0, 0, 0)
-    for n in range(want, min(2 * want, most) + 1):
-        length = triton.cdiv(triton.cdiv(S, n), 16) * 16
-        n_eff = triton.cdiv(S, length)
-        cost = triton.cdiv(rows * n_eff, cores) * (length + _MIN_SPLIT)  # + the q load, ~64 keys' bytes
-        if best[1] == 0 or cost < best[0]:
-            best = (cost, n_eff, length)
-    return best[1], best[2]
-
-
 def index_scores_triton(
     q_i: torch.Tensor,  # [T, Hi, Di]
     index_cache: torch.Tensor,  # [NB, BS, Di]
@@ -131,7 +107,7 @@ def index_scores_triton(
 ) -> torch.Tensor:
     """-> fp32 [T, S] scores, S = block_table.shape[1] * BS; -inf past each row's kv_lens.
 
-    num_splits: key ranges per row, one work item each (default: `_key_splits` on CUDA and
+    num_splits: key ranges per row, one work item each (default: `kv_splits` with splits of >= _MIN_SPLIT keys on CUDA and
     under the interpreter, one BLOCK_N tile per item on the NPU); any value >= 1 is
     accepted (tests: splits ending mid-tile, splits past every row's kv_len)."""
     T, Hi, Di = q_i.shape
@@ -161,7 +137,7 @@ def index_scores_triton(
         if target == "npu":
             num_splits, split_len = triton.cdiv(S, block_n), block_n  # one tile per item, as before the splits
         else:
-            num_splits, split_len = _key_splits(T, S, cores)
+            num_splits, split_len = kv_splits(T, S, cores, min_split=_MIN_SPLIT)
     elif num_splits >= 1:
         split_len = triton.cdiv(S, num_splits)
     else:

@@ -461,23 +461,36 @@ def test_split_kv_bf16() -> None:
     assert out.dtype == torch.bfloat16
 
 
-def test_kv_splits_fill_two_waves() -> None:
-    """The split count from sizes only: the DCP decode shape (8 requests x 1 KV head, 32k
-    keys, 132 SMs) gets 2 waves of programs (33 splits wanted, 993 -> 992 keys each:
-    34 splits, the last 32 keys); a batch that fills the waves alone, or a one-chunk table, stays unsplit;
-    a short table stops at 16-key splits."""
+def test_kv_splits_fill_whole_waves() -> None:
+    """The split count from sizes only (decision 74): the DCP decode shape (8 requests x 1 KV
+    head, 32k keys, 132 SMs) gets 2 waves (33 splits of 1008 keys, the last 512); MLA at 128
+    heads (8 tokens x 4 head blocks) takes 12 splits, 384 programs in 3 nearly full rounds, not
+    the 10 (320 programs, a third round 42 % full) that the wanted count rounded down gave; a
+    batch that fills the waves alone, or a one-chunk table, stays unsplit; a short table stops
+    at 16-key splits. Every pick covers the table with no empty split and is the cheapest
+    candidate under the rule's cost (rounds x (length + 16)), recomputed here by brute force."""
     from cp_compile.ops.paged.triton_decode import kv_splits
 
-    n, length = kv_splits(8, 32768, 132)
-    assert (n, length) == (34, 992) and n * length >= 32768 > (n - 1) * length
+    assert kv_splits(8, 32768, 132) == (33, 1008)
+    assert kv_splits(8 * 4, 32768, 132) == (12, 2736)
+    assert kv_splits(1, 131072, 132) == (256, 512)  # 1.94 waves beat 265 splits' third wave of one
     assert kv_splits(64 * 8, 131072, 132) == (1, 131072)
     assert kv_splits(1, 16, 132) == (1, 16)
     assert kv_splits(1, 1024, 132) == (64, 16)
-    for items in (1, 3, 8, 17, 64, 130):
+
+    def cost(items: int, n: int, length: int) -> int:
+        return -(-items * n // 132) * (length + 16)
+
+    for items in (1, 3, 8, 17, 32, 64, 130):
         for keys in (8192, 32768, 131072):
             n, length = kv_splits(items, keys, 132)
             assert length % 16 == 0 and n * length >= keys > (n - 1) * length
-            assert items * n >= 2 * 132 or (length == 16 and n == keys // 16)  # >= 2 waves, or 16-key splits
+            want = min(-(-264 // items), keys // 16)
+            assert n >= 1 and (want <= 1) == (n == 1)
+            if n > 1:  # no count in [want, 2 want] is cheaper
+                for m in range(want, min(2 * want, keys // 16) + 1):
+                    lm = -(-(-(-keys // m)) // 16) * 16
+                    assert cost(items, n, length) <= cost(items, -(-keys // lm), lm)
 
 
 # ----------------------------------------------------------------------------- merge

@@ -237,7 +237,7 @@ def test_indexer_split_ends_mid_tile(use_dot: bool) -> None:
 @interp
 @pytest.mark.parametrize("use_dot", [False, True])
 def test_indexer_split_default_count_topk_exact(use_dot: bool) -> None:
-    """The default split count (`_key_splits` over S = 160 keys and 32 cores, splits of >= 64
+    """The default split count (`kv_splits` over S = 160 keys and 32 cores, splits of >= 64
     keys): 3 splits of 64, the last holding 32; on integer inputs (exact scores, many ties)
     the top-k equals the reference's stable order, -1 padded, with most splits past the
     short rows' keys."""
@@ -284,8 +284,9 @@ def test_sparse_split_one_split_on_a_persistent_grid() -> None:
 
 def test_sparse_split_counts_fill_two_waves_on_an_h200() -> None:
     """What the launchers plan for CUDA with 132 SMs (captured, nothing runs): sparse MLA
-    at batch 8, 16 heads, top-2048 splits into >= 2 waves, the indexer at batch 1, 64 x
-    128 heads, 32k keys into 1.94; tl.dot with all 16 heads x 32 indices in one tile at 8
+    at batch 8, 16 heads, top-2048 splits into 32 splits of 64 indices (1.94 waves: 2 rounds,
+    where 43 splits of 48 would take 3), the indexer at batch 1, 64 x 128 heads, 32k keys
+    into 1.94; tl.dot with all 16 heads x 32 indices in one tile at 8
     warps (the spill-free CUDA tile); the NPU's sparse MLA launch stays unsplit on its core
     count, 16 indices a tile, no num_warps."""
     bt = torch.zeros(8, 512, dtype=torch.int32)
@@ -296,7 +297,7 @@ def test_sparse_split_counts_fill_two_waves_on_an_h200() -> None:
     with capture_launches() as launches, planning_for("cuda", 132):
         sparse_mla_rows_triton(qn, qp, cache, bt, req, idx, 0.1)
     att, merge = launches
-    assert att.grid[0] >= 264 and att.kwargs["BLOCK_H"] == 16 and att.kwargs["USE_DOT"] is True
+    assert att.grid[0] == 8 * 32 and att.kwargs["BLOCK_H"] == 16 and att.kwargs["USE_DOT"] is True
     # The spill-free CUDA tile (docs/kernels_aot.md production table): 32 indices, 8 warps.
     assert att.kwargs["BLOCK_N"] == 32 and att.kwargs["num_warps"] == 8
     assert merge.kernel.fn.__name__ == "_sparse_split_merge_kernel"
