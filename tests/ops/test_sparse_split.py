@@ -282,7 +282,7 @@ def test_sparse_split_one_split_on_a_persistent_grid() -> None:
 # ----------------------------------------------------------------------------- launch plan (no interpreter needed)
 
 
-def test_sparse_split_counts_fill_two_waves_on_an_h200() -> None:
+def test_sparse_split_counts_fill_the_waves_on_an_h200() -> None:
     """What the launchers plan for CUDA with 132 SMs (captured, nothing runs): sparse MLA
     at batch 8, 16 heads, top-2048 splits into 32 splits of 64 indices (1.94 waves: 2 rounds,
     where 43 splits of 48 would take 3), the indexer at batch 1, 64 x 128 heads, 32k keys
