@@ -309,8 +309,11 @@ def test_pcp2_tp2_models_match_single_device():
 
 
 @pytest.mark.slow
-def test_pcp2_decode_projected_before_the_merge():
-    """MLA at pcp = 2 (tp = dcp = 1) with dcp_project_before_merge="on": the decode graph is the DCP
-    decode over the cp group (N = pcp * dcp = 2), so W_UV moves before its merge (gathered over the
-    cp ranks: the PCP peer's copy of the same heads); every step equals one device (decision 73)."""
-    check_pcp_models([_case("deepseek_v3", 1, 1, 2, "aot_eager", cfg_kw={"dcp_project_before_merge": "on"})])
+@pytest.mark.parametrize("tp,dcp", [(1, 1), (2, 2)])
+def test_pcp2_decode_projected_before_the_merge(tp: int, dcp: int):
+    """MLA at pcp = 2 with dcp_project_before_merge="on": the decode graph is the DCP decode over
+    the cp group (N = pcp * dcp), so W_UV moves before its merge, gathered over the cp ranks in cp
+    rank order (the partial's head order): at tp = dcp = 1 the PCP peer's copy of the same heads,
+    at tp = dcp = 2 (world 4) the four cp ranks' two distinct head sets, so the order matters.
+    Every step equals one device (decision 73)."""
+    check_pcp_models([_case("deepseek_v3", tp, dcp, 2, "aot_eager", cfg_kw={"dcp_project_before_merge": "on"})])
