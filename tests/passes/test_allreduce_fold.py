@@ -35,7 +35,8 @@ def _world(rank: int, world: int, models: dict, cases: list[tuple]) -> list[dict
     for kind, merge, fold, lowering, *project in cases:  # project: "off" unless a fifth field says
         hf_config, sd = models[kind]
         cfg = cp_compile.CPConfig(tensor_parallel_size=world, decode_context_parallel_size=DCP, block_size=BLOCK,
-                                  dcp_merge=merge, dcp_merge_fold=fold, dcp_project_before_merge=(project or ["off"])[0])
+                                  dcp_merge=merge, dcp_merge_fold=fold,
+                                  dcp_project_before_merge=(project or ["off"])[0])
         state = cp_compile.init_parallel(cfg, device="cpu")
         model = example_from_config(hf_config, sd, world, state.layout.tp.rank, state.tp_group)
         cache = cp_compile.allocate_kv_cache(cfg, model.kv_cache_spec(), NUM_BLOCKS, attention=model.attention_spec())
