@@ -165,9 +165,9 @@ class DCPAttentionPass(CPPass):
             return None, None
         if any(p.partial is None for _, p in nodes):
             return None, NOTHING_TO_PROJECT
-        if self.ctx.pcp.size > 1:  # decode graphs over the pcp * dcp cache ranks: not checked against one device
-            return None, ("project before the merge is not built for decode graphs at "
-                          "prefill_context_parallel_size > 1 (no exactness test over the pcp * dcp ranks)")
+        # At pcp > 1 a decode graph is the DCP decode at N = pcp * dcp over the cp group (docs/pcp.md
+        # §5): the partial holds the cp group's heads in cp rank order, and W_UV is gathered over the
+        # same group in the same order (duplicates from PCP peers included), so the proof is the same.
         found = []
         for node, pattern in nodes:
             heads = int(fake_value(pattern.bind(node)["q_nope"]).shape[1])
@@ -191,9 +191,15 @@ class DCPAttentionPass(CPPass):
         missing = [type(p).__name__ for _, p in nodes if p.fold_partial is None]
         if missing:
             return None, f"the all-reduce fold is not built for {missing[0]} ({self.name} pass)"
-        if self.ctx.pcp.size > 1:
-            return None, ("the all-reduce fold is not built for decode graphs at prefill_context_parallel_size > 1 "
-                          "(no exactness test over the pcp * dcp ranks)")
+        layout = self.ctx.layout
+        if layout.cp.size != layout.dcp.size:
+            # The fold leaves the sum over the merge's group to the TP all-reduce, so that group must
+            # lie inside the TP group. The DCP ranks do (consecutive inside a TP group); the cp group
+            # at pcp > 1 does not: its PCP peers hold the same TP rank in the other TP groups.
+            return None, (f"the merge runs over the cp group ({layout.cp.size} = pcp {layout.pcp.size} x dcp "
+                          f"{layout.dcp.size} ranks), which reaches beyond this rank's TP group: its PCP peers sit "
+                          "in the other TP groups, so the TP all-reduce after o_proj never adds their weighted "
+                          "partials (the fold needs the merge's ranks inside the all-reduce's group: pcp = 1)")
         if self.ctx.tp.size == 1:
             return None, "no TP all-reduce after o_proj to fold the merge into (tensor_parallel_size = 1)"
         found, kv = [], {}

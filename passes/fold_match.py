@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import torch
 import torch.fx as fx
 
+from cp_compile.ops.quant.ops import QUANT_LINEAR_OPS
 from cp_compile.passes.fx_utils import fake_value
 from cp_compile.passes.projection_match import Projection, find_projection
 from cp_compile.passes.query_replication import parameter_value
@@ -42,6 +43,28 @@ def _only_reader(node: fx.Node) -> fx.Node | str:
     if len(users) != 1:
         return f"{node.name} has {len(users)} readers ({', '.join(u.name for u in users) or 'none'})"
     return users[0]
+
+
+def _quantised_o_proj(lin: fx.Node) -> str | None:
+    """Why a W8A8 o_proj does not commute with the merge (None: not one). The fold hands o_proj
+    each rank's weighted partial `w_r * out_r` instead of their sum; a quantised linear rounds its
+    input to int8 first, and rounding is not linear: quant(a + b) != quant(a) + quant(b)."""
+    if lin.op != "call_function":
+        return None
+    for op in QUANT_LINEAR_OPS:
+        if lin.target in (op, op.default):
+            break
+    else:
+        return None
+    if op is QUANT_LINEAR_OPS[0]:  # cp::w8a8_dynamic_linear
+        why = ("its input is quantised per token (scale = max |x| / 127 over the token's row, then rounded to "
+               "int8), and that is not linear: quant(sum_r w_r * out_r) != sum_r quant(w_r * out_r) (each rank's "
+               "partial has its own per-token scale and rounding)")
+    else:  # cp::w8a8_static_linear
+        why = ("its input is rounded to int8 at a calibrated scale, and rounding is not linear "
+               "(round(a + b) != round(a) + round(b)); its quant_bias would also be added by each of the N ranks")
+    return (f"o_proj is {op._qualified_op_name} (W8A8): {why}, so the merge cannot move past it and the fold "
+            "would not be exact (only a float F.linear o_proj commutes with the merge)")
 
 
 @dataclass(frozen=True)
@@ -87,6 +110,9 @@ def find_fold(node: fx.Node, heads: int, tp_group: str, projects: bool) -> Fold 
         return (f"{chain[-1].name} {list(flat.shape) if flat is not None else '?'}: the reshapes after {cur.name} do "
                 "not end in [1, ..., 1, T, H*Dv] (the o_proj input the fold rebuilds)")
     r, lin = chain[-1], r
+    quant = _quantised_o_proj(lin)
+    if quant is not None:
+        return f"{r.name} is read by {lin.name}: {quant}"
     if lin.op != "call_function" or lin.target not in _LINEARS:
         return f"{r.name} is read by {lin.name} ({lin.target}), not F.linear (a float row-parallel o_proj)"
     args = list(lin.args) + [lin.kwargs.get(k) for k in ("input", "weight", "bias")[len(lin.args):]]

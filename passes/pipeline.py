@@ -11,9 +11,9 @@ its inputs exist (docs/architecture.md, "Adding a pass").
   1. dcp_attention              (dcp > 1; at pcp > 1 decode graphs, over the pcp * dcp cache ranks)
                                 GQA / MLA attention -> DCP building blocks
   2. sfa_dcp                    (dcp > 1, pcp = 1, sfa) sparse MLA -> DCP blocks; indexer kept (replicated)
-  -  allreduce_fold             (after dcp_attention, dcp_merge_fold != "off") the merges it marked folded into
-                                the TP all-reduce after o_proj: LSE all-gather, rescale, o_proj on the group's heads
-                                (issue 37, decision 62)
+  -  allreduce_fold             (after dcp_attention / sfa_dcp, dcp_merge_fold != "off") the merges they marked
+                                folded into the TP all-reduce after o_proj: LSE all-gather, rescale, o_proj on the
+                                group's heads (issue 37, decisions 62, 73)
   -  project_before_merge       (after dcp_attention / sfa_dcp, dcp_project_before_merge != "off") the merges
                                 they marked rebuilt on partials projected by the per-head W_UV (issue 37)
   3. dsa_cp                     (enable_dsa_cp, prefill graph, tp > 1, dcp = pcp = 1, sfa) indexer + sparse

@@ -33,6 +33,7 @@ class SparseMLAPattern(AttentionPattern):
     op = torch.ops.cp.sparse_mla_attention
     composition = staticmethod(dcp_compose.dcp_sfa_attention)
     partial = staticmethod(dcp_compose.dcp_sfa_partial)
+    fold_partial = staticmethod(dcp_compose.dcp_sfa_partial)  # the all-reduce fold (decision 73)
 
 
 class SFADCPPass(DCPAttentionPass):

@@ -87,3 +87,56 @@ def test_dcp2_serves_twice_the_tokens_and_requests_from_the_same_bytes(ckpt, cap
 def test_bad_budget_refused_before_ranks_start(ckpt, kw, match):
     with pytest.raises(cp_compile.ConfigError, match=match):
         _args(ckpt, 1, **kw).validate()
+
+
+# The all-reduce fold at tp 2 / dcp 2 on this checkpoint: the other DCP rank's o_proj columns,
+# [hidden 64, 2 heads x 16] fp32, per layer, 2 layers (decision 73).
+FOLD_BYTES = 2 * 64 * 2 * 16 * 4
+
+
+def test_the_gathered_weights_are_taken_out_of_the_budget(ckpt):
+    """Under dcp_merge_fold="on" the pool holds (budget - the fold's gathered bytes) // block
+    bytes blocks; under "auto" the same where those bytes are within FOLD_KV_FRACTION of the
+    budget and nothing where above (the pass's own rule never folds then); "off" nothing. The
+    start-up lines name the bytes; a budget the reserve leaves too small is refused naming both."""
+    import transformers
+
+    from cp_compile.base.merge_cost import FOLD_KV_FRACTION
+    from cp_compile.serving.hf.gathered_weights import gathered_weight_bytes
+    from cp_compile.serving.hf.kv_budget import plan_pool
+
+    hf_config = transformers.AutoConfig.from_pretrained(ckpt)
+    for fold, budget, reserved in (("on", BUDGET, FOLD_BYTES), ("off", BUDGET, 0),
+                                   ("auto", BUDGET, 0),  # 16 KiB is 0.67 of 24 KiB: above 5 %
+                                   ("auto", int(FOLD_BYTES / FOLD_KV_FRACTION), FOLD_BYTES)):
+        cfg = _args(ckpt, 2, dcp_merge_fold=fold, kv_cache_memory_bytes=budget).cp_config()
+        got = gathered_weight_bytes(cfg, hf_config, torch.float32, budget)
+        assert got == reserved, (fold, budget, got)
+        pool = plan_pool(cfg, BLOCK_BYTES, MAX_LEN, 16, budget, reserved_bytes=got)
+        assert pool.num_blocks == (budget - reserved) // BLOCK_BYTES
+        assert pool.tokens_per_rank == (budget - reserved) // BLOCK_BYTES * BLOCK
+        assert f"Gathered weights (all-reduce fold / project before the merge): {reserved:,d} B" in pool.lines()[-1]
+    with pytest.raises(cp_compile.ConfigError, match=r"less 16,384 B of gathered weights: 3 blocks .* needs 4\. "
+                                                     r"Fix: kv_cache_memory_bytes >= 20,480"):
+        _args(ckpt, 2, dcp_merge_fold="on", kv_cache_memory_bytes=FOLD_BYTES + 3 * BLOCK_BYTES).validate()
+
+
+def _fold_world(rank: int, world: int, path: str) -> dict:
+    engine = build_engine(_args(path, 2, dcp_merge_fold="on", lowering="aot_eager"))
+    engine.generate([[5, 6, 7, 8, 9]], max_new_tokens=2)  # compiles: the fold gathers its weights here
+    out = dict(pool=engine.kv_pool, capacity=engine.capacity())
+    destroy_parallel()
+    return out
+
+
+@pytest.mark.slow
+def test_fold_pool_holds_the_budget_less_what_the_pass_gathered(ckpt):
+    """Through build_engine at tp 2 / dcp 2, dcp_merge_fold="on": the pool holds exactly
+    (budget - reserved) // block bytes blocks, and the reserve equals the bytes the fold pass
+    gathered at the first compile (Engine.capacity)."""
+    for rank, out in enumerate(run_on_ranks(_fold_world, 2, ckpt, timeout=600)):
+        pool, cap = out["pool"], out["capacity"]
+        assert pool.gathered_weight_bytes == FOLD_BYTES == cap["gathered_weight_bytes_per_rank"], (rank, cap)
+        assert pool.num_blocks == (BUDGET - FOLD_BYTES) // BLOCK_BYTES
+        assert cap["kv_bytes_per_rank"] + cap["gathered_weight_bytes_per_rank"] <= BUDGET
+        assert cap["tokens_per_rank"] == (BUDGET - FOLD_BYTES) // BLOCK_BYTES * BLOCK

@@ -1,8 +1,9 @@
 """The all-reduce fold (issue 37, decision 62): the DCP output merge folded into the TP
 all-reduce after o_proj, exact on gloo ranks.
 
-One spawned world (tp 2 / dcp 2) runs the compiled GQA (Qwen3) and MLA (DeepSeek-V3) models
-over every batch kind (tests/passes/test_project_before_merge.py's steps: prefill, chunked
+One spawned world (tp 2 / dcp 2) runs the compiled GQA (Qwen3), MLA (DeepSeek-V3) and SFA
+(DeepSeek-V3.2: sparse MLA, decision 73) models over every batch kind
+(tests/passes/test_project_before_merge.py's steps: prefill, chunked
 prefill beside a decode, decode, a mixed batch, decode after a request left), teacher-forced,
 against the single-device eager model (every token's logits, fp32 1e-4). The last (decode)
 step's collectives are counted at dispatch: folded, the layer has no reduce-scatter /
@@ -21,7 +22,8 @@ import cp_compile
 from cp_compile.base.comm_stats import merge_collectives
 from cp_compile.testing.metered import metered
 from cp_compile.testing.multirank import run_on_ranks
-from examples.models.tiny import example_from_config, hf_deepseek_v3, hf_qwen3
+from cp_compile.serving.hf.gathered_weights import gathered_weight_bytes
+from examples.models.tiny import example_from_config, hf_deepseek_sfa, hf_deepseek_v3, hf_qwen3
 from examples.serving import layer_caches
 from tests.passes.test_project_before_merge import BLOCK, NUM_BLOCKS, PAD, STEPS, _reference, run_steps
 
@@ -30,10 +32,11 @@ TP = DCP = 2
 
 def _world(rank: int, world: int, models: dict, cases: list[tuple]) -> list[dict]:
     results = []
-    for kind, merge, fold, lowering in cases:
+    for kind, merge, fold, lowering, *project in cases:  # project: "off" unless a fifth field says
         hf_config, sd = models[kind]
         cfg = cp_compile.CPConfig(tensor_parallel_size=world, decode_context_parallel_size=DCP, block_size=BLOCK,
-                                  dcp_merge=merge, dcp_merge_fold=fold, dcp_project_before_merge="off")
+                                  dcp_merge=merge, dcp_merge_fold=fold,
+                                  dcp_project_before_merge=(project or ["off"])[0])
         state = cp_compile.init_parallel(cfg, device="cpu")
         model = example_from_config(hf_config, sd, world, state.layout.tp.rank, state.tp_group)
         cache = cp_compile.allocate_kv_cache(cfg, model.kv_cache_spec(), NUM_BLOCKS, attention=model.attention_spec())
@@ -51,7 +54,8 @@ def _world(rank: int, world: int, models: dict, cases: list[tuple]) -> list[dict
 
 def _models() -> dict:
     out = {}
-    for kind, hf in (("gqa", hf_qwen3(num_kv_heads=1)), ("mla", hf_deepseek_v3(q_lora_rank=None))):
+    for kind, hf in (("gqa", hf_qwen3(num_kv_heads=1)), ("mla", hf_deepseek_v3(q_lora_rank=None)),
+                     ("sfa", hf_deepseek_sfa("deepseek_v32", num_heads=4))):
         out[kind] = (hf.config, {k: v.detach().clone() for k, v in hf.state_dict().items()})
     return out
 
@@ -70,7 +74,8 @@ def check_fold(out: dict, ref: list[torch.Tensor], kind: str, hf_config, rank: i
     for step, (got, want) in enumerate(zip(out["logits"], ref)):
         torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4, msg=f"rank {rank} step {step} ({kind} fold)")
     layers = hf_config.num_hidden_layers
-    assert out["history"]["dcp_attention"][3]["fold"] is True, out["history"]["dcp_attention"][3]
+    dcp_pass = "sfa_dcp" if kind == "sfa" else "dcp_attention"
+    assert out["history"][dcp_pass][3]["fold"] is True, out["history"][dcp_pass][3]
     rw, before, after, decision = out["history"]["allreduce_fold"]
     assert rw == layers and decision["folded"] == layers
     tp = out["tp"]
@@ -79,8 +84,13 @@ def check_fold(out: dict, ref: list[torch.Tensor], kind: str, hf_config, rank: i
     v_dim = hf_config.head_dim if kind == "gqa" else hf_config.v_head_dim
     # The other rank's o_proj columns [hidden, H*Dv] fp32, every layer (MLA: and its W_UV [H, L, Dv]).
     assert decision["gathered_o_proj_bytes"] == layers * (DCP - 1) * hidden * h * v_dim * 4
-    if kind == "mla":
+    if kind != "gqa":
         assert decision["gathered_projection_bytes"] == layers * (DCP - 1) * h * dv * v_dim * 4
+    # What the HF engine charges against the KV budget before the first compile (decision 73):
+    # the same bytes, from the model config alone.
+    cfg = cp_compile.CPConfig(tensor_parallel_size=tp, decode_context_parallel_size=DCP, dcp_merge_fold="on")
+    assert gathered_weight_bytes(cfg, hf_config, torch.float32) == (
+        decision["gathered_o_proj_bytes"] + decision["gathered_projection_bytes"])
     # The decode step, counted at dispatch: no output collective, the Q and LSE all-gathers only.
     T = sum(n for _, n in STEPS[-1].values()) + PAD
     assert "reduce_scatter" not in out["sent"] and "all_to_all" not in out["sent"], out["sent"]
@@ -106,15 +116,37 @@ def check_fold(out: dict, ref: list[torch.Tensor], kind: str, hf_config, rank: i
 CASES = [("gqa", "ag_rs", "on", "aot_eager"), ("mla", "a2a", "on", "aot_eager")]
 
 
+# SFA DCP needs dcp == tp: at tp = dcp = 2 only (decision 73).
+CASES_TP2 = CASES + [("sfa", "ag_rs", "on", "aot_eager")]
+
+
 def test_allreduce_fold_tp2_dcp2_exact() -> None:
-    """GQA and MLA folded at tp 2 / dcp 2, aot_eager, every batch kind (MLA asked with a2a:
-    folded on the gathered queries)."""
+    """GQA, MLA and SFA (sparse MLA over the replicated indexer's top-k) folded at tp 2 / dcp 2,
+    aot_eager, every batch kind (MLA asked with a2a: folded on the gathered queries)."""
     models = _models()
-    per_rank = run_on_ranks(_world, TP, models, CASES, timeout=600)
+    per_rank = run_on_ranks(_world, TP, models, CASES_TP2, timeout=600)
     refs = {kind: _reference(c, sd, DCP) for kind, (c, sd) in models.items()}
     for rank, outs in enumerate(per_rank):
-        for (kind, *_), out in zip(CASES, outs):
+        for (kind, *_), out in zip(CASES_TP2, outs):
             check_fold(out, refs[kind], kind, models[kind][0], rank, None)
+
+
+@pytest.mark.slow
+def test_merge_algebra_sfa_both_rewrites() -> None:
+    """SFA at tp = dcp = 2: folded over the a2a merge's gathered queries under Inductor, and
+    projected before the a2a merge (aot_eager, the merge's bytes at Dv counted at dispatch),
+    each exact against one device over every batch kind (decision 73)."""
+    from tests.passes.test_project_before_merge import check_case
+
+    models = _models()
+    cases = [("sfa", "a2a", "on", "inductor"), ("sfa", "a2a", "off", "aot_eager", "on")]
+    per_rank = run_on_ranks(_world, TP, {"sfa": models["sfa"]}, cases, timeout=900)
+    c, sd = models["sfa"]
+    ref = _reference(c, sd, DCP)
+    for rank, (folded, projected) in enumerate(per_rank):
+        check_fold(folded, ref, "sfa", c, rank, None, "a2a")
+        hist = [(name, *v) for name, v in projected["history"].items()]
+        check_case(dict(projected, history=hist), ref, c.num_hidden_layers, "a2a", True, rank, c)
 
 
 @pytest.mark.slow

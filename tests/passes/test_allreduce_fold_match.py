@@ -47,6 +47,16 @@ class GQAOut(nn.Module):
         self.o_w = nn.ParameterList(nn.Parameter(torch.randn(HID, H * D)) for _ in range(LAYERS))
         self.o_b = nn.ParameterList(nn.Parameter(torch.randn(HID)) for _ in range(LAYERS))
         self.back = nn.ModuleList(nn.Linear(HID, H * D) for _ in range(LAYERS))
+        # A W8A8 o_proj's operands: int8 weight [in, out], per-output-channel scale / offset; the
+        # static scheme's calibrated input scale / offset (one group), quant bias, dequant scale.
+        g = torch.Generator().manual_seed(0)
+        self.register_buffer("q_w", torch.randint(-127, 128, (H * D, HID), dtype=torch.int8, generator=g))
+        self.register_buffer("q_scale", torch.rand(HID, generator=g) / 100)
+        self.register_buffer("q_offset", torch.zeros(HID, dtype=torch.int32))
+        self.register_buffer("q_in_scale", torch.tensor([0.05]))
+        self.register_buffer("q_in_offset", torch.tensor([2], dtype=torch.int32))
+        self.register_buffer("q_bias", torch.zeros(1, HID, dtype=torch.int32))
+        self.register_buffer("q_deq", torch.rand(1, HID, generator=g) / 100)
 
     def forward(self, x: torch.Tensor, caches: list[torch.Tensor], meta: cp_compile.AttentionMetadata):
         args = (meta.slot_mapping, meta.block_table, meta.seq_lens, meta.query_start_loc)
@@ -58,7 +68,13 @@ class GQAOut(nn.Module):
                 o = torch.nn.functional.gelu(o)
             w = self.o_w[i] * 2 if self.variant == "computed" else self.o_w[i]
             bias = self.o_b[i] if self.variant == "bias" else None
-            y = torch.nn.functional.linear(o.reshape(T, H * D), w, bias)
+            if self.variant == "w8a8_dynamic":
+                y = cp.w8a8_dynamic_linear(o.reshape(T, H * D), self.q_w, self.q_scale, self.q_offset, 1)
+            elif self.variant == "w8a8_static":
+                y = cp.w8a8_static_linear(o.reshape(T, H * D), self.q_w, self.q_in_scale, self.q_in_offset,
+                                          self.q_bias, self.q_deq)
+            else:
+                y = torch.nn.functional.linear(o.reshape(T, H * D), w, bias)
             if self.variant == "between":
                 y = y * 0.5
             y = funcol.all_reduce(y, "sum", self.group)
@@ -72,13 +88,16 @@ def _gqa_nodes(gm):
     return [n for n in gm.graph.nodes if n.op == "call_function" and "gqa_paged_attention" in str(n.target)]
 
 
-def _ctx_on(group, fold: str):
-    ctx = _ctx("gqa", 2, "ag_rs", tp=2)
+def _ctx_on(group, fold: str, pcp: int = 1):
+    if pcp == 1:
+        ctx = _ctx("gqa", 2, "ag_rs", tp=2)
+    else:  # a decode graph at pcp > 1: the DCP pass over the pcp * dcp cp ranks (docs/pcp.md §5)
+        ctx = dataclasses.replace(_ctx("gqa", 1, "ag_rs", tp=2, pcp=pcp), batch_kind="decode")
     layout = dataclasses.replace(ctx.layout, tp=Group(2, 0, group.group_name))
     return dataclasses.replace(ctx, layout=layout, config=dataclasses.replace(ctx.config, dcp_merge_fold=fold))
 
 
-def _analyse(model: nn.Module, group) -> tuple[list, Exception | None, dict]:
+def _analyse(model: nn.Module, group, pcp: int = 1) -> tuple[list, Exception | None, dict]:
     """In one backend call: the matcher on every attention node, the pipeline under "on" (its
     ConfigError, or None), then under "auto" (the DCP pass's decision)."""
     out = {}
@@ -87,11 +106,11 @@ def _analyse(model: nn.Module, group) -> tuple[list, Exception | None, dict]:
         try:
             found = [find_fold(n, H, group.group_name, False) for n in _gqa_nodes(gm)]
             try:
-                PassManager.for_context(_ctx_on(group, "on"))(gm)
+                PassManager.for_context(_ctx_on(group, "on", pcp))(gm)
                 on_error = None
             except cp_compile.ConfigError as e:
                 on_error = e
-            pm = PassManager.for_context(_ctx_on(group, "auto"))
+            pm = PassManager.for_context(_ctx_on(group, "auto", pcp))
             pm(gm)
             out["value"] = found, on_error, dict(pm.history[0].decision or {})
         except Exception as e:  # noqa: BLE001 - handed back to the test
@@ -125,6 +144,9 @@ def test_the_fold_is_proven_on_a_row_parallel_o_proj(group, variant: str) -> Non
     ("between", "before any TP all-reduce: nothing may come between o_proj and the all-reduce"),
     ("gelu", "not a reshape to [T, H*Dv] feeding a row-parallel o_proj"),
     ("computed", "is not a parameter with a real value in the graph"),
+    # W8A8 o_proj: its input quantisation does not commute with the merge (decision 73).
+    ("w8a8_dynamic", "cp::w8a8_dynamic_linear (W8A8): its input is quantised per token"),
+    ("w8a8_static", "cp::w8a8_static_linear (W8A8): its input is rounded to int8 at a calibrated scale"),
 ])
 def test_refused_where_not_provable(group, variant: str, reason: str) -> None:
     """Each refusal: the matcher's reason, kept in the DCP pass's decision under "auto" (not
@@ -132,6 +154,17 @@ def test_refused_where_not_provable(group, variant: str, reason: str) -> None:
     found, on_error, decision = _analyse(GQAOut(group, variant), group)
     assert all(isinstance(f, str) and reason in f for f in found), found
     assert reason in decision["not_foldable"] and not decision.get("fold")
+    assert on_error is not None and reason in str(on_error) and "dcp_merge_fold='auto'" in str(on_error)
+
+
+def test_refused_on_pcp_decode_graphs_by_the_layout(group) -> None:
+    """A decode graph at pcp = 2 merges over the cp group (the PCP peers: the same TP rank in the
+    other TP group), which the TP all-reduce after o_proj does not span: refused by that reason
+    (the matcher itself proves the o_proj chain), "on" a ConfigError naming it (decision 73)."""
+    found, on_error, decision = _analyse(GQAOut(group), group, pcp=2)
+    assert all(not isinstance(f, str) for f in found), found  # the o_proj chain is provable
+    reason = "reaches beyond this rank's TP group"
+    assert reason in decision["not_foldable"] and not decision.get("fold"), decision
     assert on_error is not None and reason in str(on_error) and "dcp_merge_fold='auto'" in str(on_error)
 
 

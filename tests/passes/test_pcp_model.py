@@ -92,10 +92,10 @@ def _world(rank: int, world: int, cases: list[tuple]) -> list[dict]:
     """Each case (tp, dcp, pcp, interleave, lowering, hf_config, state_dict) in turn on
     this rank (one spawned world serves several cases: spawning ranks is slow)."""
     outs = []
-    for tp, dcp, pcp, interleave, lowering, hf_config, state_dict, kv_cache_dtype in cases:
+    for tp, dcp, pcp, interleave, lowering, hf_config, state_dict, kv_cache_dtype, *cfg_kw in cases:
         cfg = cp_compile.CPConfig(tensor_parallel_size=tp, decode_context_parallel_size=dcp,
                                   prefill_context_parallel_size=pcp, cp_kv_cache_interleave_size=interleave,
-                                  block_size=BLOCK, kv_cache_dtype=kv_cache_dtype)
+                                  block_size=BLOCK, kv_cache_dtype=kv_cache_dtype, **(cfg_kw or [{}])[0])
         state = cp_compile.init_parallel(cfg, device="cpu")
         model = example_from_config(hf_config, state_dict, tp, state.layout.tp.rank, state.tp_group)
         cache = cp_compile.allocate_kv_cache(cfg, model.kv_cache_spec(), NUM_BLOCKS,
@@ -159,9 +159,9 @@ def _count(hist: dict[str, int], needle: str) -> int:
 
 
 def _case(kind: str, tp: int, dcp: int, pcp: int, lowering: str, interleave: int = 1, num_kv_heads: int = 1,
-          kv_cache_dtype: str = "auto"):
+          kv_cache_dtype: str = "auto", cfg_kw: dict | None = None):
     return dict(kind=kind, tp=tp, dcp=dcp, pcp=pcp, lowering=lowering, interleave=interleave,
-                num_kv_heads=num_kv_heads, kv_cache_dtype=kv_cache_dtype)
+                num_kv_heads=num_kv_heads, kv_cache_dtype=kv_cache_dtype, cfg_kw=cfg_kw or {})
 
 
 def check_pcp_models(cases: list[dict]) -> dict[str, float]:
@@ -172,7 +172,8 @@ def check_pcp_models(cases: list[dict]) -> dict[str, float]:
     hfs = [_hf(c["kind"], c["num_kv_heads"]) for c in cases]
     sds = [{k: v.detach().clone() for k, v in hf.state_dict().items()} for hf in hfs]
     per_rank = run_on_ranks(_world, world, [(c["tp"], c["dcp"], c["pcp"], c["interleave"], c["lowering"],
-                                             hf.config, sd, c["kv_cache_dtype"]) for c, hf, sd in zip(cases, hfs, sds)],
+                                             hf.config, sd, c["kv_cache_dtype"], c.get("cfg_kw", {}))
+                                            for c, hf, sd in zip(cases, hfs, sds)],
                             timeout=900)
     return {_name(c): _check_case(c, hf, sd, [outs[i] for outs in per_rank])
             for i, (c, hf, sd) in enumerate(zip(cases, hfs, sds))}
@@ -253,6 +254,8 @@ def _check_case(c: dict, hf, sd, per_rank: list[dict]) -> float:
             names = [h[0] for h in graph]
             assert names[0] == "dcp_attention" and "pcp_attention" not in names, names
             assert graph[0][1] == layers
+            if c.get("cfg_kw", {}).get("dcp_project_before_merge") == "on":  # W_UV moved before every merge
+                assert dict((h[0], h[1]) for h in graph).get("project_before_merge") == layers, names
     steps = " / ".join(f"{d:.1e}" for d in per_step)
     print(f"\nPCP {_name(c)}: max |logit diff| {worst:.2e} (per step: prefill / chunked / decode / "
           f"join+decode / decode = {steps}), fresh vs general prefill graph at step 0 {fresh_vs_general:.1e}, "
@@ -303,3 +306,14 @@ def test_pcp2_tp2_models_match_single_device():
         _case("mla", 2, 2, 2, "aot_eager", interleave=BLOCK),
         _case("qwen3", 2, 2, 2, "inductor"),
     ])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("tp,dcp", [(1, 1), (2, 2)])
+def test_pcp2_decode_projected_before_the_merge(tp: int, dcp: int):
+    """MLA at pcp = 2 with dcp_project_before_merge="on": the decode graph is the DCP decode over
+    the cp group (N = pcp * dcp), so W_UV moves before its merge, gathered over the cp ranks in cp
+    rank order (the partial's head order): at tp = dcp = 1 the PCP peer's copy of the same heads,
+    at tp = dcp = 2 (world 4) the four cp ranks' two distinct head sets, so the order matters.
+    Every step equals one device (decision 73)."""
+    check_pcp_models([_case("deepseek_v3", tp, dcp, 2, "aot_eager", cfg_kw={"dcp_project_before_merge": "on"})])

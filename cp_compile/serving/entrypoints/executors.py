@@ -37,6 +37,7 @@ from cp_compile.serving.entrypoints.driver import Limits
 from cp_compile.serving.hf.engine import Engine
 from cp_compile.serving.loop.scheduler import StepPlan
 from cp_compile.serving.entrypoints import kv_rank
+from cp_compile.serving.hf.gathered_weights import gathered_weight_bytes
 from cp_compile.serving.hf.kv_budget import bytes_per_block, check_budget, plan_pool
 from cp_compile.serving.hf.rank_load import checkpoint_dtype, load_rank_local
 from cp_compile.serving.hf.support import attention_spec
@@ -61,6 +62,9 @@ class EngineArgs:
     max_num_seqs: int = 8
     num_kv_blocks: int | None = None
     kv_cache_memory_bytes: int | None = None  # KV pool bytes per rank (kv_budget.py); None: max_model_len x max_num_seqs
+    # The merge rewrites (issue 37): CPConfig's; their gathered weights are taken out of the budget.
+    dcp_merge_fold: str = "off"
+    dcp_project_before_merge: str = "auto"
     lowering: str = "auto"
     device: str = "cpu"
     kv_transfer_config: dict | None = None  # PD disaggregation role (kv_rank.py), as given to LLM
@@ -79,7 +83,8 @@ class EngineArgs:
                         decode_context_parallel_size=self.decode_context_parallel_size,
                         prefill_context_parallel_size=self.prefill_context_parallel_size,
                         cp_kv_cache_interleave_size=self.cp_kv_cache_interleave_size, block_size=self.block_size,
-                        enable_dsa_cp=self.enable_dsa_cp)
+                        enable_dsa_cp=self.enable_dsa_cp, dcp_merge_fold=self.dcp_merge_fold,
+                        dcp_project_before_merge=self.dcp_project_before_merge)
 
     def validate(self) -> None:
         """The checks that need only config.json: the model is servable (by name) and
@@ -102,7 +107,8 @@ class EngineArgs:
                               "drop num_kv_blocks to size the pool from the bytes (or drop the bytes)")
         if self.kv_cache_memory_bytes is not None:  # refused here, before any rank starts, if too small
             plan_pool(cfg, bytes_per_block(cfg, hf_config, dtype), _max_model_len(self, hf_config), self.max_num_seqs,
-                      self.kv_cache_memory_bytes)
+                      self.kv_cache_memory_bytes,
+                      reserved_bytes=gathered_weight_bytes(cfg, hf_config, dtype, self.kv_cache_memory_bytes))
         if self.kv_transfer_config is not None:
             KVTransferConfig.from_dict(self.kv_transfer_config)
 
@@ -141,7 +147,8 @@ def build_engine(args: EngineArgs, init: bool = True, parallel: ParallelState | 
     max_len = _max_model_len(args, model.config)
     dtype = next(model.parameters()).dtype
     pool = plan_pool(cfg, bytes_per_block(cfg, model.config, dtype, tp_rank), max_len, args.max_num_seqs,
-                     args.kv_cache_memory_bytes, args.num_kv_blocks)
+                     args.kv_cache_memory_bytes, args.num_kv_blocks,
+                     reserved_bytes=gathered_weight_bytes(cfg, model.config, dtype, args.kv_cache_memory_bytes))
     if (live.rank if live is not None else 0) == 0:
         print("\n".join(pool.lines()), flush=True)  # start-up capacity report, once
     engine = Engine(model, cfg, num_blocks=pool.num_blocks, max_batch=args.max_num_seqs,

@@ -175,7 +175,8 @@ class Engine:
         """Weights the compiled graphs gathered from the other DCP ranks and hold as buffers, on
         this rank: the all-reduce fold's o_proj columns and W_UV (decision 62), project before
         the merge's W_UV (decision 61); summed over the graphs compiled so far (each holds its
-        own), 0 before the first step. This memory is not in the KV pool's budget."""
+        own), 0 before the first step. `build_engine` takes the same bytes, computed from the config
+        (serving/hf/gathered_weights.py), out of kv_cache_memory_bytes before sizing the pool."""
         keys = ("gathered_o_proj_bytes", "gathered_projection_bytes", "gathered_weight_bytes")
         return sum(int((h.decision or {}).get(k, 0)) for pm in self.compiled.backend.pass_managers
                    for h in pm.history for k in keys)

@@ -46,6 +46,8 @@ class KVPool:
     max_model_len: int
     max_concurrency: int  # requests of max_model_len the blocks hold at once
     max_num_seqs: int
+    # Reserved out of the budget for the weights the merge rewrites gather (gathered_weights.py)
+    gathered_weight_bytes: int = 0
 
     def lines(self) -> list[str]:
         """The start-up report (vLLM's "GPU KV cache size" / "Maximum concurrency" lines)."""
@@ -54,7 +56,9 @@ class KVPool:
                 f"KV cache size: {self.tokens_per_rank:,d} tokens per rank, {self.tokens_per_group:,d} tokens per "
                 "DCP group",
                 f"Maximum concurrency for {self.max_model_len:,d} tokens per request: {self.max_concurrency} "
-                f"(admitted: {min(self.max_concurrency, self.max_num_seqs)}, max_num_seqs={self.max_num_seqs})"]
+                f"(admitted: {min(self.max_concurrency, self.max_num_seqs)}, max_num_seqs={self.max_num_seqs})",
+                f"Gathered weights (all-reduce fold / project before the merge): {self.gathered_weight_bytes:,d} B "
+                "per rank, taken out of the KV budget"]
 
 
 def check_budget(value: Any) -> None:
@@ -67,24 +71,28 @@ def check_budget(value: Any) -> None:
 
 
 def plan_pool(cfg: CPConfig, block_bytes: int, max_model_len: int, max_num_seqs: int,
-              kv_cache_memory_bytes: int | None = None, num_blocks: int | None = None) -> KVPool:
-    """The pool: `num_blocks` if given, else from `kv_cache_memory_bytes`, else
-    `max_num_seqs` requests of `max_model_len` (+1 block). A budget that cannot hold
-    one request of `max_model_len` is refused, naming the bytes it needs."""
+              kv_cache_memory_bytes: int | None = None, num_blocks: int | None = None,
+              reserved_bytes: int = 0) -> KVPool:
+    """The pool: `num_blocks` if given, else from `kv_cache_memory_bytes` less `reserved_bytes`
+    (the weights the merge rewrites gather, gathered_weights.py), else `max_num_seqs` requests
+    of `max_model_len` (+1 block). A budget that cannot hold one request of `max_model_len` is
+    refused, naming the bytes it needs."""
     check_budget(kv_cache_memory_bytes)
     vbs = cfg.virtual_block_size
     per_request = math.ceil(max_model_len / vbs)
     if num_blocks is None and kv_cache_memory_bytes is not None:
-        num_blocks = kv_cache_memory_bytes // block_bytes
+        num_blocks = max(kv_cache_memory_bytes - reserved_bytes, 0) // block_bytes
         if num_blocks < per_request:
+            reserved = f" less {reserved_bytes:,d} B of gathered weights" if reserved_bytes else ""
             raise ConfigError("kv_cache_memory_bytes holds one request of max_model_len",
-                              f"kv_cache_memory_bytes={kv_cache_memory_bytes:,d}: {num_blocks} blocks of "
+                              f"kv_cache_memory_bytes={kv_cache_memory_bytes:,d}{reserved}: {num_blocks} blocks of "
                               f"{block_bytes:,d} B on this rank; max_model_len={max_model_len} needs {per_request}",
-                              f"kv_cache_memory_bytes >= {per_request * block_bytes:,d}, a smaller max_model_len, or "
-                              "a larger decode_context_parallel_size")
+                              f"kv_cache_memory_bytes >= {per_request * block_bytes + reserved_bytes:,d}, a smaller "
+                              "max_model_len, or a larger decode_context_parallel_size")
     elif num_blocks is None:
         num_blocks = per_request * max_num_seqs + 1
     n = cfg.decode_context_parallel_size * cfg.prefill_context_parallel_size
     return KVPool(num_blocks=num_blocks, block_bytes=block_bytes, tokens_per_rank=num_blocks * cfg.block_size,
                   tokens_per_group=num_blocks * cfg.block_size * n, max_model_len=max_model_len,
-                  max_concurrency=num_blocks // per_request, max_num_seqs=max_num_seqs)
+                  max_concurrency=num_blocks // per_request, max_num_seqs=max_num_seqs,
+                  gathered_weight_bytes=reserved_bytes)
