@@ -19,6 +19,11 @@ so a wrong argument fails in Python:
 - `cp::gqa_paged_attention` / `cp::mla_attention` (dcp = 1): the cache writes
   (`ScatterNdUpdate`, as `cp::cache_write`), then
   the same attention with one-device causal lengths `pos + 1`.
+- A quantised int8 cache (issue 39, decision 70): the reads pass the scale caches as FIA's
+  `key_antiquant_scale` / `value_antiquant_scale`, per-token scales managed by page
+  attention (mode 5 for GQA, transposed to (blocknum, N, blocksize); mode 4 for the MLA
+  latent, (blocknum, blocksize)); the quant ops' writes quantise in GE primitives
+  (`core/ge_kv_quant.py`) before the scatters. fp8 pages are refused (no FIA input).
 """
 
 from __future__ import annotations

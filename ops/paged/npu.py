@@ -22,7 +22,7 @@ graph mode run one kernel per op). The other families' torch_npu kernels:
 
 A quantised fp8 cache is refused by name (FIA's key / value take int8, fp16 or bf16).
 
-Everything else (localisation, `lse_rescale`, the single-device ops, SFA) keeps the
+Everything else (localisation, `lse_rescale`, the model-dtype single-device ops, SFA) keeps the
 Triton-Ascend kernel or the torch reference. The argument conventions follow
 torch_npu's documentation for these ops and are the ones the GE check verifies for
 the GE path (docs/torchair.md).
