@@ -104,6 +104,21 @@ def _refuse_caches_without_scratch(gm: fx.GraphModule, example_inputs: Sequence[
                 "BlockAllocator(num_blocks) (it never hands out the scratch block)")
 
 
+def _refuse_fp8_caches(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> None:
+    """GE graph mode reads a quantised KV cache through FusedInferAttentionScore's int8 antiquant
+    inputs; FIA takes no fp8 key / value (decision 70). Refused at compile time, before torchair
+    converts anything, on the caches the graph writes (every quantised layer's pages are)."""
+    for op, i in written_caches(gm):
+        t = example_inputs[i] if i < len(example_inputs) else None
+        if isinstance(t, torch.Tensor) and t.dtype == torch.float8_e4m3fn:
+            raise ConfigError(
+                "torchair max-autotune (GE graph mode) takes kv_cache_dtype 'auto' or 'int8'",
+                f"graph input {i} (a cache {op} writes, shape {tuple(t.shape)}) is float8_e4m3fn "
+                "(kv_cache_dtype='fp8_e4m3'), and CANN's FusedInferAttentionScore reads int8, fp16 or bf16 keys / "
+                "values only",
+                "use CPConfig(kv_cache_dtype='int8') on the NPU, or run the fp8 cache on CPU / CUDA (Triton)")
+
+
 def _lower_torchair(gm: fx.GraphModule, example_inputs: Sequence[Any], mode: TorchairMode) -> Callable[..., Any]:
     if mode not in ("reduce-overhead", "max-autotune"):
         raise ValueError(f"torchair mode {mode!r}: use 'reduce-overhead' or 'max-autotune'")
@@ -118,6 +133,7 @@ def _lower_torchair(gm: fx.GraphModule, example_inputs: Sequence[Any], mode: Tor
                                f"one with torchair.register_fx_node_ge_converter (see cp_compile/ops/<family>/ge*.py), or use "
                                f"torchair_mode='reduce-overhead'")
         _refuse_caches_without_scratch(gm, example_inputs)
+        _refuse_fp8_caches(gm, example_inputs)
         dump = os.environ.get("CP_COMPILE_GE_DUMP")  # GE graphs (original and optimised) as pbtxt
         if dump:
             config.debug.graph_dump.type = "pbtxt"

@@ -38,7 +38,7 @@ _OPS_PACKAGE = __name__.rsplit(".", 2)[0]  # cp_compile.ops
 # GE helpers every converter module may import (torchair's builders, the cache scatter),
 # and the converters of aten ops that replace torchair's (each module's `register()`):
 # aten.constant_pad_nd of a symbolic amount (the DSA-CP token pad).
-GE_HELPER_MODULES = (f"{_OPS_PACKAGE}.core.ge_util",)
+GE_HELPER_MODULES = (f"{_OPS_PACKAGE}.core.ge_util", f"{_OPS_PACKAGE}.core.ge_kv_quant")
 GE_ATEN_MODULES = (f"{_OPS_PACKAGE}.core.ge_aten_pad",)
 
 

@@ -87,12 +87,3 @@ def write_quantized(cache: torch.Tensor, scale_cache: torch.Tensor, new: torch.T
     flat.index_copy_(0, idx, bytes_view(q))
     sflat.index_copy_(0, idx, s)
 
-
-def refuse_quantized(op: str, path: str, *scale_caches: object) -> None:
-    """Kernels not built for a quantised cache yet (issue 39) refuse it by name, never read its
-    codes as values: `path` names the kernel (the torch_npu fused op, the GE converter)."""
-    if any(s is not None for s in scale_caches):
-        raise NotImplementedError(
-            f"{op}: {path} does not take a quantised KV cache (kv_cache_dtype int8 / fp8) yet: "
-            "FusedInferAttentionScore's antiquant scale / offset mapping is not built (issue 39). Fix: "
-            "kv_cache_dtype='auto' on the NPU, or run the quantised cache on CPU / CUDA (Triton)")

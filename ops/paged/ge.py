@@ -19,18 +19,23 @@ so a wrong argument fails in Python:
 - `cp::gqa_paged_attention` / `cp::mla_attention` (dcp = 1): the cache writes
   (`ScatterNdUpdate`, as `cp::cache_write`), then
   the same attention with one-device causal lengths `pos + 1`.
+- A quantised int8 cache (issue 39, decision 70): the reads pass the scale caches as FIA's
+  `key_antiquant_scale` / `value_antiquant_scale`, per-token scales managed by page
+  attention (mode 5 for GQA, transposed to (blocknum, N, blocksize); mode 4 for the MLA
+  latent, (blocknum, blocksize)); the quant ops' writes quantise in GE primitives
+  (`core/ge_kv_quant.py`) before the scatters. fp8 pages are refused (no FIA input).
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Optional
 
 from torchair._ge_concrete_graph import ge_apis as ge
-from torchair.ge._ge_graph import Tensor
+from torchair.ge._ge_graph import DataType, Tensor
 
-from cp_compile.ops.core import kv_quant
 from cp_compile.ops.core.ge_util import (F32, I32, I64, cast, const, dims, request_of_token, reshape, scatter_into,
                                          token_positions, where)
+from cp_compile.ops.core.ge_kv_quant import quant_scatter_into
 
 MAX_INT32 = 2147483647
 
@@ -46,18 +51,25 @@ def fia_lse(lse: Tensor) -> Tensor:
 
 
 def _paged_per_token(q: Tensor, q_like: Tensor, k_cache: Tensor, v_cache: Tensor, block_table: Tensor, query_start_loc: Tensor,
-                     kv_lens: Tensor, scale: float, *, heads: int, kv_heads: int, head_dim: int, block_size: int) -> tuple[Tensor, Tensor]:
-    """q [T, H, D], caches [NB, BS, Hkv*D] -> (out [T, 1, H, Dv], lse [T, H, 1, 1]) via FusedInferAttentionScore."""
+                     kv_lens: Tensor, scale: float, *, heads: int, kv_heads: int, head_dim: int, block_size: int,
+                     antiquant: Optional[tuple[Tensor, Tensor, int]] = None) -> tuple[Tensor, Tensor]:
+    """q [T, H, D], caches [NB, BS, Hkv*D] -> (out [T, 1, H, Dv], lse [T, H, 1, 1]) via FusedInferAttentionScore.
+
+    `antiquant`: (key scale, value scale, mode) for an int8 cache, FIA's per-token antiquant
+    scales managed by page attention (`antiquant_scales`); no offsets (symmetric codes)."""
     T = dims(q_like)[0]
     req, _ = request_of_token(query_start_loc, q_like)
     table = ge.GatherV2(cast(block_table, I32), req, const(0, I64))  # [T, nb]: each token's request row
     query = reshape(q, [T, 1, heads, head_dim])
+    k_scale, v_scale, mode = antiquant if antiquant is not None else (None, None, 0)
     return ge.FusedInferAttentionScore(
         query, [k_cache], [v_cache], None, None, None, cast(kv_lens, I64),
-        None, None, None, None, None, None, None, table, None, None, None, None, None, None, None, None, None,
-        None, None, None, None, None, None, None,
+        None, None, None, None, None, None, None, table, None, None,
+        k_scale, None, v_scale, None,  # key / value antiquant scale and offset (symmetric codes: no offset)
+        None, None, None, None, None, None, None, None, None, None,
         num_heads=heads, scale=float(scale), pre_tokens=MAX_INT32, next_tokens=MAX_INT32, input_layout="BSND",
-        num_key_value_heads=kv_heads, sparse_mode=0, block_size=block_size, softmax_lse_flag=True)
+        num_key_value_heads=kv_heads, sparse_mode=0, block_size=block_size, softmax_lse_flag=True,
+        key_antiquant_mode=mode, value_antiquant_mode=mode)
 
 
 def _flat_cache(cache: Tensor) -> Tensor:
@@ -69,22 +81,70 @@ def _flat_cache(cache: Tensor) -> Tensor:
     return reshape(cache, [dims(cache)[0], int(BS), width])
 
 
-def gqa_partial(q, k_cache, v_cache, block_table, query_start_loc, kv_lens, scale):
+# FIA's per-token antiquant modes whose scales page attention manages (torch_npu's
+# npu_fused_infer_attention_score page, Ascend/op-plugin docs/context/
+# torch_npu-npu_fused_infer_attention_score.md, "管理scale/offset的量化模式", Q_S = 1 table):
+# 4 = per-token, scales (blocknum, blocksize); 5 = per-token and per-head, scales
+# (blocknum, N, blocksize); fp32, key / value int8 only; modes 2-5 only for Q_S = 1, which
+# the one-batch-row-per-token layout always is. FIA's Ascend IR (torch-npu 2.13.0's
+# REG_OP text) takes key / value as int8, fp16 or bf16: no fp8, so an fp8_e4m3 cache has no
+# FIA mapping (refused by name, below).
+PER_TOKEN_PAGED = 4
+PER_TOKEN_HEAD_PAGED = 5
+
+
+def refuse_fp8(op: str, *caches: Tensor) -> None:
+    """An fp8 page has no FIA input (key / value: int8, fp16, bf16); refused by name, never
+    read as another dtype."""
+    for c in caches:
+        if c.dtype != DataType.DT_INT8:
+            raise NotImplementedError(
+                f"{op}: the GE converter maps a quantised KV cache to FusedInferAttentionScore's int8 antiquant "
+                f"inputs, and this cache is not int8 (GE dtype {c.dtype}): FIA's key / value take int8, fp16 or "
+                "bf16, no fp8 (its Ascend IR). Fix: CPConfig(kv_cache_dtype='int8') on the NPU, or run the fp8 "
+                "cache on CPU / CUDA (Triton)")
+
+
+def gqa_scales(k_scale_cache: Tensor, v_scale_cache: Tensor) -> tuple[Tensor, Tensor, int]:
+    """[NB, BS, Hkv] fp32 scale caches -> FIA mode 5's (blocknum, N, blocksize): a transposed
+    copy per call (4 bytes per cached token and head; storing the scales head-major would
+    save it, but every other reader and the P/D transfer use the token-major layout)."""
+    return (ge.TransposeD(k_scale_cache, perm=[0, 2, 1]), ge.TransposeD(v_scale_cache, perm=[0, 2, 1]),
+            PER_TOKEN_HEAD_PAGED)
+
+
+def mla_scales(kv_scale_cache: Tensor) -> tuple[Tensor, Tensor, int]:
+    """[NB, BS, 1] fp32 latent scales -> FIA mode 4's (blocknum, blocksize), for key and value
+    alike (key = value = the cached [c | k_pe] row, one scale per token)."""
+    flat = reshape(kv_scale_cache, [dims(kv_scale_cache)[0], int(kv_scale_cache.meta.shape[1])])
+    return flat, flat, PER_TOKEN_PAGED
+
+
+def gqa_partial(q, k_cache, v_cache, block_table, query_start_loc, kv_lens, scale, k_scale_cache=None,
+                v_scale_cache=None):
     T, H, _ = dims(q)
     Hkv, Dv = int(v_cache.meta.shape[2]), int(v_cache.meta.shape[3])
+    antiquant = None
+    if k_scale_cache is not None or v_scale_cache is not None:
+        refuse_fp8("cp::paged_attention_lse", k_cache, v_cache)
+        antiquant = gqa_scales(k_scale_cache, v_scale_cache)
     out, lse = _paged_per_token(q, q, _flat_cache(k_cache), _flat_cache(v_cache), block_table, query_start_loc,
                                 kv_lens, scale, heads=int(H), kv_heads=Hkv, head_dim=int(q.meta.shape[2]),
-                                block_size=int(k_cache.meta.shape[1]))
+                                block_size=int(k_cache.meta.shape[1]), antiquant=antiquant)
     return reshape(out, [T, H, Dv]), fia_lse(reshape(lse, [T, H]))
 
 
-def mla_partial(q_nope, q_pe, kv_cache, block_table, query_start_loc, kv_lens, scale):
+def mla_partial(q_nope, q_pe, kv_cache, block_table, query_start_loc, kv_lens, scale, kv_scale_cache=None):
     T, H, L = dims(q_nope)
     q = ge.ConcatV2([q_nope, q_pe], const(2, I32), N=2)  # [T, H, L+R]
     cache = _flat_cache(kv_cache)  # [NB, BS, L+R]
+    antiquant = None
+    if kv_scale_cache is not None:
+        refuse_fp8("cp::mla_partial_attention", kv_cache)
+        antiquant = mla_scales(kv_scale_cache)
     out, lse = _paged_per_token(q, q_nope, cache, cache, block_table, query_start_loc, kv_lens, scale,
                                 heads=int(H), kv_heads=1, head_dim=int(kv_cache.meta.shape[-1]),
-                                block_size=int(kv_cache.meta.shape[1]))
+                                block_size=int(kv_cache.meta.shape[1]), antiquant=antiquant)
     out = ge.Slice(out, const([0, 0, 0, 0], I64), const([-1, -1, -1, int(L)], I64))  # value = c: first L columns
     return reshape(out, [T, H, L]), fia_lse(reshape(lse, [T, H]))
 
@@ -92,15 +152,14 @@ def mla_partial(q_nope, q_pe, kv_cache, block_table, query_start_loc, kv_lens, s
 def convert_paged_attention_lse(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_table: Tensor,
                                 query_start_loc: Tensor, kv_lens: Tensor, scale: float, k_scale_cache: Any = None,
                                 v_scale_cache: Any = None, meta_outputs: Any = None):
-    kv_quant.refuse_quantized("cp::paged_attention_lse", "the GE converter", k_scale_cache, v_scale_cache)
-    return gqa_partial(q, k_cache, v_cache, block_table, query_start_loc, kv_lens, scale)
+    return gqa_partial(q, k_cache, v_cache, block_table, query_start_loc, kv_lens, scale, k_scale_cache,
+                       v_scale_cache)
 
 
 def convert_mla_partial_attention(q_nope: Tensor, q_pe: Tensor, kv_cache: Tensor, block_table: Tensor,
                                   query_start_loc: Tensor, kv_lens: Tensor, scale: float, kv_scale_cache: Any = None,
                                   meta_outputs: Any = None):
-    kv_quant.refuse_quantized("cp::mla_partial_attention", "the GE converter", kv_scale_cache)
-    return mla_partial(q_nope, q_pe, kv_cache, block_table, query_start_loc, kv_lens, scale)
+    return mla_partial(q_nope, q_pe, kv_cache, block_table, query_start_loc, kv_lens, scale, kv_scale_cache)
 
 
 def causal_lens(query_start_loc: Tensor, seq_lens: Tensor, like: Tensor) -> Tensor:
@@ -122,10 +181,24 @@ def convert_gqa_paged_attention(q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor
     return _gqa_after_write(q, k_cache, v_cache, block_table, seq_lens, query_start_loc, scale)
 
 
-def _gqa_after_write(q, k_cache, v_cache, block_table, seq_lens, query_start_loc, scale):
+def _gqa_after_write(q, k_cache, v_cache, block_table, seq_lens, query_start_loc, scale, k_scale_cache=None,
+                     v_scale_cache=None):
     out, _ = gqa_partial(q, k_cache, v_cache, block_table, query_start_loc,
-                         causal_lens(query_start_loc, seq_lens, q), scale)
+                         causal_lens(query_start_loc, seq_lens, q), scale, k_scale_cache, v_scale_cache)
     return out
+
+
+def convert_gqa_paged_attention_quant(q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor,
+                                      k_scale_cache: Tensor, v_scale_cache: Tensor, slot_mapping: Tensor,
+                                      block_table: Tensor, seq_lens: Tensor, query_start_loc: Tensor, scale: float,
+                                      meta_outputs: Any = None):
+    # The write of cp::quant_cache_write (codes and scales, each by ScatterNdUpdate), then the
+    # partial's FIA with the antiquant scales, at one-device causal lengths.
+    refuse_fp8("cp::gqa_paged_attention_quant", k_cache, v_cache)
+    k_cache, k_scale_cache = quant_scatter_into(k_cache, k_scale_cache, k, slot_mapping)
+    v_cache, v_scale_cache = quant_scatter_into(v_cache, v_scale_cache, v, slot_mapping)
+    return _gqa_after_write(q, k_cache, v_cache, block_table, seq_lens, query_start_loc, scale, k_scale_cache,
+                            v_scale_cache)
 
 
 def convert_mla_attention(q_nope: Tensor, q_pe: Tensor, kv_c: Tensor, k_pe: Tensor, kv_cache: Tensor,
@@ -138,3 +211,14 @@ def convert_mla_attention(q_nope: Tensor, q_pe: Tensor, kv_c: Tensor, k_pe: Tens
                          causal_lens(query_start_loc, seq_lens, q_nope), scale)
     return out
 
+
+def convert_mla_attention_quant(q_nope: Tensor, q_pe: Tensor, kv_c: Tensor, k_pe: Tensor, kv_cache: Tensor,
+                                kv_scale_cache: Tensor, slot_mapping: Tensor, block_table: Tensor, seq_lens: Tensor,
+                                query_start_loc: Tensor, scale: float, meta_outputs: Any = None):
+    # One scale per token for the whole [c | k_pe] row, as the reference's write_latent.
+    refuse_fp8("cp::mla_attention_quant", kv_cache)
+    latent = ge.ConcatV2([kv_c, k_pe], const(1, I32), N=2)  # [T, L+R]
+    written, scales = quant_scatter_into(kv_cache, kv_scale_cache, latent, slot_mapping)
+    out, _ = mla_partial(q_nope, q_pe, written, block_table, query_start_loc,
+                         causal_lens(query_start_loc, seq_lens, q_nope), scale, scales)
+    return out

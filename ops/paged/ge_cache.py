@@ -14,6 +14,9 @@
   ("indices中的索引数据不支持越界") and one scatter cannot skip a row without a
   data-dependent shape. No block table names the scratch block, so nothing reads
   what lands there (issue 21; docs/torchair.md, docs/decisions.md).
+- `cp::quant_cache_write` -> the int8 quantisation as GE primitives (ReduceMaxD, RealDiv,
+  Round, ClipByValue, Cast; `core/ge_kv_quant.py`) and two such scatters: the codes into
+  the pages, the fp32 scales into the scale cache (issue 39, decision 70).
 """
 
 from __future__ import annotations
@@ -21,8 +24,9 @@ from __future__ import annotations
 from typing import Any
 
 from torchair._ge_concrete_graph import ge_apis as ge
-from torchair.ge._ge_graph import Tensor
+from torchair.ge._ge_graph import DataType, Tensor
 
+from cp_compile.ops.core.ge_kv_quant import quant_scatter_into
 from cp_compile.ops.core.ge_util import I32, I64, cast, const, local_len, scatter_into, token_positions, where
 
 
@@ -50,3 +54,16 @@ def convert_dcp_localize_metadata(slot_mapping: Tensor, query_start_loc: Tensor,
     causal = cast(where(valid, local_len(ge.Add(pos, const(1, I64)), cp, rank, interleave), zero), I32)
     context = cast(where(valid, local_len(ctx, cp, rank, interleave), zero), I32)
     return slots, seq, causal, context
+
+
+def convert_quant_cache_write(new: Tensor, cache: Tensor, scale_cache: Tensor, slot_mapping: Tensor,
+                              meta_outputs: Any = None):
+    # The quantisation as GE primitives (core/ge_kv_quant.py), then two ScatterNdUpdates: the
+    # int8 codes into the pages, the fp32 scales into the scale cache, at the same slots.
+    if cache.dtype != DataType.DT_INT8:
+        raise NotImplementedError(
+            f"cp::quant_cache_write: the GE converter writes int8 pages only (GE dtype {cache.dtype} here): "
+            "FusedInferAttentionScore reads no fp8 key / value, so an fp8 cache has no GE reader. Fix: "
+            "CPConfig(kv_cache_dtype='int8') on the NPU, or run the fp8 cache on CPU / CUDA (Triton)")
+    quant_scatter_into(cache, scale_cache, new, slot_mapping)
+    return None  # the caches are the ScatterNdUpdates' ref outputs, as cp::cache_write

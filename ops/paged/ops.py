@@ -31,7 +31,7 @@ import torch
 from torch import Tensor
 
 from cp_compile.ops.core import kv_quant, layout, paged_cache
-from cp_compile.ops.core.spec import GE, TRITON_ASCEND, Absent, OpDecl
+from cp_compile.ops.core.spec import GE, TRITON_ASCEND, OpDecl
 from cp_compile.ops.paged import cpu, launch, npu, reference
 
 
@@ -309,11 +309,12 @@ SINGLE_DEVICE_ATTENTION_OPS: tuple[torch._ops.OpOverloadPacket, ...] = (
     torch.ops.cp.gqa_paged_attention_quant,
     torch.ops.cp.mla_attention_quant,
 )
-# Pieces the quantised ops do not have yet (issue 39, docs/quant_kv.md).
-_NO_QUANT_GE = Absent("not built: FusedInferAttentionScore's antiquant scale / offset mapping for a quantised KV "
-                      "cache (issue 39); a quantised cache runs on CPU / CUDA")
-_NO_QUANT_NPU = Absent("not built: the quantised KV kernels are not checked through triton-ascend's lowering yet "
-                       "(issue 39)")
+# The quantised ops on the NPU (decision 70): torch_npu's FIA with its int8 antiquant inputs
+# (npu.py) in eager / aclgraph mode, and GE converters (ge.py, ge_cache.py) in graph mode; fp8
+# pages are refused by name on both (FIA takes no fp8 key / value). Not through Triton-Ascend:
+# with quantised launches added to the lowering check, the int8 cache write died in
+# triton-adapter-opt (SIGABRT at linalg) and every fp8 kernel failed at TTIR ("unexpected type
+# fp8"), so the NPU kernels are the torch_npu ones below, never the CUDA entries.
 
 
 # ----------------------------------------------------------------------------- declarations (core/spec.py)
@@ -334,9 +335,12 @@ OPS = (
            cpu=cpu.paged_attention_lse),
     OpDecl(mla_partial_attention, cuda=launch.mla_partial_attention, npu=npu._mla_partial_attention,
            ge=GE("ge", "FusedInferAttentionScore"), profile="attention", cpu=cpu.mla_attention_lse),
-    OpDecl(gqa_paged_attention_quant, cuda=launch.gqa_paged_attention_quant, npu=_NO_QUANT_NPU, ge=_NO_QUANT_GE,
-           profile="attention", cpu=_gqa_paged_attention_quant_cpu),
-    OpDecl(mla_attention_quant, cuda=launch.mla_attention_quant, npu=_NO_QUANT_NPU, ge=_NO_QUANT_GE,
-           profile="attention", cpu=_mla_attention_quant_cpu),
-    OpDecl(quant_cache_write, cuda=launch.quant_cache_write, npu=_NO_QUANT_NPU, ge=_NO_QUANT_GE, profile="attention"),
+    OpDecl(gqa_paged_attention_quant, cuda=launch.gqa_paged_attention_quant, npu=npu._gqa_paged_attention_quant,
+           ge=GE("ge", "Round", "ScatterNdUpdate", "TransposeD", "FusedInferAttentionScore"), profile="attention",
+           cpu=_gqa_paged_attention_quant_cpu),
+    OpDecl(mla_attention_quant, cuda=launch.mla_attention_quant, npu=npu._mla_attention_quant,
+           ge=GE("ge", "Round", "ScatterNdUpdate", "FusedInferAttentionScore"), profile="attention",
+           cpu=_mla_attention_quant_cpu),
+    OpDecl(quant_cache_write, cuda=launch.quant_cache_write, npu=npu._quant_cache_write,
+           ge=GE("ge_cache", "ReduceMaxD", "Round", "ScatterNdUpdate"), profile="attention"),
 )

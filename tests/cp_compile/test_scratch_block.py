@@ -19,7 +19,7 @@ import torch.fx as fx
 import cp_compile
 from cp_compile.base.errors import ConfigError, MetadataError
 from cp_compile.runtime.kv_cache import KVCacheSpec
-from cp_compile.compiler.lowering import _refuse_caches_without_scratch
+from cp_compile.compiler.lowering import _refuse_caches_without_scratch, _refuse_fp8_caches
 from cp_compile.runtime.metadata_build import BlockAllocator
 from cp_compile.runtime.metadata_checks import validate_step
 from cp_compile.ops.core.scratch_block import has_scratch_block, usable_blocks
@@ -69,3 +69,24 @@ def test_ge_lowering_refuses_a_cache_without_scratch_block() -> None:
     assert "graph input 1" in str(err.value) and "scratch_block=True" in str(err.value)
     scratch = cp_compile.allocate_kv_cache(CFG, SPEC, 4, scratch_block=True).layers[0][0]
     _refuse_caches_without_scratch(gm, [new, scratch, slots])  # accepted
+
+
+def test_ge_lowering_refuses_an_fp8_cache_and_takes_int8() -> None:
+    """GE graph mode reads a quantised cache through FIA's int8 antiquant inputs (decision 70):
+    an fp8 cache is refused at compile time, naming the input, the dtype and the fix."""
+    def write(new, cache, scales, slots):
+        torch.ops.cp.quant_cache_write(new, cache, scales, slots)
+        return cache
+
+    gm = fx.symbolic_trace(write)
+    new, slots = torch.randn(3, 1, 8), torch.tensor([0, -1, 5])
+    for dtype, refused in (("fp8_e4m3", True), ("int8", False)):
+        cfg = cp_compile.CPConfig(block_size=4, kv_cache_dtype=dtype)
+        k, _, ks, _ = cp_compile.allocate_kv_cache(cfg, SPEC, 4, scratch_block=True).layers[0]
+        if refused:
+            with pytest.raises(ConfigError) as err:
+                _refuse_fp8_caches(gm, [new, k, ks, slots])
+            assert "graph input 1" in str(err.value) and "float8_e4m3fn" in str(err.value) and \
+                "kv_cache_dtype='int8'" in str(err.value), str(err.value)
+        else:
+            _refuse_fp8_caches(gm, [new, k, ks, slots])  # accepted

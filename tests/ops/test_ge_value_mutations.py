@@ -99,6 +99,24 @@ MUTATIONS = [
      '"actual_seq_lengths_key": key_lens,\n            "block_table": cast(block_table, I32),',
      '"actual_seq_lengths_key": key_lens,\n            "block_table": ge.GatherV2(cast(block_table, I32), '
      'ge.ZerosLike(key_lens), const(0, I64)),', "cp::lightning_indexer_topk_rows"),
+    # The quantised KV cache (issue 39, decision 70): int8 pages, per-token per-head scales
+    # that differ by head, so reading another head's or the key's scale changes values.
+    ("int8 GQA partial: scales reshaped, not transposed, to (blocknum, N, blocksize) (another head's scale)",
+     f"{OPS}.paged.ge", "return (ge.TransposeD(k_scale_cache, perm=[0, 2, 1]),",
+     "return (reshape(k_scale_cache, [dims(k_scale_cache)[0], k_scale_cache.meta.shape[2], "
+     "k_scale_cache.meta.shape[1]]),", "cp::paged_attention_lse[int8]"),
+    ("int8 GQA partial: values dequantised with the key's scales", f"{OPS}.paged.ge",
+     "ge.TransposeD(v_scale_cache, perm=[0, 2, 1]),", "ge.TransposeD(k_scale_cache, perm=[0, 2, 1]),",
+     "cp::paged_attention_lse[int8]"),
+    ("int8 MLA partial: scales dropped (ones: the codes read as values)", f"{OPS}.paged.ge",
+     "return flat, flat, PER_TOKEN_PAGED", "return ge.OnesLike(flat), ge.OnesLike(flat), PER_TOKEN_PAGED",
+     "cp::mla_partial_attention[int8]"),
+    ("int8 GQA single-device op: no antiquant inputs to FIA", f"{OPS}.paged.ge",
+     "antiquant = gqa_scales(k_scale_cache, v_scale_cache)", "antiquant = None", "cp::gqa_paged_attention_quant"),
+    ("int8 write: scale amax instead of amax / 127", f"{OPS}.core.ge_kv_quant",
+     "ge.RealDiv(amax, const(INT8_QMAX, F32))", "amax", "cp::quant_cache_write"),
+    ("helper: int8 write truncates instead of rounding half to even", f"{OPS}.core.ge_kv_quant",
+     "ge.ClipByValue(ge.Round(y),", "ge.ClipByValue(y,", "cp::mla_attention_quant"),
 ]
 
 

@@ -24,11 +24,13 @@ def test_every_cp_op_converts_to_ge(check, summary_note) -> None:
     assert rc == 0 and not failed, output + "\n\n" + "\n\n".join(failed)
     s = data["summary"]
     assert s["cp_ops_without_converter"] == [] and s["cp_ops_defined"] == s["op_graphs"] >= 11
+    assert s["op_graph_variants"] == 2  # the two partials over an int8 cache (below)
     ops = {r["name"][3:]: r for r in data["results"] if r["name"].startswith("op:")}
     fia = {op: r["attrs"]["FusedInferAttentionScore"][0] for op, r in ops.items()
            if "FusedInferAttentionScore" in r["attrs"]}
     assert fia["cp::paged_attention_lse"] == dict(num_heads=8, num_key_value_heads=2, input_layout="BSND",
-                                                  softmax_lse_flag=True, block_size=4, sparse_mode=0, scale=0.125)
+                                                  softmax_lse_flag=True, block_size=4, sparse_mode=0, scale=0.125,
+                                                  key_antiquant_mode=0, value_antiquant_mode=0)
     assert fia["cp::mla_partial_attention"]["num_key_value_heads"] == 1
     assert ops["cp::lse_combine"]["attrs"]["AttentionUpdate"] == [{"update_type": 1, "sp": 2}]
     assert ops["cp::cache_write"]["ge_ops"]["ScatterNdUpdate"] == 1
@@ -52,11 +54,59 @@ def test_every_cp_op_converts_to_ge(check, summary_note) -> None:
                  f"{s['seconds']:.1f} s (.venv-torchair/bin/python -m tools.ge_check prints the table)")
 
 
+# The quantised KV cache's graphs (issue 39, decision 70): op graph -> (FIA antiquant mode, the
+# GE ops it must hold, how many compared tensors: outputs + mutated caches).
+QUANT_GRAPHS = {
+    "cp::quant_cache_write": (None, ("ReduceMaxD", "Round", "ClipByValue", "ScatterNdUpdate"), 2),
+    "cp::paged_attention_lse[int8]": (5, ("TransposeD", "FusedInferAttentionScore"), 2),
+    "cp::mla_partial_attention[int8]": (4, ("FusedInferAttentionScore",), 2),
+    "cp::gqa_paged_attention_quant": (5, ("Round", "ScatterNdUpdate", "TransposeD", "FusedInferAttentionScore"), 5),
+    "cp::mla_attention_quant": (4, ("Round", "ScatterNdUpdate", "FusedInferAttentionScore"), 3),
+}
+
+
+def test_quantised_kv_graphs_equal_fx_by_value(check, summary_note) -> None:
+    """int8 pages and fp32 per-token scales: the write's quantisation and scatters, and FIA's
+    page-managed per-token antiquant scales (mode 5 GQA, 4 MLA), equal the FX graph (the
+    reference kernels) by value: outputs, and the written codes (exactly) and scales."""
+    rc, data, output = check
+    ops = {r["name"][3:]: r for r in data.get("results", []) if r["name"].startswith("op:")}
+    rows = []
+    for name, (mode, ge_ops, compared) in QUANT_GRAPHS.items():
+        r = ops.get(name)
+        assert r is not None, f"no op graph {name}:\n{output}"
+        assert r["status"] == "ok", (name, r["message"])
+        assert all(r["ge_ops"].get(t) for t in ge_ops), (name, r["ge_ops"])
+        fia = r["attrs"].get("FusedInferAttentionScore", [])
+        if mode is not None:
+            assert [(f["key_antiquant_mode"], f["value_antiquant_mode"]) for f in fia] == [(mode, mode)], fia
+        io = r["io"]["inputs"]
+        assert any("DT_INT8" in x for x in io), io  # GE is handed the int8 pages
+        checked = {v["what"] for v in r["values"]}
+        assert len(checked) >= compared and all(v["ok"] for v in r["values"]), (name, r["values"])
+        ints = [v for v in r["values"] if v["dtype"] == "int8"]
+        assert name.startswith(("cp::paged", "cp::mla_partial")) or (ints and all(v["max_abs_diff"] == 0
+                                                                                    for v in ints)), r["values"]
+        rows.append(f"{name} {max(v['max_abs_diff'] for v in r['values']):.2g}")
+    # The DCP pass's quantised compositions in the example models (tp 4, dcp 2, every rank): codes
+    # written on their owner exactly as the FX graph writes them, logits within bf16's tolerance.
+    models = [r for r in data.get("results", []) if r["name"].endswith(" int8")]
+    assert sorted({r["name"] for r in models}) == ["gqa tp=4 dcp=2 ag_rs int8", "mla tp=4 dcp=2 a2a int8"], output
+    for r in models:
+        assert r["status"] == "ok" and r["values"] and all(v["ok"] for v in r["values"]), (r["name"], r["message"])
+        codes = [v for v in r["values"] if v["dtype"] == "int8"]
+        assert codes and all(v["max_abs_diff"] == 0 for v in codes), r["values"]
+    worst = max(v["max_abs_diff"] for r in models for v in r["values"])
+    summary_note("quantised KV GE graphs == FX by value (max abs diff): " + ", ".join(rows) +
+                 f"; int8 DCP model graphs (GQA ag_rs, MLA a2a; 4 ranks) {worst:.2g}")
+
+
 def test_dcp_model_graphs_use_hccl_on_the_dcp_group(check) -> None:
     rc, data, output = check
     models = [r for r in data.get("results", []) if not r["name"].startswith(("op:", "sfa "))]
     names = {(r["name"], r["rank"]) for r in models}
     want = {f"{m} tp=4 dcp={d}" for m in ("gqa", "mla") for d in ("1", "2 ag_rs", "2 a2a")}
+    want |= {"gqa tp=4 dcp=2 ag_rs int8", "mla tp=4 dcp=2 a2a int8"}  # quantised KV cache (decision 70)
     assert names == {(n, rank) for n in want for rank in range(4)}, output
     for r in models:
         assert r["status"] == "ok", (r["name"], r["message"])

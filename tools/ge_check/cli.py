@@ -19,7 +19,7 @@ from tools import torchair_standin as standin
 from tools.ge_check.converters import (CONVERTERS_ENV, folder_sources, load_converters, read_mutations,
                                        register_converters, run_mutations)
 from tools.ge_check.model_graphs import BUILDING_RANKS, MODEL_WORLD, SFA_WORLD, expect_model, run_model_graphs
-from tools.ge_check.op_graphs import ATEN_GE_OPS, expect_op, run_op_graphs
+from tools.ge_check.op_graphs import ATEN_GE_OPS, base_op, expect_op, run_op_graphs
 from tools.ge_check.reading import KEY_ATTRS, FxRecorder, GraphResult
 
 def table(results: list[GraphResult]) -> str:
@@ -84,9 +84,9 @@ def main(argv: list[str] | None = None) -> int:
     else:
         results = [] if args.model else run_op_graphs(recorder, args.dump, args.with_unconverted_op, args.op)
     for r in results:
-        op = r.name[3:]
-        if r.status == "ok" and (op in GE_OPS or op in ATEN_GE_OPS):
-            problems = expect_op(r, op)
+        case = r.name[3:]
+        if r.status == "ok" and (base_op(case) in GE_OPS or case in ATEN_GE_OPS):
+            problems = expect_op(r, case)
             if problems:
                 r.status, r.message = "failed", "; ".join(problems)
     if not args.ops_only and not args.op and not args.mutations:
@@ -108,7 +108,10 @@ def main(argv: list[str] | None = None) -> int:
                      isinstance(getattr(torch.ops.cp, n), torch._ops.OpOverloadPacket) and f"cp::{n}" not in no_ge)
     uncovered = sorted(set(defined) - set(GE_OPS)) if not (args.op or args.model or args.mutations) else []
     failed = [r for r in results if r.status != "ok"]
-    summary = dict(op_graphs=sum(r.name.startswith("op:cp::") for r in results),
+    # op_graphs: the cp ops with a graph; op_graph_variants: further cases of an op already
+    # counted (e.g. `cp::paged_attention_lse[int8]`, the partial over a quantised cache).
+    summary = dict(op_graphs=len({base_op(r.name) for r in results if r.name.startswith("op:cp::")}),
+                   op_graph_variants=sum(r.name.startswith("op:cp::") and "[" in r.name for r in results),
                    aten_op_graphs=sum(r.name.startswith("op:aten::") for r in results),
                    model_graphs=sum(not r.name.startswith("op:") for r in results),
                    failed=len(failed), fx_nodes=sum(r.fx_nodes for r in results),
@@ -118,7 +121,8 @@ def main(argv: list[str] | None = None) -> int:
                    mutations_not_applied=not_applied, seconds=time.perf_counter() - start)
     print(table(results))
     print("\n" + values_table(results))
-    print(f"\ntorchair GE check: {summary['op_graphs']} cp op graphs (+ {summary['aten_op_graphs']} aten), "
+    print(f"\ntorchair GE check: {summary['op_graphs']} cp op graphs (+ {summary['op_graph_variants']} variants, "
+          f"{summary['aten_op_graphs']} aten), "
           f"{summary['model_graphs']} model graphs "
           f"(ranks {list(BUILDING_RANKS)} of {MODEL_WORLD}; SFA on {SFA_WORLD}), "
           f"{summary['fx_nodes']} FX nodes converted, {summary['ge_ops']} GE ops, "

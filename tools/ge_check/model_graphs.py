@@ -17,7 +17,11 @@ from tools.ge_check.converters import CONVERTERS_ENV, folder_sources, load_conve
 from tools.ge_check.reading import FxRecorder, GraphResult, compile_and_load
 
 MODEL_CONFIGS = [("gqa", 1, "ag_rs"), ("gqa", 2, "ag_rs"), ("gqa", 2, "a2a"),
-                 ("mla", 1, "ag_rs"), ("mla", 2, "ag_rs"), ("mla", 2, "a2a")]
+                 ("mla", 1, "ag_rs"), ("mla", 2, "ag_rs"), ("mla", 2, "a2a"),
+                 # A quantised KV cache (issue 39, decision 70): MERGE/KV_CACHE_DTYPE. The DCP
+                 # pass's quant compositions: cp::quant_cache_write (codes + scales) and the
+                 # partials with their scale caches (FIA antiquant modes 5 / 4).
+                 ("gqa", 2, "ag_rs/int8"), ("mla", 2, "a2a/int8")]
 # tp = 4 on 4 gloo ranks, so the DCP groups ({0, 1}, {2, 3}) differ from the TP group
 # ({0, 1, 2, 3}) and a collective on the wrong group shows in its rank list. Ranks 0
 # and 1 (one DCP group) build graphs; ranks 2 and 3 only take part in creating the
@@ -97,7 +101,9 @@ def _rank_main(rank: int, world: int, configs: list[tuple[str, int, str]], dump:
     for kind, dcp, merge in configs:
         torch._dynamo.reset()
         dsa = merge == "dsa_cp"
+        merge, _, kv_dtype = merge.partition("/")
         cfg = cp_compile.CPConfig(tensor_parallel_size=world, decode_context_parallel_size=dcp, block_size=4,
+                                  kv_cache_dtype=kv_dtype or "auto",
                                   **(dict(enable_dsa_cp=True) if dsa else dict(dcp_merge=merge)))
         state = cp_compile.init_parallel(cfg, device="cpu")
         if rank not in BUILDING_RANKS:
@@ -116,7 +122,8 @@ def _rank_main(rank: int, world: int, configs: list[tuple[str, int, str]], dump:
             meta = cp_compile.build_attention_metadata([(0, 5), (0, 3)], alloc, num_padding_tokens=2,
                                                        max_blocks_per_req=4)
             ids = token_ids(10, 128, gen)  # the example models' vocab_size (_model)
-            name = f"{kind} tp={world} dcp={dcp}" + (f" {merge}" if dcp > 1 or dsa else "")
+            name = f"{kind} tp={world} dcp={dcp}" + (f" {merge}" if dcp > 1 or dsa else "") + \
+                (f" {kv_dtype}" if kv_dtype else "")
 
             def step() -> None:
                 with torch.no_grad():
@@ -172,6 +179,12 @@ def expect_model(r: GraphResult) -> list[str]:
     fia = r.attrs.get("FusedInferAttentionScore", [])
     if len(fia) != layers:
         problems.append(f"{len(fia)} FusedInferAttentionScore, want {layers}")
+    quant = r.name.endswith(" int8")  # codes and scales scattered, FIA's page-managed antiquant scales
+    mode = (5 if kind == "gqa" else 4) if quant else 0
+    for a in fia:
+        if (a.get("key_antiquant_mode"), a.get("value_antiquant_mode")) != (mode, mode):
+            problems.append(f"FusedInferAttentionScore antiquant modes {a}, want {mode}")
+    writes = layers * (2 if kind == "gqa" else 1) * (2 if quant else 1)  # k and v / the latent (+ their scales)
     tp = len(r.tp_ranks)
     heads = 8 // tp  # this rank's query heads (the example models have 8)
     want_heads = heads * dcp  # DCP attends the gathered heads of the group
@@ -195,11 +208,11 @@ def expect_model(r: GraphResult) -> list[str]:
     if dcp == 1:
         if any(g["type"] != "HcomAllReduce" for g in r.groups):
             problems.append(f"dcp=1 graph has DCP collectives: {r.groups}")
-        want = {"ScatterNdUpdate": layers * (2 if kind == "gqa" else 1)}  # k and v / the MLA latent
+        want = {"ScatterNdUpdate": writes}
     else:
-        merge = r.name.split()[-1]
+        merge = r.name.split()[3]
         q_gathers = 1  # GQA gathers q; MLA one fused [q_nope | q_pe]
-        want = {"ScatterNdUpdate": layers * (2 if kind == "gqa" else 1)}
+        want = {"ScatterNdUpdate": writes}
         if merge == "ag_rs":
             want.update(HcomAllGather=layers * (q_gathers + 1), HcomReduceScatter=layers)
         else:

@@ -99,6 +99,18 @@ def op_cases() -> dict[str, tuple[Callable[..., Any], tuple]]:
         mark_scratch_block(t)
         return t
 
+    i8, f32 = torch.int8, torch.float32
+
+    def codes(*shape: int) -> torch.Tensor:  # int8 pages: every code, -127..127
+        return torch.randint(-127, 128, shape, generator=gen, dtype=i8)
+
+    def scales(*shape: int) -> torch.Tensor:  # fp32 scales in [0.005, 0.025): rows of magnitude <= ~3
+        return torch.rand(shape, generator=gen) * 0.02 + 0.005
+
+    def marked(t: torch.Tensor) -> torch.Tensor:
+        mark_scratch_block(t)
+        return t
+
     return {
         "cp::dcp_localize_metadata": (lambda s, q, sl: cp.dcp_localize_metadata(s, q, sl, 2, 1, 1, BS),
                                       (slots, qsl, seq)),
@@ -111,6 +123,32 @@ def op_cases() -> dict[str, tuple[Callable[..., Any], tuple]]:
         "cp::mla_partial_attention": (lambda qn, qp, c, t, qs, kl: cp.mla_partial_attention(qn, qp, c, t, qs, kl, 0.1),
                                       (torch.randn(T, H, L, dtype=bf), torch.randn(T, H, R, dtype=bf),
                                        cache(torch.randn, NB, BS, L + R, dtype=bf), table, qsl, kv_lens)),
+        # Quantised KV cache (issue 39, decision 70): int8 pages with random per-token, per-head
+        # fp32 scales (distinct per head, so a converter reading another head's or the key's
+        # scale differs by value), the writes' caches marked like the model-dtype ones.
+        "cp::quant_cache_write": (lambda n, c, sc, s: (cp.quant_cache_write(n, c, sc, s), c[:-1], sc[:-1])[1:],
+                                  (torch.randn(T, Hkv, D, dtype=bf), cache(torch.zeros, NB, BS, Hkv, D, dtype=i8),
+                                   cache(torch.ones, NB, BS, Hkv, dtype=f32), slots)),
+        "cp::paged_attention_lse[int8]": (
+            lambda q, k, v, t, qs, kl, ks, vs: cp.paged_attention_lse(q, k, v, t, qs, kl, 0.125, ks, vs),
+            (torch.randn(T, Hq, D, dtype=bf), codes(NB, BS, Hkv, D), codes(NB, BS, Hkv, D), table, qsl, kv_lens,
+             scales(NB, BS, Hkv), scales(NB, BS, Hkv))),
+        "cp::mla_partial_attention[int8]": (
+            lambda qn, qp, c, t, qs, kl, sc: cp.mla_partial_attention(qn, qp, c, t, qs, kl, 0.1, sc),
+            (torch.randn(T, H, L, dtype=bf), torch.randn(T, H, R, dtype=bf), codes(NB, BS, L + R), table, qsl,
+             kv_lens, scales(NB, BS, 1))),
+        "cp::gqa_paged_attention_quant": (
+            lambda q, k, v, kc, vc, ks, vs, s, t, sl, qs: cp.gqa_paged_attention_quant(q, k, v, kc, vc, ks, vs, s, t,
+                                                                                     sl, qs, 0.125),
+            (torch.randn(T, Hq, D, dtype=bf), torch.randn(T, Hkv, D, dtype=bf), torch.randn(T, Hkv, D, dtype=bf),
+             marked(codes(NB, BS, Hkv, D)), marked(codes(NB, BS, Hkv, D)), marked(scales(NB, BS, Hkv)),
+             marked(scales(NB, BS, Hkv)), slots, table, seq, qsl)),
+        "cp::mla_attention_quant": (
+            lambda qn, qp, c, kp, kv, sc, s, t, sl, qs: cp.mla_attention_quant(qn, qp, c, kp, kv, sc, s, t, sl, qs,
+                                                                               0.1),
+            (torch.randn(T, H, L, dtype=bf), torch.randn(T, H, R, dtype=bf), torch.randn(T, L, dtype=bf),
+             torch.randn(T, R, dtype=bf), marked(codes(NB, BS, L + R)), marked(scales(NB, BS, 1)), slots, table, seq,
+             qsl)),
         # Empty shards: token 4 has no key on this rank, token 5 (padding) on none.
         "cp::lse_rescale": (lambda o, l, la: cp.lse_rescale(o, l, la),
                             (torch.randn(T, 2 * Hq, D, dtype=bf), mine, torch.cat([mine.T, other.T]))),
@@ -192,6 +230,17 @@ BF16_PATHS = {"cp::lse_combine": (torch.bfloat16, "AttentionUpdate's out has loc
                                                   "allows fp32 only on Atlas A3)")}
 
 
+def base_op(case: str) -> str:
+    """An op graph's op: 'cp::paged_attention_lse[int8]' (a second case of one op) -> 'cp::paged_attention_lse'."""
+    return case.split("[", 1)[0]
+
+
+# FusedInferAttentionScore's antiquant mode in each quantised graph (ops/paged/ge.py): 5 per-token
+# per-head page-managed scales (GQA), 4 per-token page-managed (the MLA latent's one scale).
+ANTIQUANT_MODES = {"cp::paged_attention_lse[int8]": 5, "cp::gqa_paged_attention_quant": 5,
+                   "cp::mla_partial_attention[int8]": 4, "cp::mla_attention_quant": 4}
+
+
 def _unconverted_op() -> torch._ops.OpOverload:
     """A custom op with no GE converter (negative case)."""
     if not hasattr(torch.ops, "cp_check") or not hasattr(torch.ops.cp_check, "unconverted"):
@@ -220,7 +269,7 @@ def run_op_graphs(recorder: FxRecorder, dump: str | None, with_unconverted: bool
                   only: list[str] | None = None) -> list[GraphResult]:
     results = []
     # Every op the project defines (an op listed here but not defined yet is skipped).
-    cases = {k: v for k, v in op_cases().items() if not k.startswith("cp::") or hasattr(torch.ops.cp, k[4:])}
+    cases = {k: v for k, v in op_cases().items() if not k.startswith("cp::") or hasattr(torch.ops.cp, base_op(k)[4:])}
     if with_unconverted:
         op = _unconverted_op()
         cases["cp_check::unconverted"] = (lambda x: op(x) + 1, (torch.randn(4, 4, dtype=torch.bfloat16),))
@@ -242,15 +291,18 @@ def run_op_graphs(recorder: FxRecorder, dump: str | None, with_unconverted: bool
 ATEN_GE_OPS = {"aten::constant_pad_nd": ("PadV3", "GatherV2")}
 
 
-def expect_op(r: GraphResult, op: str) -> list[str]:
+def expect_op(r: GraphResult, case: str) -> list[str]:
     from cp_compile.ops.core.ge_registry import GE_OPS
 
+    op = base_op(case)
     problems = [f"{op}: GE graph lacks {t}" for t in {**GE_OPS, **ATEN_GE_OPS}[op] if t not in r.ge_ops]
     if any("NO CONVERTER" in k for k in r.fx_targets):
         problems.append(f"FX nodes without converter: {[k for k in r.fx_targets if 'NO CONVERTER' in k]}")
     fia = r.attrs.get("FusedInferAttentionScore", [])
     for a in fia:
-        if not a.get("softmax_lse_flag", False) and op != "cp::gqa_paged_attention" and op != "cp::mla_attention":
+        if not a.get("softmax_lse_flag", False) and op not in ("cp::gqa_paged_attention", "cp::mla_attention",
+                                                                "cp::gqa_paged_attention_quant",
+                                                                "cp::mla_attention_quant"):
             problems.append(f"{op}: FusedInferAttentionScore without softmax_lse_flag")
     if op == "cp::paged_attention_lse" and fia and (fia[0].get("num_heads"), fia[0].get("num_key_value_heads"),
                                                     fia[0].get("input_layout"), fia[0].get("block_size")) != (
@@ -259,6 +311,9 @@ def expect_op(r: GraphResult, op: str) -> list[str]:
     if op == "cp::mla_partial_attention" and fia and (fia[0].get("num_heads"), fia[0].get("num_key_value_heads")) \
             != (8, 1):
         problems.append(f"{op}: FusedInferAttentionScore attrs {fia[0]}")
+    if case in ANTIQUANT_MODES and [(f.get("key_antiquant_mode"), f.get("value_antiquant_mode")) for f in fia] != \
+            [(ANTIQUANT_MODES[case],) * 2]:
+        problems.append(f"{case}: FusedInferAttentionScore antiquant modes {fia} (want {ANTIQUANT_MODES[case]})")
     if op == "cp::sparse_mla_partial_attention" and \
             not r.attrs.get("SparseFlashAttention", [{}])[0].get("return_softmax_lse"):
         problems.append(f"{op}: SparseFlashAttention without return_softmax_lse")

@@ -17,7 +17,7 @@ from tools import torchair_standin as standin
 # Key attributes read off each GE op type (what the table prints and the tests assert).
 KEY_ATTRS = {
     "FusedInferAttentionScore": ("num_heads", "num_key_value_heads", "input_layout", "softmax_lse_flag",
-                                 "block_size", "sparse_mode", "scale"),
+                                 "block_size", "sparse_mode", "scale", "key_antiquant_mode", "value_antiquant_mode"),
     "ScatterPaKvCache": ("cache_mode",),
     "ScatterNdUpdate": ("use_locking",),
     "AttentionUpdate": ("update_type", "sp"),

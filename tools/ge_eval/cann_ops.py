@@ -101,16 +101,85 @@ def _within(vals: list[int], capacity: int, ctx: Ctx, what: str) -> None:
                        f"{capacity} keys (all: {vals}; documented: the table must hold the sequence)")
 
 
+# FIA's per-token antiquant modes whose scales page attention manages. Source: torch_npu's
+# npu_fused_infer_attention_score page (Ascend/op-plugin docs/context/
+# torch_npu-npu_fused_infer_attention_score.md, commit 0adf450), "kv伪量化参数分离" under
+# "当Q_S等于1时": mode 4 "per-token叠加使用page attention模式管理scale/offset", scales
+# (blocknum, blocksize); mode 5 "per-token叠加per head并使用page attention模式管理scale/offset",
+# scales (blocknum, N, blocksize); both fp32, key / value int8 only; key and value modes equal
+# (apart from the 0 / 1 pair), both scales given or neither; key_antiquant_mode takes 0-5
+# only when Q_S = 1. Offsets absent = symmetric ("对称量化模式下，antiquant_offset可以为空").
+# With page attention at Q_S = 1 the key / value may be int8 and block_size must be
+# 32-aligned for int8 ("key、value输入类型为int8时需要32对齐").
+PAGED_ANTIQUANT_MODES = {4: "per-token, page-managed (blocknum, blocksize)",
+                         5: "per-token per-head, page-managed (blocknum, N, blocksize)"}
+
+
+def _antiquant_paged(ctx: Ctx, n: dict, a: dict, q: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                     bt) -> tuple[torch.Tensor, torch.Tensor]:
+    """An int8 paged key / value with page-managed per-token scales -> the dequantised fp32 pages
+    (code * scale per block, offset and kv head), which the attention below reads as any
+    paged cache. Anything else with int8 pages or antiquant scales is refused."""
+    ks, vs = n.get("key_antiquant_scale"), n.get("value_antiquant_scale")
+    kmode, vmode = int(a.get("key_antiquant_mode", 0)), int(a.get("value_antiquant_mode", 0))
+    if ks is None or vs is None:
+        raise ctx.fail(f"int8 key / value ({key.dtype}, {value.dtype}) with key_antiquant_scale "
+                       f"{'given' if ks is not None else 'absent'}, value_antiquant_scale "
+                       f"{'given' if vs is not None else 'absent'}: the reference implements int8 pages only with "
+                       "both page-managed antiquant scales (documented: both or neither)")
+    if kmode != vmode:
+        raise ctx.fail(f"key_antiquant_mode {kmode} != value_antiquant_mode {vmode} (documented: equal, but for "
+                       "key 0 / value 1)")
+    if kmode not in PAGED_ANTIQUANT_MODES:
+        raise ctx.fail(f"key_antiquant_mode {kmode} not implemented (4, 5: per-token scales managed by page "
+                       "attention)")
+    if key.dtype != torch.int8 or value.dtype != torch.int8:
+        raise ctx.fail(f"antiquant mode {kmode} with key {key.dtype}, value {value.dtype} (documented: int8 only)")
+    if bt is None or key.dim() != 3:
+        raise ctx.fail(f"antiquant mode {kmode} ({PAGED_ANTIQUANT_MODES[kmode]}) without a paged [blocks, "
+                       "block_size, H] key and a block_table")
+    if a.get("input_layout", "BSH") != "BSND" or q.dim() != 4 or q.shape[1] != 1:
+        raise ctx.fail(f"antiquant mode {kmode} with query {tuple(q.shape)} layout {a.get('input_layout')}: "
+                       "modes 2-5 are documented for Q_S = 1 only (implemented: BSND, S = 1)")
+    NB, BS, Hk = key.shape
+    H = int(a["num_heads"])
+    Hkv = int(a.get("num_key_value_heads", 0)) or H
+    want = (NB, BS) if kmode == 4 else (NB, Hkv, BS)
+    for what, s in (("key_antiquant_scale", ks), ("value_antiquant_scale", vs)):
+        if s.dtype != torch.float32 or tuple(s.shape) != want:
+            raise ctx.fail(f"{what} {tuple(s.shape)} {s.dtype}: mode {kmode} takes {want} float32 (documented "
+                           f"{PAGED_ANTIQUANT_MODES[kmode]})")
+    if BS % 32:
+        ctx.findings.note(f"FIA paged attention with int8 key / value: block_size {BS} is not 32-aligned (CANN "
+                          "requires it; CI shapes only)")
+    if q.dtype != torch.float16:
+        ctx.findings.assume(f"FusedInferAttentionScore: a {q.dtype} query with int8 key / value in antiquant mode "
+                            f"{kmode} (the page restricts the query dtype only for the key per-channel / value "
+                            "per-token pair)")
+    ctx.findings.assume("FusedInferAttentionScore antiquant: key / value = code * scale (no offset given: symmetric), "
+                        "in fp32 before the dot products (the dequantised operand's precision is undocumented)")
+
+    def dequant(cache: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+        rows = cache.reshape(NB, BS, Hkv, cache.shape[2] // Hkv).float()  # [NB, BS, Hkv, D]
+        per = s[:, :, None] if kmode == 4 else s.permute(0, 2, 1)  # [NB, BS, 1 | Hkv]
+        return (rows * per[..., None]).reshape(NB, BS, cache.shape[2])
+
+    return dequant(key, ks), dequant(value, vs)
+
+
 @op("FusedInferAttentionScore")
 def fused_infer_attention_score(ctx: Ctx, ins, a):
     n = ctx.named(ins)
     unsupported = [k for k, v in n.items() if v is not None and k not in
                    ("query", "key0", "value0", "atten_mask", "actual_seq_lengths", "actual_seq_lengths_kv",
-                    "block_table")]
+                    "block_table", "key_antiquant_scale", "value_antiquant_scale")]
     if unsupported:
         raise ctx.fail(f"inputs {unsupported} not implemented by the reference")
     q, key, value = n["query"], n["key0"], n["value0"]
     mask, bt = n.get("atten_mask"), n.get("block_table")
+    if n.get("key_antiquant_scale") is not None or n.get("value_antiquant_scale") is not None or \
+            key.dtype == torch.int8 or value.dtype == torch.int8:
+        key, value = _antiquant_paged(ctx, n, a, q, key, value, bt)
     H = int(a["num_heads"])
     Hkv = int(a.get("num_key_value_heads", 0)) or H
     layout, mode = a.get("input_layout", "BSH"), int(a.get("sparse_mode", 0))

@@ -657,10 +657,17 @@ def _scatter_nd_update(ctx, ins, a):
         # Several rows on one index: the pages give no order, so the written value is
         # undefined. Poisoned with NaN: a later read of it (attention over a slot two
         # tokens wrote) fails the value check; an unread scratch slot does not.
-        if not var.is_floating_point():
+        # int8 (quantised KV pages, decision 70): -128, a code the quantiser never writes (it
+        # clamps to +-127), and the slot's fp32 scale (written by the same slots) is NaN.
+        if var.dtype == torch.int8:
+            poison = -128
+        elif not var.is_floating_point():
             raise ctx.fail("duplicate indices into a non-float var (the order of the writes is undocumented)")
+        else:
+            poison = float("nan")
         dup = uniq[counts > 1]
-        var[tuple(dup[:, i] for i in range(k))] = float("nan")
+        var[tuple(dup[:, i] for i in range(k))] = poison
         ctx.findings.assume("ScatterNdUpdate: an index written by several rows holds an undefined value "
-                            "(NaN here; the scratch block's slot in the GE cache writes)", int(dup.shape[0]))
+                            "(NaN here, -128 in int8; the scratch block's slot in the GE cache writes)",
+                            int(dup.shape[0]))
     return var
