@@ -266,10 +266,6 @@ class CPConfig:
             raise ConfigError("dcp == tp for SFA DCP with replicated indexer",
                               f"tensor_parallel_size={tp}, decode_context_parallel_size={dcp}",
                               f"set decode_context_parallel_size={tp}")
-        if self.kv_cache_quantized and spec.kind == "sfa":
-            raise ConfigError(f"kv_cache_dtype={self.kv_cache_dtype!r} covers GQA and MLA (SFA is not built)",
-                              f"attention kind='sfa', kv_cache_dtype={self.kv_cache_dtype!r} (the sparse MLA "
-                              "kernels do not dequantise yet)", "set kv_cache_dtype='auto' for SFA models")
         if self.enable_dsa_cp and not spec.has_indexer:
             raise ConfigError("enable_dsa_cp only for models with an indexer",
                               f"enable_dsa_cp=True, attention kind={spec.kind!r} without indexer",
