@@ -48,7 +48,7 @@ _TILE_BUDGET = 8192  # elements of the broadcast [BLOCK_H, BLOCK_N, L_PAD] produ
 
 @triton.jit
 def _sparse_mla_kernel(
-    qn_ptr, qp_ptr, kv_ptr, bt_ptr, req_ptr, idx_ptr, out_ptr, lse_ptr, ks_ptr,
+    qn_ptr, qp_ptr, kv_ptr, bt_ptr, req_ptr, idx_ptr, out_ptr, lse_ptr,
     scale,
     n_work, H, n_hblk, n_splits, split_len, K, L, R, block_size,
     s_nt, s_nh, s_nd,
@@ -58,7 +58,7 @@ def _sparse_mla_kernel(
     s_it, s_ik,
     s_os, s_ot, s_oh, s_od,
     s_ls, s_lt, s_lh,
-    s_ksb, s_kss,
+    ks_ptr, s_ksb, s_kss,  # a quantised latent's scales [NB, BS] (read only when QUANT)
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, L_PAD: tl.constexpr, R_PAD: tl.constexpr,
     USE_DOT: tl.constexpr, QUANT: tl.constexpr,
 ):
@@ -236,11 +236,11 @@ def sparse_mla_rows_triton(
     else:
         ks, scale_strides = lse, (0, 0)  # never read (QUANT=False): any pointer
     kernel_for(_sparse_mla_kernel, device)[grid](
-        q_nope, q_pe, kv_cache, block_table, req, indices, part_out, part_lse, ks, float(scale),
+        q_nope, q_pe, kv_cache, block_table, req, indices, part_out, part_lse, float(scale),
         n_work, H, n_hblk, num_splits, split_len, K, L, R, kv_cache.shape[1],
         *q_nope.stride(), *q_pe.stride(), *kv_cache.stride(), block_table.stride(0), *indices.stride(),
         s_po, *part_out.stride()[-3:], s_pl, *part_lse.stride()[-2:],
-        *scale_strides,
+        ks, *scale_strides,
         BLOCK_H=block_h, BLOCK_N=block_n, L_PAD=l_pad, R_PAD=r_pad, USE_DOT=use_dot, QUANT=quant,
         **({"num_warps": num_warps or warps} if target == "cuda" else {}),
     )
