@@ -252,26 +252,31 @@ def sparse_mla_rows_triton(
 # ----------------------------------------------------------------------------- the ops' device kernels
 
 
+def _refuse_quantized_on_npu(op: str, device: torch.device, kv_scale_cache) -> None:
+    # The ops' NPU entry is this kernel through triton-ascend, whose lowering of the quantised
+    # loads is not checked (fp8 has no type there): refused, never guessed.
+    if kv_scale_cache is not None and target_of(device)[0] == "npu":
+        raise NotImplementedError(
+            f"{op}: the triton-ascend kernel does not take a quantised latent (kv_cache_dtype int8 / fp8) yet "
+            "(issue 39). Fix: kv_cache_dtype='auto' on the NPU, or run the quantised cache on CPU / CUDA")
+
+
 def sparse_mla_partial_attention_device(q_nope, q_pe, kv_cache, block_table, query_start_loc, indices, scale,
                                         kv_scale_cache=None):
     """`cp::sparse_mla_partial_attention` on an accelerator."""
-    if kv_scale_cache is not None and target_of(q_nope.device)[0] == "npu":
-        # The op's NPU entry is this kernel through triton-ascend, whose lowering of the
-        # quantised loads is not checked (fp8 has no type there): refused, never guessed.
-        raise NotImplementedError(
-            "cp::sparse_mla_partial_attention: the triton-ascend kernel does not take a quantised latent "
-            "(kv_cache_dtype int8 / fp8) yet (issue 39). Fix: kv_cache_dtype='auto' on the NPU, or run the "
-            "quantised cache on CPU / CUDA")
+    _refuse_quantized_on_npu("cp::sparse_mla_partial_attention", q_nope.device, kv_scale_cache)
     req = layout.request_index(query_start_loc, q_nope.shape[0])
     return sparse_mla_rows_triton(q_nope, q_pe, kv_cache, block_table, req, indices, scale,
                                   kv_scale_cache=kv_scale_cache)
 
 
 def sparse_mla_rows_attention_device(q_nope, q_pe, kv_cache, block_table, seq_lens, query_start_loc, indices, tp,
-                                     rank, scale):
+                                     rank, scale, kv_scale_cache=None):
     """`cp::sparse_mla_rows_attention` (DSA-CP row shard) on an accelerator."""
+    _refuse_quantized_on_npu("cp::sparse_mla_rows_attention", q_nope.device, kv_scale_cache)
     req, _ = layout.shard_row_metadata(query_start_loc, seq_lens, q_nope.shape[0], tp=tp, rank=rank)
-    return sparse_mla_rows_triton(q_nope, q_pe, kv_cache, block_table, req, indices, scale)[0]
+    return sparse_mla_rows_triton(q_nope, q_pe, kv_cache, block_table, req, indices, scale,
+                                  kv_scale_cache=kv_scale_cache)[0]
 
 
 def sparse_mla_attention_device(q_nope, q_pe, kv_c, k_pe, kv_cache, slot_mapping, block_table, seq_lens,

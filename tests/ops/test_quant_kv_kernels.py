@@ -162,8 +162,9 @@ def test_triton_sparse_mla_dequantises_on_load(dt, splits, use_dot):
 
 @interp
 def test_triton_sparse_single_device_and_partial_ops_on_a_quantised_cache():
-    """The launch adapters of `cp::sparse_mla_attention_quant` (quantising write + attention) and
-    of `cp::sparse_mla_partial_attention` with its scale cache == the CPU ops (codes byte-equal)."""
+    """The launch adapters of `cp::sparse_mla_attention_quant` (quantising write + attention), of
+    `cp::sparse_mla_partial_attention` and of DSA-CP's `cp::sparse_mla_rows_attention` with their
+    scale cache == the CPU ops (codes byte-equal)."""
     g = torch.Generator().manual_seed(3)
     m = two_step_metas("mixed", dcp=1, block_size=BLOCK, num_blocks=NUM_BLOCKS)[1]
     T = m.num_tokens
@@ -184,6 +185,12 @@ def test_triton_sparse_single_device_and_partial_ops_on_a_quantised_cache():
                                                          scales)
         torch.testing.assert_close(got[0], want[0], atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(got[1], want[1], atol=1e-5, rtol=1e-5)
+        # DSA-CP's row shard (tp 2, rank 1: the second half of the tokens) with the scale cache
+        rows = layout.token_shard_rows(T, tp=2)
+        args = (qn[:rows], qp[:rows], codes, m.block_table, m.seq_lens, m.query_start_loc, topk[:rows], 2, 1, 0.3,
+                scales)
+        torch.testing.assert_close(sparse_launch.sparse_mla_rows_attention(*args),
+                                   torch.ops.cp.sparse_mla_rows_attention(*args), atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.skipif(IN_PROCESS or os.environ.get(_CHILD_ENV) == "1", reason="checked in-process under the interpreter")

@@ -175,8 +175,8 @@ def test_quantised_op_equals_model_dtype_op_on_the_dequantised_cache(kv_dtype):
 
 def test_sfa_cache_allocation_and_refusals():
     """allocate_kv_cache: the latent quantised with one fp32 scale per token, the indexer's keys in
-    the model's dtype; CPConfig accepts SFA with a quantised cache, still refuses DSA-CP with one
-    and the P/D transfer geometry refuses it; a quantised latent without its scales (or with
+    the model's dtype; CPConfig accepts SFA with a quantised cache (DSA-CP too), the P/D transfer
+    geometry refuses it; a quantised latent without its scales (or with
     scales of the wrong shape) is refused before anything is written."""
     spec = KVCacheSpec(num_layers=2, kind="sfa", latent_dim=L + R, index_dim=DI)
     cfg = cp_compile.CPConfig(block_size=BLOCK, kv_cache_dtype="fp8_e4m3")
@@ -187,8 +187,8 @@ def test_sfa_cache_allocation_and_refusals():
     assert scale.dtype == torch.float32 and scale.shape == (8, BLOCK, 1)
     assert cache.replicated[0].dtype == torch.bfloat16 and cache.replicated[0].shape == (8, BLOCK, DI)
     assert cache.scale_bytes == 2 * 8 * BLOCK * 4
-    with pytest.raises(cp_compile.ConfigError, match=r"enable_dsa_cp=True.*Fix: set kv_cache_dtype='auto'"):
-        cp_compile.CPConfig(kv_cache_dtype="int8", enable_dsa_cp=True)
+    cp_compile.CPConfig(kv_cache_dtype="int8", enable_dsa_cp=True, tensor_parallel_size=2).validate_for(
+        cp_compile.AttentionSpec("sfa", 4, has_indexer=True))  # DSA-CP reads the scales too
     # P/D transfer: the byte counts take one element size per cache, the SFA one has two: refused
     with pytest.raises(cp_compile.ConfigError, match=r"cache kind='sfa', kv_cache_dtype='fp8_e4m3'.*Fix: serve SFA"):
         KVGeometry.of(spec, cp_compile.AttentionSpec("sfa", 4, has_indexer=True), latent.dtype, "fp8_e4m3")
@@ -217,3 +217,50 @@ def test_opcheck_quantised_sparse_ops():
                            SCALE))
     torch.library.opcheck(torch.ops.cp.sparse_mla_partial_attention,
                           (x["q_nope"], x["q_pe"], codes, meta.block_table, meta.query_start_loc, topk, SCALE, scales))
+
+
+# ----------------------------------------------------------------------------- DSA-CP (token-sharded rows)
+
+
+def _dsa_cp_world(rank: int, world: int, cases: list[Case]):
+    from cp_compile.ops.parallel import dsa_cp as S
+
+    spec = cp_compile.AttentionSpec("sfa", H, has_indexer=True)
+    results = []
+    for case in cases:
+        cfg = cp_compile.CPConfig(tensor_parallel_size=world, enable_dsa_cp=True, block_size=BLOCK,
+                                  kv_cache_dtype=case.kv_dtype)
+        cfg.validate_for(spec)
+        state = cp_compile.init_parallel(cfg, device="cpu")
+        ctx = CompileContext.from_state(state, attention=spec).tp_view()
+        latent, scales, _ = _caches(case, BLOCK)
+        index_cache = torch.zeros(NUM_BLOCKS, BLOCK, DI)  # dcp 1: every rank holds every key, as one device
+        heads = slice(rank * H // world, (rank + 1) * H // world)
+        outs = []
+        for step, meta in enumerate(two_step_metas(case.batch, dcp=1, block_size=BLOCK, num_blocks=NUM_BLOCKS)):
+            x = _inputs(case, meta.num_tokens, seed=step)
+            rows = S.dsa_cp_indexer(x["q_i"], x["k_i"], x["w"], index_cache, *meta_args(meta), TOPK, ctx)
+            outs.append(S.dsa_cp_sparse_attention(x["q_nope"][:, heads], x["q_pe"][:, heads], x["kv_c"], x["k_pe"],
+                                                  latent, *meta_args(meta), rows, SCALE, ctx, kv_scale_cache=scales))
+        results.append((outs, latent, scales))
+        cp_compile.destroy_parallel()
+    return results
+
+
+def test_dsa_cp_quantised_matches_one_device_with_the_same_quantised_cache():
+    """DSA-CP at tp 2 (token-sharded indexer rows and sparse MLA rows, every rank writing the
+    whole latent) over int8 and fp8 latents: outputs within 1e-5 of one device with the same
+    quantised cache, every rank's codes byte-equal and scales equal to the single device's."""
+    cases = [Case("int8", torch.float32, 1), Case("fp8_e4m3", torch.float32, 1, batch="spec_decode")]
+    per_rank = run_on_ranks(_dsa_cp_world, TP, cases, timeout=600)
+    for i, case in enumerate(cases):
+        latent, scales, _ = _caches(case, BLOCK)
+        index_cache = torch.zeros(NUM_BLOCKS, BLOCK, DI)
+        for step, meta in enumerate(two_step_metas(case.batch, dcp=1, block_size=BLOCK, num_blocks=NUM_BLOCKS)):
+            _, want = _step(_inputs(case, meta.num_tokens, seed=step), (latent, scales, index_cache), meta)
+            got = torch.cat([per_rank[r][i][0][step] for r in range(TP)], dim=1)  # heads in rank order
+            torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5, msg=f"DSA-CP {case} step {step}")
+        for r in range(TP):
+            assert torch.equal(per_rank[r][i][1].view(torch.uint8), latent.view(torch.uint8)), (case, r, "codes")
+            torch.testing.assert_close(per_rank[r][i][2], scales, atol=0, rtol=1e-6, msg=f"{case} rank {r} scales")
+        assert scales.abs().sum() > 0
