@@ -27,11 +27,16 @@ from examples.serving import Schedule, layer_caches, run_schedule
 DTYPES = ("auto", "fp8_e4m3", "int8")
 # Real per-rank shapes, each config validated (GQA DCP needs dcp | tp // num_kv_heads):
 # Qwen3-235B-A22B-style GQA at tp 32 (94 layers, 64 query / 4 KV heads -> 1 KV head per rank, D 128);
-# DeepSeek-V3-style MLA at tp 8 (61 layers, one 512 + 64 latent per token, replicated over TP).
+# DeepSeek-V3-style MLA at tp 8 (61 layers, one 512 + 64 latent per token, replicated over TP);
+# DeepSeek-V3.2-style SFA at tp 8: the same latent plus the lightning indexer's keys (128 per token
+# and layer, in the model's dtype, replicated on every rank: each rank holds every context token's),
+# whose DCP needs dcp == tp (rows at other dcp are refused by validate_for and left out).
 MODELS = {"GQA Qwen3-235B tp32": (KVCacheSpec(num_layers=94, kind="gqa", head_dim=128, num_kv_heads_per_rank=1), 32,
                                   cp_compile.AttentionSpec("gqa", 64, 4)),
           "MLA DeepSeek-V3 tp8": (KVCacheSpec(num_layers=61, kind="mla", latent_dim=576), 8,
-                                  cp_compile.AttentionSpec("mla", 128))}
+                                  cp_compile.AttentionSpec("mla", 128)),
+          "SFA DeepSeek-V3.2 tp8": (KVCacheSpec(num_layers=61, kind="sfa", latent_dim=576, index_dim=128), 8,
+                                    cp_compile.AttentionSpec("sfa", 128, has_indexer=True))}
 
 
 def table(budget_gib: float, dcps: tuple[int, ...]) -> list[dict]:
@@ -42,14 +47,21 @@ def table(budget_gib: float, dcps: tuple[int, ...]) -> list[dict]:
             for dcp in dcps:
                 cfg = cp_compile.CPConfig(tensor_parallel_size=tp, decode_context_parallel_size=dcp, block_size=128,
                                           kv_cache_dtype=dt)
+                try:
+                    cfg.validate_for(attention)
+                except cp_compile.ConfigError:
+                    continue  # SFA DCP at dcp != tp: not a configuration the project runs
                 cache = allocate_kv_cache(cfg, spec, 1024, dtype=torch.bfloat16, device="meta", attention=attention)
                 stored = cache.sharded_bytes / cache.tokens_per_rank  # bytes per token this rank stores
-                per_token = stored / dcp  # bytes on one rank per token of context (the group holds dcp x)
+                # The replicated indexer keys: every context token's on every rank (virtual blocks).
+                index = cache.replicated_bytes / (cache.num_blocks * cfg.virtual_block_size)
+                per_token = stored / dcp + index  # bytes on one rank per token of context (the group holds dcp x)
                 base = base or per_token  # the first row: bf16 ("auto"), dcp 1
                 budget = budget_gib * 2**30
                 rows.append(dict(model=name, dtype="bf16" if dt == "auto" else dt, dcp=dcp, stored=stored,
-                                 scale_bytes=cache.scale_bytes / cache.tokens_per_rank, per_token=per_token,
-                                 ratio=per_token / base, tokens_stored=int(budget // stored),
+                                 scale_bytes=cache.scale_bytes / cache.tokens_per_rank, index=index,
+                                 per_token=per_token, ratio=per_token / base,
+                                 tokens_stored=int(budget // (stored + dcp * index)),
                                  context_tokens=int(budget // per_token)))
     return rows
 
@@ -153,12 +165,13 @@ def main() -> None:
     b.add_argument("--batch", type=int, default=1)
     a = ap.parse_args()
     if a.cmd == "table":
-        print(f"| model | KV dtype | dcp | bytes / stored token (of which scales) | KV bytes / context token / rank "
-              f"| x bf16 dcp 1 | tokens stored / rank in {a.budget_gib:g} GiB | context tokens the group holds |\n"
-              "|---|---|---|---|---|---|---|---|")
+        print(f"| model | KV dtype | dcp | bytes / stored token (of which scales) | indexer bytes / context token "
+              f"/ rank | KV bytes / context token / rank | x bf16 dcp 1 | tokens stored / rank in {a.budget_gib:g} GiB "
+              "| context tokens the group holds |\n|---|---|---|---|---|---|---|---|---|")
         for r in table(a.budget_gib, tuple(a.dcp)):
             print(f"| {r['model']} | {r['dtype']} | {r['dcp']} | {r['stored']:.0f} ({r['scale_bytes']:.0f}) | "
-                  f"{r['per_token']:.1f} | {r['ratio']:.4f} | {r['tokens_stored']:,} | {r['context_tokens']:,} |")
+                  f"{r['index']:.0f} | {r['per_token']:.1f} | {r['ratio']:.4f} | {r['tokens_stored']:,} | "
+                  f"{r['context_tokens']:,} |")
     elif a.cmd == "greedy":
         for r in greedy(a.steps):
             print(r)

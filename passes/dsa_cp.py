@@ -49,13 +49,20 @@ from cp_compile.passes.fx_utils import CLAIMED_KEY, FakeTracer, bind_op_args, op
 
 _INDEXER = torch.ops.cp.lightning_indexer
 _SPARSE = torch.ops.cp.sparse_mla_attention
+# A quantised latent's op (issue 39): the same composition with its scale cache, passed by name.
+_SPARSE_QUANT = torch.ops.cp.sparse_mla_attention_quant
+_SPARSE_OPS = (_SPARSE, _SPARSE.default, _SPARSE_QUANT, _SPARSE_QUANT.default)
+
+
+def _sparse_op(node: fx.Node) -> torch._ops.OpOverloadPacket:
+    return _SPARSE_QUANT if node.target in (_SPARSE_QUANT, _SPARSE_QUANT.default) else _SPARSE
 
 
 class DSACPPass(CPPass):
     """Rewrite indexer + sparse MLA into their DSA-CP compositions in prefill graphs."""
 
     name = "dsa_cp"
-    handles = (_INDEXER, _SPARSE)
+    handles = (_INDEXER, _SPARSE, _SPARSE_QUANT)
     enabled_when = ("enable_dsa_cp, a 'prefill' batch-kind graph, tensor_parallel_size > 1, "
                     "decode_context_parallel_size == 1, prefill_context_parallel_size == 1 and an attention "
                     "kind of 'sfa'")
@@ -80,9 +87,9 @@ class DSACPPass(CPPass):
         count = 0
         for idx in indexers:
             args = bind_op_args(_INDEXER, idx)
-            paired = [u for u in idx.users if u.target in (_SPARSE, _SPARSE.default)
-                      and bind_op_args(_SPARSE, u)["topk_indices"] is idx
-                      and sum(a is idx for a in bind_op_args(_SPARSE, u).values()) == 1]
+            paired = [u for u in idx.users if u.target in _SPARSE_OPS
+                      and bind_op_args(_sparse_op(u), u)["topk_indices"] is idx
+                      and sum(a is idx for a in bind_op_args(_sparse_op(u), u).values()) == 1]
             others = [u for u in idx.users if u not in paired]
             with graph.inserting_before(idx):
                 rows = dsa.dsa_cp_indexer(**{k: wrap(v) for k, v in args.items()}, ctx=self.shards)  # [rows, K]
@@ -93,7 +100,7 @@ class DSACPPass(CPPass):
             for user in others:
                 user.replace_input_with(idx, full.node)
             for attn in paired:
-                a = bind_op_args(_SPARSE, attn)
+                a = bind_op_args(_sparse_op(attn), attn)  # with kv_scale_cache for the quant op
                 a.pop("topk_indices")
                 with graph.inserting_before(attn):
                     out = dsa.dsa_cp_sparse_attention(**{k: wrap(v) for k, v in a.items()}, topk_rows=rows,
@@ -103,7 +110,7 @@ class DSACPPass(CPPass):
                 count += 1
             graph.erase_node(idx)
             count += 1
-        for attn in op_nodes(gm, (_SPARSE,)):
+        for attn in op_nodes(gm, (_SPARSE, _SPARSE_QUANT)):
             # Not paired: the plain TP op on this rank's heads with a replicated top-k
             # (all-gathered above, or the model's own), exactly what the TP model runs.
             attn.meta[CLAIMED_KEY] = self.name

@@ -12,7 +12,9 @@ of `block_size * dcp` tokens (what `allocate_kv_cache` allocates for kind "sfa")
   size) and claims the node for the unsharded-attention check.
 - `cp::sparse_mla_attention` becomes `cp_compile.ops.parallel.dcp.dcp_sfa_attention`:
   local latent write, one Q all-gather, global top-k -> this rank's local positions,
-  partial sparse attention with LSE, LSE merge.
+  partial sparse attention with LSE, LSE merge. `cp::sparse_mla_attention_quant` (a
+  quantised latent, issue 39) becomes the same composition with its scale cache: the
+  owner's `cp::quant_cache_write`, the partial dequantising the owner's codes.
 
 Requires dcp == tp (`CPConfig.validate_for` checks it before any pass runs).
 """
@@ -36,13 +38,21 @@ class SparseMLAPattern(AttentionPattern):
     fold_partial = staticmethod(dcp_compose.dcp_sfa_partial)  # the all-reduce fold (decision 73)
 
 
+class SparseMLAQuantPattern(SparseMLAPattern):
+    """Sparse MLA over a quantised latent (issue 39): the same composition; the op's
+    `kv_scale_cache` is handed to it by name (write on the owner, dequantising partial)."""
+
+    op = torch.ops.cp.sparse_mla_attention_quant
+
+
 class SFADCPPass(DCPAttentionPass):
     """Rewrite sparse MLA for SFA DCP; keep (and check) the replicated indexer."""
 
     name = "sfa_dcp"
-    patterns = (SparseMLAPattern(),)
+    patterns = (SparseMLAPattern(), SparseMLAQuantPattern())
     replicates_queries = False  # the composition takes replicated queries; the pass is not built / tested for it
-    handles = (torch.ops.cp.sparse_mla_attention, torch.ops.cp.lightning_indexer)
+    handles = (torch.ops.cp.sparse_mla_attention, torch.ops.cp.sparse_mla_attention_quant,
+               torch.ops.cp.lightning_indexer)
     enabled_when = ("decode_context_parallel_size > 1, prefill_context_parallel_size == 1 and an "
                     "attention kind of 'sfa' (a model with a lightning indexer)")
 

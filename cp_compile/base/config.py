@@ -176,9 +176,8 @@ class CPConfig:
             # What is not built yet (issue 39), refused by name rather than run on a path that
             # would read quantised bytes as if they were the model's dtype.
             for name, on, why in (
-                    ("enable_dsa_cp", self.enable_dsa_cp, "the DSA-CP row ops do not read scales yet"),
                     ("enable_mla_preprocess", self.enable_mla_preprocess,
-                     "cp::mla_preprocess writes the latent unquantised")):
+                     "cp::mla_preprocess writes the latent unquantised"),):
                 if on:
                     raise ConfigError(f"kv_cache_dtype={self.kv_cache_dtype!r} is not built with {name}",
                                       f"kv_cache_dtype={self.kv_cache_dtype!r}, {name}={getattr(self, name)!r} "
@@ -266,10 +265,6 @@ class CPConfig:
             raise ConfigError("dcp == tp for SFA DCP with replicated indexer",
                               f"tensor_parallel_size={tp}, decode_context_parallel_size={dcp}",
                               f"set decode_context_parallel_size={tp}")
-        if self.kv_cache_quantized and spec.kind == "sfa":
-            raise ConfigError(f"kv_cache_dtype={self.kv_cache_dtype!r} covers GQA and MLA (SFA is not built)",
-                              f"attention kind='sfa', kv_cache_dtype={self.kv_cache_dtype!r} (the sparse MLA "
-                              "kernels do not dequantise yet)", "set kv_cache_dtype='auto' for SFA models")
         if self.enable_dsa_cp and not spec.has_indexer:
             raise ConfigError("enable_dsa_cp only for models with an indexer",
                               f"enable_dsa_cp=True, attention kind={spec.kind!r} without indexer",

@@ -173,10 +173,6 @@ def allocate_kv_cache(cfg: CPConfig, spec: KVCacheSpec, num_blocks: int,
                 attention.num_kv_heads, cfg.tensor_parallel_size, state.layout.tp.rank)})
     if check_layout and torch.device(device).type != "meta":
         check_dcp_layout(cfg, spec, num_blocks, dtype, parallel=state)
-    if cfg.kv_cache_quantized and spec.kind not in ("gqa", "mla"):
-        raise ConfigError(f"kv_cache_dtype={cfg.kv_cache_dtype!r} covers GQA and MLA caches (SFA is not built)",
-                          f"cache kind={spec.kind!r}, kv_cache_dtype={cfg.kv_cache_dtype!r}",
-                          "allocate SFA caches with kv_cache_dtype='auto'")
     page_dtype = KV_CACHE_DTYPES[cfg.kv_cache_dtype] or dtype  # quantised pages, or the model's dtype
     bs = cfg.block_size
     pages = num_blocks + int(scratch_block)  # the scratch block is the last page
@@ -204,6 +200,8 @@ def allocate_kv_cache(cfg: CPConfig, spec: KVCacheSpec, num_blocks: int,
                 layers.append((latent,))
             if spec.kind == "sfa":
                 # Replicated: full virtual blocks of block_size * pcp * dcp tokens on every rank.
+                # In the model's dtype even with a quantised latent (issue 39: the indexer's keys
+                # are not quantised unless a checkpoint says so; none is read).
                 replicated.append(torch.zeros(pages, cfg.virtual_block_size, spec.index_dim, dtype=dtype,
                                               device=device))
         else:

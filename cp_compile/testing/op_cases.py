@@ -111,6 +111,8 @@ def op_cases(device: torch.device | str = "cpu", dtype: torch.dtype = torch.floa
                                            seq, qsl, SCALE), (3, 4, 5, 6)),
         "cp::mla_attention_quant": ((rnd(T, H, L), rnd(T, H, R), rnd(T, L), rnd(T, R), codes(NB, BS, L + R),
                                      scales(NB, BS, 1), slots, bt, seq, qsl, SCALE), (4, 5)),
+        "cp::sparse_mla_attention_quant": ((rnd(T, H, L), rnd(T, H, R), rnd(T, L), rnd(T, R), codes(NB, BS, L + R),
+                                            scales(NB, BS, 1), slots, bt, seq, qsl, indices, SCALE), (4, 5)),
     }
 
 

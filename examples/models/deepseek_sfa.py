@@ -26,7 +26,8 @@ has no tie rule and the op breaks ties to the lower position; with random
 weights there are no exact ties.
 
 Caches: `forward(input_ids, positions, kv_caches, meta)` takes per layer the tuple
-`(latent_cache, index_cache)`: `KVCache.layers[i]` (the latent, sharded 1/dcp under
+`(latent_cache, index_cache)`, or `(latent_cache, latent_scale, index_cache)` for a quantised
+latent (issue 39): `KVCache.layers[i]` (the latent, sharded 1/dcp under
 DCP) followed by `KVCache.replicated[i]` (the indexer's keys, every token on every
 rank in pages of block_size * dcp). `examples.serving.layer_caches(cache)` builds it.
 """
@@ -131,12 +132,16 @@ class SFAAttention(MLAAttention):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 kv_cache: tuple[torch.Tensor, ...], meta: AttentionMetadata) -> torch.Tensor:
-        latent_cache, index_cache = kv_cache  # [NB, BS, L + R], [NB, BS * dcp, Di]
+        # [NB, BS, L + R] (quantised: + its scales [NB, BS, 1]), [NB, BS * dcp, Di] in the model dtype
+        latent_cache, *scales, index_cache = kv_cache
         q_abs, q_pe, kv_c, k_pe, q_resid = self.project(x, cos, sin)
         topk = self.indexer(x, q_resid, cos, sin, index_cache, meta)  # [T, K]
-        o_lat = torch.ops.cp.sparse_mla_attention(
-            q_abs, q_pe, kv_c, k_pe, latent_cache, meta.slot_mapping, meta.block_table, meta.seq_lens,
-            meta.query_start_loc, topk, self.scale)  # [T, H, L]
+        meta_args = (meta.slot_mapping, meta.block_table, meta.seq_lens, meta.query_start_loc, topk, self.scale)
+        if scales:  # a quantised latent (CPConfig.kv_cache_dtype): its own op, the scale cache required
+            o_lat = torch.ops.cp.sparse_mla_attention_quant(q_abs, q_pe, kv_c, k_pe, latent_cache, *scales,
+                                                            *meta_args)  # [T, H, L]
+        else:
+            o_lat = torch.ops.cp.sparse_mla_attention(q_abs, q_pe, kv_c, k_pe, latent_cache, *meta_args)  # [T, H, L]
         return self.output(o_lat)  # [T, hidden]
 
     def load_hf(self, sd: StateDictReader, prefix: str) -> None:

@@ -305,23 +305,27 @@ def group_mla_queries(q_nope: Tensor, q_pe: Tensor, ctx: DCPContext) -> tuple[Te
 def dcp_sfa_partial(q_nope: Tensor, q_pe: Tensor, kv_c: Tensor, k_pe: Tensor, kv_cache: Tensor,
                     slot_mapping: Tensor, block_table: Tensor, seq_lens: Tensor, query_start_loc: Tensor,
                     topk_indices: Tensor, scale: float, ctx: DCPContext,
-                    local: LocalMetadata | None = None) -> Partial:
-    """`dcp_sfa_attention` up to the merge (out [T, N*H, L])."""
+                    local: LocalMetadata | None = None, kv_scale_cache: Tensor | None = None) -> Partial:
+    """`dcp_sfa_attention` up to the merge (out [T, N*H, L]). A quantised latent: each token
+    quantised by its owner's write (codes and scale on the owner), read back by the owner only."""
     if local is None:
         local = localize(ctx, slot_mapping, query_start_loc, seq_lens)
-    _cp.cache_write.default(torch.cat([kv_c, k_pe], dim=-1), kv_cache, local.slot_mapping)
+    write_cache(torch.cat([kv_c, k_pe], dim=-1), kv_cache, local.slot_mapping, kv_scale_cache)
     idx = _cp.dcp_sparse_indices.default(topk_indices, ctx.group.size, ctx.group.rank, ctx.interleave, ctx.block_size)
     heads = own_heads(q_nope, ctx)
     q_nope, q_pe = group_mla_queries(q_nope, q_pe, ctx)  # [T, N*H, L], [T, N*H, R]
+    # The scale cache only when there is one: the model-dtype call keeps its 7 arguments, the
+    # ones its GE converter (ops/sparse/ge.py, SparseFlashAttention) takes.
+    scales = () if kv_scale_cache is None else (kv_scale_cache,)
     part = _cp.sparse_mla_partial_attention.default(q_nope, q_pe, kv_cache, block_table,
-                                                    query_start_loc, idx, scale)
+                                                    query_start_loc, idx, scale, *scales)
     return Partial(part[0], part[1], heads, q_nope.dtype)
 
 
 def dcp_sfa_attention(q_nope: Tensor, q_pe: Tensor, kv_c: Tensor, k_pe: Tensor, kv_cache: Tensor,
                       slot_mapping: Tensor, block_table: Tensor, seq_lens: Tensor, query_start_loc: Tensor,
                       topk_indices: Tensor, scale: float, ctx: DCPContext,
-                      local: LocalMetadata | None = None) -> Tensor:
+                      local: LocalMetadata | None = None, kv_scale_cache: Tensor | None = None) -> Tensor:
     """DCP version of `cp::sparse_mla_attention` (SFA DCP with a replicated indexer):
     output [T, H, L] for this rank's heads.
 
@@ -329,7 +333,8 @@ def dcp_sfa_attention(q_nope: Tensor, q_pe: Tensor, kv_c: Tensor, k_pe: Tensor, 
     global positions, identical on every rank. Each rank keeps the ones it stores
     (`cp::dcp_sparse_indices`), attends them with every gathered head and no causal
     crop, and the partials are merged by LSE: every selected key is counted once, on
-    its owner. Exact for decode, prefill and mixed batches.
+    its owner. Exact for decode, prefill and mixed batches. A quantised latent's scales are
+    sharded with its pages (`kv_scale_cache`, the layer's [NB, BS, 1] scale shard; issue 39).
     """
     return merge_partial(dcp_sfa_partial(q_nope, q_pe, kv_c, k_pe, kv_cache, slot_mapping, block_table, seq_lens,
-                                         query_start_loc, topk_indices, scale, ctx, local), ctx)
+                                         query_start_loc, topk_indices, scale, ctx, local, kv_scale_cache), ctx)

@@ -118,19 +118,30 @@ def dsa_cp_indexer(q_i: Tensor, k_i: Tensor, w: Tensor, index_cache: Tensor, slo
 
 def dsa_cp_sparse_attention(q_nope: Tensor, q_pe: Tensor, kv_c: Tensor, k_pe: Tensor, kv_cache: Tensor,
                             slot_mapping: Tensor, block_table: Tensor, seq_lens: Tensor, query_start_loc: Tensor,
-                            topk_rows: Tensor, scale: float, ctx: DSACPContext) -> Tensor:
+                            topk_rows: Tensor, scale: float, ctx: DSACPContext,
+                            kv_scale_cache: Tensor | None = None) -> Tensor:
     """DSA-CP version of `cp::sparse_mla_attention` for this rank's TP heads -> [T, H/tp, L].
 
     q_nope [T, H/tp, L], q_pe [T, H/tp, R]: this rank's heads of all tokens (the TP
     model's layout); kv_c [T, L], k_pe [T, R]: every token's new latents (replicated
     in the TP model, so the full cache is written on every rank with no gather);
-    topk_rows [rows, K] from `dsa_cp_indexer`.
+    topk_rows [rows, K] from `dsa_cp_indexer`. A quantised latent (`kv_scale_cache`
+    [NB, BS, 1], issue 39): every rank quantises every token as one device does (the same
+    write of the same rows), and the row shard's attention dequantises on load.
     """
-    _cp.cache_write.default(torch.cat([kv_c, k_pe], dim=-1), kv_cache, slot_mapping)
+    new = torch.cat([kv_c, k_pe], dim=-1)  # [T, L+R]
+    if kv_scale_cache is None:
+        _cp.cache_write.default(new, kv_cache, slot_mapping)
+    else:
+        _cp.quant_cache_write.default(new, kv_cache, kv_scale_cache, slot_mapping)
     L = q_nope.shape[-1]
     q = tokens_to_heads(torch.cat([q_nope, q_pe], dim=-1), ctx)  # [rows, H, L+R]: one a2a for both parts
+    # The scale cache only when there is one: the model-dtype call keeps the arguments its GE
+    # converter (ops/sparse/ge_dsa_cp.py) takes.
+    scales = () if kv_scale_cache is None else (kv_scale_cache,)
     out = _cp.sparse_mla_rows_attention.default(q[..., :L], q[..., L:], kv_cache, block_table, seq_lens,
-                                                query_start_loc, topk_rows, ctx.tp.size, ctx.tp.rank, scale)  # [rows, H, L]
+                                                query_start_loc, topk_rows, ctx.tp.size, ctx.tp.rank, scale,
+                                                *scales)  # [rows, H, L]
     return heads_to_tokens(out, ctx, q_nope.shape[0])
 
 

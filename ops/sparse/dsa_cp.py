@@ -13,10 +13,12 @@ collectives stay outside the ops as `_c10d_functional` nodes.
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 from torch import Tensor
 
-from cp_compile.ops.core import layout
+from cp_compile.ops.core import kv_quant, layout
 from cp_compile.ops.core.spec import GE, TRITON_ASCEND, OpDecl
 from cp_compile.ops.sparse import launch, reference
 
@@ -49,23 +51,25 @@ def _(q_i, index_cache, w, block_table, seq_lens, query_start_loc, tp, rank, top
 @torch.library.custom_op("cp::sparse_mla_rows_attention", mutates_args=())
 def sparse_mla_rows_attention(q_nope: Tensor, q_pe: Tensor, kv_cache: Tensor, block_table: Tensor,
                               seq_lens: Tensor, query_start_loc: Tensor, indices: Tensor, tp: int, rank: int,
-                              scale: float) -> Tensor:
+                              scale: float, kv_scale_cache: Optional[Tensor] = None) -> Tensor:
     """Sparse absorbed MLA of this rank's token shard, all heads -> [rows, H, L].
 
     q_nope [rows, H, L], q_pe [rows, H, R] (every head of the shard's tokens, after the
     DSA-CP all-to-all), kv_cache [NB, BS, L+R] (the full latent cache, already
     written), indices [rows, K] request-local positions from
     `cp::lightning_indexer_topk_rows` (trusted, no causal crop, -1 = skip). Padding
-    rows give 0. Same math as `cp::sparse_mla_attention` per row.
+    rows give 0. Same math as `cp::sparse_mla_attention` per row. A quantised latent is
+    dequantised on load with its per-token scales (`kv_scale_cache` [NB, BS, 1] fp32).
     """
+    kv_quant.check_pair(kv_cache, kv_scale_cache, "kv_cache")
     req, _ = _rows(query_start_loc, seq_lens, q_nope.shape[0], tp, rank)
     q = torch.cat([q_nope, q_pe], dim=-1)  # [rows, H, L+R]
     return reference.sparse_attention_rows_with_lse(q, kv_cache, block_table, req, indices, q_nope.shape[-1],
-                                                    scale)[0]
+                                                    scale, kv_scale_cache)[0]
 
 
 @sparse_mla_rows_attention.register_fake
-def _(q_nope, q_pe, kv_cache, block_table, seq_lens, query_start_loc, indices, tp, rank, scale):
+def _(q_nope, q_pe, kv_cache, block_table, seq_lens, query_start_loc, indices, tp, rank, scale, kv_scale_cache=None):
     return torch.empty_like(q_nope, memory_format=torch.contiguous_format)
 
 

@@ -10,10 +10,12 @@ or -1 rows (indexer). Callers use `torch.ops.cp.<name>`; there are no Python wra
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 from torch import Tensor
-from cp_compile.ops.core import layout, paged_cache
-from cp_compile.ops.core.spec import GE, TRITON_ASCEND, OpDecl
+from cp_compile.ops.core import kv_quant, layout, paged_cache
+from cp_compile.ops.core.spec import GE, TRITON_ASCEND, Absent, OpDecl
 from cp_compile.ops.sparse import launch, reference
 
 
@@ -75,19 +77,58 @@ def sparse_mla_attention(
     the indexer already restricted them to 0..pos, and under SFA DCP they are local
     coordinates where a causal bound would not line up.
     """
-    paged_cache.check_paged_step((kv_cache,), slot_mapping, block_table, seq_lens, query_start_loc,
-                               op="cp::sparse_mla_attention")
-    paged_cache.write_latent(kv_cache, kv_c, k_pe, slot_mapping)
-    L = q_nope.shape[-1]
-    q = torch.cat([q_nope, q_pe], dim=-1)  # [T, H, L+R]
-    out, _ = reference.sparse_attention_with_lse(q, kv_cache, block_table, query_start_loc, topk_indices, L, scale)
-    return out
+    return _sparse_mla_step(q_nope, q_pe, kv_c, k_pe, kv_cache, slot_mapping, block_table, seq_lens,
+                            query_start_loc, topk_indices, scale)
 
 
 @sparse_mla_attention.register_fake
 def _sparse_mla_attention_fake(q_nope, q_pe, kv_c, k_pe, kv_cache, slot_mapping, block_table, seq_lens,
                                query_start_loc, topk_indices, scale):
     return torch.empty_like(q_nope, memory_format=torch.contiguous_format)
+
+
+# A quantised latent (CPConfig.kv_cache_dtype, issue 39) has its own writing op, whose scale cache
+# is a required mutated argument: torchair's auto_functionalized_v2 converter cannot take an
+# Optional mutable argument left None, so `cp::sparse_mla_attention` keeps its schema and GE
+# graph (decision 66, as `cp::mla_attention_quant`).
+@torch.library.custom_op("cp::sparse_mla_attention_quant", mutates_args=("kv_cache", "kv_scale_cache"))
+def sparse_mla_attention_quant(
+    q_nope: torch.Tensor,  # [T, H, L]
+    q_pe: torch.Tensor,  # [T, H, R]
+    kv_c: torch.Tensor,  # [T, L]
+    k_pe: torch.Tensor,  # [T, R]
+    kv_cache: torch.Tensor,  # [NB, BS, L+R] int8 / float8_e4m3fn, written in place
+    kv_scale_cache: torch.Tensor,  # [NB, BS, 1] fp32, written in place: one scale per token for [c | k_pe]
+    slot_mapping: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    topk_indices: torch.Tensor,  # [T, K] int32
+    scale: float,
+) -> torch.Tensor:
+    """`cp::sparse_mla_attention` over a quantised latent cache (issue 39): the write quantises
+    each token's [c | k_pe] with one fp32 scale, the attention dequantises the selected rows."""
+    return _sparse_mla_step(q_nope, q_pe, kv_c, k_pe, kv_cache, slot_mapping, block_table, seq_lens,
+                            query_start_loc, topk_indices, scale, kv_scale_cache)
+
+
+@sparse_mla_attention_quant.register_fake
+def _(q_nope, q_pe, kv_c, k_pe, kv_cache, kv_scale_cache, slot_mapping, block_table, seq_lens, query_start_loc,
+      topk_indices, scale):
+    return torch.empty_like(q_nope, memory_format=torch.contiguous_format)
+
+
+def _sparse_mla_step(q_nope, q_pe, kv_c, k_pe, kv_cache, slot_mapping, block_table, seq_lens, query_start_loc,
+                     topk_indices, scale, kv_scale_cache=None):
+    """Check, write the latent (quantised with its scales when given), attend the listed positions."""
+    paged_cache.check_paged_step((kv_cache,), slot_mapping, block_table, seq_lens, query_start_loc,
+                               op="cp::sparse_mla_attention")
+    paged_cache.write_latent(kv_cache, kv_c, k_pe, slot_mapping, kv_scale_cache)  # checks the pair first
+    L = q_nope.shape[-1]
+    q = torch.cat([q_nope, q_pe], dim=-1)  # [T, H, L+R]
+    out, _ = reference.sparse_attention_with_lse(q, kv_cache, block_table, query_start_loc, topk_indices, L, scale,
+                                                 kv_scale_cache)
+    return out
 
 
 
@@ -114,18 +155,21 @@ def _(topk_indices, cp, rank, interleave, block_size):
 
 @torch.library.custom_op("cp::sparse_mla_partial_attention", mutates_args=())
 def sparse_mla_partial_attention(q_nope: Tensor, q_pe: Tensor, kv_cache: Tensor, block_table: Tensor,
-                                 query_start_loc: Tensor, indices: Tensor, scale: float) -> tuple[Tensor, Tensor]:
+                                 query_start_loc: Tensor, indices: Tensor, scale: float,
+                                 kv_scale_cache: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
     """Partial sparse MLA over the local latent shard: each query attends the listed
     local positions (no causal crop; the indexer applied causality globally).
     q_nope [T,H,L], q_pe [T,H,R], kv_cache [NB,BS,L+R], indices [T,K] (-1 = skip)
-    -> out [T,H,L] (q dtype), lse [T,H] fp32 (-inf where the rank holds none of them)."""
+    -> out [T,H,L] (q dtype), lse [T,H] fp32 (-inf where the rank holds none of them).
+    A quantised latent is dequantised on load with its per-token scales ([NB,BS,1] fp32)."""
+    kv_quant.check_pair(kv_cache, kv_scale_cache, "kv_cache")
     q = torch.cat([q_nope, q_pe], dim=-1)
     return reference.sparse_attention_with_lse(q, kv_cache, block_table, query_start_loc, indices,
-                                               q_nope.shape[-1], scale)
+                                               q_nope.shape[-1], scale, kv_scale_cache)
 
 
 @sparse_mla_partial_attention.register_fake
-def _(q_nope, q_pe, kv_cache, block_table, query_start_loc, indices, scale):
+def _(q_nope, q_pe, kv_cache, block_table, query_start_loc, indices, scale, kv_scale_cache=None):
     T, H = q_nope.shape[0], q_nope.shape[1]
     return q_nope.new_empty(T, H, q_nope.shape[-1]), q_nope.new_empty(T, H, dtype=torch.float32)
 
@@ -139,8 +183,14 @@ def _(q_nope, q_pe, kv_cache, block_table, query_start_loc, indices, scale):
 # list (the paged family has its own; `core/catalog.py` joins them).
 SINGLE_DEVICE_ATTENTION_OPS: tuple[torch._ops.OpOverloadPacket, ...] = (
     torch.ops.cp.sparse_mla_attention,
+    torch.ops.cp.sparse_mla_attention_quant,
     torch.ops.cp.lightning_indexer,
 )
+# The quantised write's pieces not built yet (issue 39, docs/quant_kv.md), as the paged quant ops'.
+_NO_QUANT_GE = Absent("not built: SparseFlashAttention's antiquant scale mapping and a GE scatter of codes and "
+                      "scales for a quantised latent (issue 39); a quantised cache runs on CPU / CUDA")
+_NO_QUANT_NPU = Absent("not built: the quantised sparse MLA kernel is not checked through triton-ascend's lowering "
+                       "(issue 39: the int8 write aborts in triton-adapter-opt, fp8 has no type there)")
 
 
 # ----------------------------------------------------------------------------- declarations (core/spec.py)
@@ -154,4 +204,6 @@ OPS = (
            ge=GE("ge", "Sort", "GatherElements"), profile="dcp_local"),
     OpDecl(sparse_mla_partial_attention, cuda=launch.sparse_mla_partial_attention,
            npu=TRITON_ASCEND, ge=GE("ge", "SparseFlashAttention"), profile="attention"),
+    OpDecl(sparse_mla_attention_quant, cuda=launch.sparse_mla_attention_quant, npu=_NO_QUANT_NPU, ge=_NO_QUANT_GE,
+           profile="attention"),
 )

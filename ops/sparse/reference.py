@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import torch
 
+from cp_compile.ops.core import kv_quant
 from cp_compile.ops.core.layout import request_index
 from cp_compile.ops.core.paged_cache import gather_request_pages
 
@@ -85,6 +86,7 @@ def sparse_attention_with_lse(
     indices: torch.Tensor,  # [T, K]: positions into the request's paged cache, -1 = skip
     v_dim: int,
     scale: float,
+    kv_scale_cache: torch.Tensor | None = None,  # [NB, BS, 1] fp32: a quantised latent's per-token scales
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Softmax attention of each query over the listed positions of its request's cache.
 
@@ -92,10 +94,11 @@ def sparse_attention_with_lse(
     whatever those positions mean: global positions on one device, or a rank's local
     (compacted) positions under SFA DCP. No causal crop: indices are trusted.
     Returns out [T, H, v_dim] in q's dtype and lse [T, H] fp32; a query with no valid
-    index (or a padding token) gets out 0 and lse -inf. Computed in fp32.
+    index (or a padding token) gets out 0 and lse -inf. Computed in fp32. A quantised
+    (int8 / fp8) latent is dequantised on load, `code * scale` in fp32 (issue 39).
     """
     req = request_index(query_start_loc, q.shape[0])  # [T], -1 for padding
-    return sparse_attention_rows_with_lse(q, kv_cache, block_table, req, indices, v_dim, scale)
+    return sparse_attention_rows_with_lse(q, kv_cache, block_table, req, indices, v_dim, scale, kv_scale_cache)
 
 
 def sparse_attention_rows_with_lse(
@@ -106,6 +109,7 @@ def sparse_attention_rows_with_lse(
     indices: torch.Tensor,  # [T, K] request-local positions, -1 = skip
     v_dim: int,
     scale: float,
+    kv_scale_cache: torch.Tensor | None = None,  # [NB, BS, 1] fp32 (quantised latent)
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`sparse_attention_with_lse` for rows given by their request index (see there)."""
     T, H, _ = q.shape
@@ -121,7 +125,12 @@ def sparse_attention_rows_with_lse(
     page = block_table.long()[req.clamp(min=0)[:, None], j // bs]  # [T, K]
     # Skipped entries read page 0 (always a real page), never an unused table entry.
     page = torch.where(valid, page, torch.zeros_like(page))
-    kv = kv_cache[page, j % bs].float()  # [T, K, Dqk]
+    if kv_scale_cache is None:
+        kv = kv_cache[page, j % bs].float()  # [T, K, Dqk]
+    else:
+        # Codes gathered as bytes (CPU indexing has no fp8 kernel), then `code * scale` in fp32.
+        codes = kv_quant.bytes_view(kv_cache)[page, j % bs].view(kv_cache.dtype)  # [T, K, Dqk]
+        kv = kv_quant.dequantize(codes, kv_quant.scale_view(kv_cache, kv_scale_cache)[page, j % bs])
     s = torch.einsum("thd,tkd->thk", q.float(), kv) * scale  # [T, H, K]
     s = s.masked_fill(~valid[:, None, :], float("-inf"))
     l = torch.logsumexp(s, dim=-1)  # [T, H]; -inf for empty rows

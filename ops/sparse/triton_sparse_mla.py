@@ -13,6 +13,11 @@ partial and `triton_split_merge.merge_splits_triton` merges them by LSE; the NPU
 launches one split on its persistent per-core grid (docs/decisions.md 54, 58).
 Serves the single-device op, the SFA DCP partial and the DSA-CP row shard (rows given
 by their request). Torch oracle: `cp_compile.ops.sparse.reference.sparse_attention_rows_with_lse`.
+
+A quantised latent (int8 / fp8, issue 39) is dequantised on load (`QUANT`): right after a
+tile's [c; k_pe] rows are loaded, each row is multiplied by its token's fp32 scale (the
+scale cache [NB, BS, 1] beside the pages), and the tile goes on in fp32 (in q's dtype on the
+tl.dot path). The split partials are fp32 whatever the cache holds, so the merge is unchanged.
 """
 
 from __future__ import annotations
@@ -24,8 +29,8 @@ import triton
 import triton.language as tl
 
 from cp_compile.ops.core.attention_tile import lse_epilogue, online_softmax_step, paged_location
-from cp_compile.ops.core import layout
-from cp_compile.ops.core.triton_cache_write import cache_write_triton
+from cp_compile.ops.core import kv_quant, layout
+from cp_compile.ops.core.triton_cache_write import cache_write_device
 from cp_compile.ops.core.split_kv import kv_splits
 from cp_compile.ops.core.triton_common import (
     LoweringDeclaration,
@@ -53,8 +58,9 @@ def _sparse_mla_kernel(
     s_it, s_ik,
     s_os, s_ot, s_oh, s_od,
     s_ls, s_lt, s_lh,
+    ks_ptr, s_ksb, s_kss,  # a quantised latent's scales [NB, BS] (read only when QUANT)
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, L_PAD: tl.constexpr, R_PAD: tl.constexpr,
-    USE_DOT: tl.constexpr,
+    USE_DOT: tl.constexpr, QUANT: tl.constexpr,
 ):
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
@@ -100,6 +106,13 @@ def _sparse_mla_kernel(
                          mask=valid[:, None] & l_mask[None, :], other=0.0)  # [BLOCK_N, L_PAD]: keys and values
             kp = tl.load(kv_ptr + row[:, None] + (L + offs_r[None, :]) * s_kd,
                          mask=valid[:, None] & r_mask[None, :], other=0.0)  # [BLOCK_N, R_PAD]
+            if QUANT:  # dequantise on load (issue 39): codes * the token's scale, fp32
+                sc = tl.load(ks_ptr + page * s_ksb + in_page * s_kss, mask=valid, other=0.0)  # [BLOCK_N]
+                kc = kc.to(tl.float32) * sc[:, None]
+                kp = kp.to(tl.float32) * sc[:, None]
+                if USE_DOT:  # tl.dot takes both operands in q's dtype
+                    kc = kc.to(qn_ptr.dtype.element_ty)
+                    kp = kp.to(qn_ptr.dtype.element_ty)
             if USE_DOT:
                 # All heads of the block as the M side: latent and rope as two products.
                 s = tl.dot(qn, tl.trans(kc)) + tl.dot(qp, tl.trans(kp))
@@ -135,8 +148,12 @@ def sparse_mla_rows_triton(
     use_dot: bool | None = None,
     num_splits: int | None = None,
     num_warps: int | None = None,
+    kv_scale_cache: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """-> out [T, H, L] in q_nope.dtype, lse [T, H] fp32 (semantics of the reference).
+
+    kv_scale_cache: [NB, BS, 1] fp32, the per-token scales of a quantised (int8 / fp8)
+    kv_cache, dequantised on load; None for a cache in the model's dtype.
 
     use_dot: tl.dot products (default on accelerators; needs block_h, block_n >= 16):
     the heads of the rank in tiles of 16 (all of them at 16 heads; a [32, 512] fp32
@@ -152,6 +169,7 @@ def sparse_mla_rows_triton(
     if kv_cache.shape[-1] != L + R or q_pe.shape[:2] != (T, H) or indices.shape[0] != T:
         raise ValueError(f"q_nope {tuple(q_nope.shape)}, q_pe {tuple(q_pe.shape)}, kv_cache "
                          f"{tuple(kv_cache.shape)}, indices {tuple(indices.shape)} do not fit")
+    kv_quant.check_pair(kv_cache, kv_scale_cache, "kv_cache")
     device = q_nope.device
     out = torch.empty(T, H, L, dtype=q_nope.dtype, device=device)
     lse = torch.empty(T, H, dtype=torch.float32, device=device)
@@ -210,12 +228,20 @@ def sparse_mla_rows_triton(
         part_lse = torch.empty(num_splits, T, H, dtype=torch.float32, device=device)  # [S, T, H]
         require_int32_offsets(part_out=part_out)
         s_po, s_pl = part_out.stride(0), part_lse.stride(0)
+    quant = kv_scale_cache is not None
+    if quant:
+        ks = kv_quant.scale_view(kv_cache, kv_scale_cache)  # [NB, BS]
+        require_int32_offsets(kv_scale_cache=ks)
+        scale_strides = tuple(ks.stride())
+    else:
+        ks, scale_strides = lse, (0, 0)  # never read (QUANT=False): any pointer
     kernel_for(_sparse_mla_kernel, device)[grid](
         q_nope, q_pe, kv_cache, block_table, req, indices, part_out, part_lse, float(scale),
         n_work, H, n_hblk, num_splits, split_len, K, L, R, kv_cache.shape[1],
         *q_nope.stride(), *q_pe.stride(), *kv_cache.stride(), block_table.stride(0), *indices.stride(),
         s_po, *part_out.stride()[-3:], s_pl, *part_lse.stride()[-2:],
-        BLOCK_H=block_h, BLOCK_N=block_n, L_PAD=l_pad, R_PAD=r_pad, USE_DOT=use_dot,
+        ks, *scale_strides,
+        BLOCK_H=block_h, BLOCK_N=block_n, L_PAD=l_pad, R_PAD=r_pad, USE_DOT=use_dot, QUANT=quant,
         **({"num_warps": num_warps or warps} if target == "cuda" else {}),
     )
     if num_splits > 1:
@@ -226,25 +252,50 @@ def sparse_mla_rows_triton(
 # ----------------------------------------------------------------------------- the ops' device kernels
 
 
-def sparse_mla_partial_attention_device(q_nope, q_pe, kv_cache, block_table, query_start_loc, indices, scale):
+def _refuse_quantized_on_npu(op: str, device: torch.device, kv_scale_cache) -> None:
+    # The ops' NPU entry is this kernel through triton-ascend, whose lowering of the quantised
+    # loads is not checked (fp8 has no type there): refused, never guessed.
+    if kv_scale_cache is not None and target_of(device)[0] == "npu":
+        raise NotImplementedError(
+            f"{op}: the triton-ascend kernel does not take a quantised latent (kv_cache_dtype int8 / fp8) yet "
+            "(issue 39). Fix: kv_cache_dtype='auto' on the NPU, or run the quantised cache on CPU / CUDA")
+
+
+def sparse_mla_partial_attention_device(q_nope, q_pe, kv_cache, block_table, query_start_loc, indices, scale,
+                                        kv_scale_cache=None):
     """`cp::sparse_mla_partial_attention` on an accelerator."""
+    _refuse_quantized_on_npu("cp::sparse_mla_partial_attention", q_nope.device, kv_scale_cache)
     req = layout.request_index(query_start_loc, q_nope.shape[0])
-    return sparse_mla_rows_triton(q_nope, q_pe, kv_cache, block_table, req, indices, scale)
+    return sparse_mla_rows_triton(q_nope, q_pe, kv_cache, block_table, req, indices, scale,
+                                  kv_scale_cache=kv_scale_cache)
 
 
 def sparse_mla_rows_attention_device(q_nope, q_pe, kv_cache, block_table, seq_lens, query_start_loc, indices, tp,
-                                     rank, scale):
+                                     rank, scale, kv_scale_cache=None):
     """`cp::sparse_mla_rows_attention` (DSA-CP row shard) on an accelerator."""
+    _refuse_quantized_on_npu("cp::sparse_mla_rows_attention", q_nope.device, kv_scale_cache)
     req, _ = layout.shard_row_metadata(query_start_loc, seq_lens, q_nope.shape[0], tp=tp, rank=rank)
-    return sparse_mla_rows_triton(q_nope, q_pe, kv_cache, block_table, req, indices, scale)[0]
+    return sparse_mla_rows_triton(q_nope, q_pe, kv_cache, block_table, req, indices, scale,
+                                  kv_scale_cache=kv_scale_cache)[0]
 
 
 def sparse_mla_attention_device(q_nope, q_pe, kv_c, k_pe, kv_cache, slot_mapping, block_table, seq_lens,
                                 query_start_loc, topk_indices, scale):
     """`cp::sparse_mla_attention` on an accelerator: latent write, then sparse attention."""
-    cache_write_triton(torch.cat([kv_c, k_pe], dim=-1), kv_cache, slot_mapping)
+    cache_write_device(torch.cat([kv_c, k_pe], dim=-1), kv_cache, slot_mapping)
     return sparse_mla_partial_attention_device(q_nope, q_pe, kv_cache, block_table, query_start_loc, topk_indices,
                                                scale)[0]
+
+
+def sparse_mla_attention_quant_device(q_nope, q_pe, kv_c, k_pe, kv_cache, kv_scale_cache, slot_mapping, block_table,
+                                      seq_lens, query_start_loc, topk_indices, scale):
+    """`cp::sparse_mla_attention_quant` on CUDA: quantising latent write (codes and scales),
+    then sparse attention dequantising on load."""
+    kv_quant.check_pair(kv_cache, kv_scale_cache, "kv_cache")  # before anything is written
+    cache_write_device(torch.cat([kv_c, k_pe], dim=-1), kv_cache, slot_mapping, kv_scale_cache)
+    req = layout.request_index(query_start_loc, q_nope.shape[0])
+    return sparse_mla_rows_triton(q_nope, q_pe, kv_cache, block_table, req, topk_indices, scale,
+                                  kv_scale_cache=kv_scale_cache)[0]
 
 
 # ----------------------------------------------------------------------------- lowering check

@@ -29,17 +29,16 @@ BLOCK, NUM_BLOCKS = 4, 16
 def test_config_refusals_name_field_value_and_fix():
     with pytest.raises(cp_compile.ConfigError, match=r"kv_cache_dtype='fp16'.*Fix: use 'auto'"):
         cp_compile.CPConfig(kv_cache_dtype="fp16")
-    for kw, name in ((dict(enable_mla_preprocess=True), "enable_mla_preprocess"),
-                     (dict(enable_dsa_cp=True), "enable_dsa_cp")):
+    for kw, name in ((dict(enable_mla_preprocess=True), "enable_mla_preprocess"),):
         with pytest.raises(cp_compile.ConfigError, match=rf"kv_cache_dtype='int8'.*{name}=.*Fix: set "
                                                          rf"kv_cache_dtype='auto', or {name}="):
             cp_compile.CPConfig(kv_cache_dtype="int8", **kw)
+    cp_compile.CPConfig(kv_cache_dtype="int8", enable_dsa_cp=True, tensor_parallel_size=2)  # decision 69
     # PCP carries the scales since decision 68 (tests/cp_compile/test_pcp_exactness.py)
     cp_compile.CPConfig(kv_cache_dtype="int8", prefill_context_parallel_size=2, tensor_parallel_size=2)
     cfg = cp_compile.CPConfig(kv_cache_dtype="fp8_e4m3", tensor_parallel_size=2, decode_context_parallel_size=2)
-    with pytest.raises(cp_compile.ConfigError, match=r"attention kind='sfa'.*Fix: set kv_cache_dtype='auto'"):
-        cfg.validate_for(cp_compile.AttentionSpec("sfa", 4, has_indexer=True))
-    cfg.validate_for(cp_compile.AttentionSpec("mla", 4))  # GQA / MLA are built
+    cfg.validate_for(cp_compile.AttentionSpec("sfa", 4, has_indexer=True))  # SFA since decision 69
+    cfg.validate_for(cp_compile.AttentionSpec("mla", 4))
     cfg.validate_for(cp_compile.AttentionSpec("gqa", 4, 1))
 
 
@@ -59,12 +58,6 @@ def test_allocate_counts_scale_bytes_and_shards_them(name):
         pages, scales = layer[:len(layer) // 2], layer[len(layer) // 2:]  # (k, v, k_scale, v_scale) / (kv, kv_scale)
         assert all(p.dtype == DTYPES[name] for p in pages) and all(s.dtype == torch.float32 for s in scales)
         assert all(s.shape == (8, BLOCK, 2 if spec.kind == "gqa" else 1) for s in scales)
-
-
-def test_allocate_refuses_sfa():
-    spec = KVCacheSpec(num_layers=1, kind="sfa", latent_dim=24, index_dim=8)
-    with pytest.raises(cp_compile.ConfigError, match="kv_cache_dtype='int8'.*SFA"):
-        allocate_kv_cache(cp_compile.CPConfig(kv_cache_dtype="int8"), spec, 2, device="meta")
 
 
 # ----------------------------------------------------------------------------- the quantising write

@@ -1,6 +1,7 @@
 """Triton kernels of the quantised KV cache (issue 39) against the torch oracle, under the
 interpreter: the quantising cache write (the same bytes and scales as `kv_quant.write_quantized`)
-and the decode kernel's dequantise on load (GQA and MLA, split and unsplit).
+and the decode kernel's dequantise on load (GQA and MLA, split and unsplit); the sparse MLA (SFA)
+kernel's dequantise on load (split-KV and its merge, unsplit, tl.dot and broadcast products).
 
 TRITON_INTERPRET is read when triton is first imported (see test_kernels.py): run alone this
 file sets it and checks in-process; otherwise one test reruns the file in a fresh interpreter.
@@ -33,6 +34,11 @@ from cp_compile.ops.core.triton_cache_write import cache_write_device  # noqa: E
 from cp_compile.ops.core.triton_common import interpreter_active  # noqa: E402
 from cp_compile.ops.paged import launch  # noqa: E402
 from cp_compile.ops.paged.triton_decode import paged_attention_with_lse_triton  # noqa: E402
+from cp_compile.ops.core import kv_quant  # noqa: E402
+from cp_compile.ops.sparse import launch as sparse_launch  # noqa: E402
+from cp_compile.ops.sparse import reference as sparse_reference  # noqa: E402
+from cp_compile.ops.core.triton_common import capture_launches  # noqa: E402
+from cp_compile.ops.sparse.triton_sparse_mla import sparse_mla_rows_triton  # noqa: E402
 
 IN_PROCESS = interpreter_active()
 interp = pytest.mark.skipif(not IN_PROCESS, reason="triton imported without TRITON_INTERPRET=1: "
@@ -105,6 +111,86 @@ def test_triton_single_device_ops_on_a_quantised_cache():
     want = torch.ops.cp.gqa_paged_attention_quant(q, k, v, *want_c, *want_s, *meta_args(m), 0.25)
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
     assert all(torch.equal(a, b) for a, b in zip(caches + scales, want_c + want_s))
+
+
+def _sparse_case(dt: torch.dtype, seed: int):
+    """A quantised latent [NB, 4, 40+12] (codes written by the quantising write, so every page a
+    request owns holds real codes and scales; other pages' scales NaN: a read of one poisons its
+    row), three requests' index lists of 12 / 7 / 0 entries (-1 gaps and tails), a padding row."""
+    g = torch.Generator().manual_seed(seed)
+    NB, L, R, H = 12, 40, 12, 4
+    codes = torch.zeros(NB, BLOCK, L + R, dtype=dt)
+    scales = torch.full((NB, BLOCK, 1), float("nan"))
+    bt = (torch.randperm(NB - 1, generator=g)[:9] + 1).view(3, 3).to(torch.int32)
+    slots = (bt.long()[:, :, None] * BLOCK + torch.arange(BLOCK)).flatten()  # every slot of the table
+    torch.ops.cp.quant_cache_write(torch.randn(slots.numel(), L + R, generator=g) * 4, codes, scales, slots)
+    codes[0], scales[0] = codes[int(bt[0, 0])], scales[int(bt[0, 0])]  # page 0: skipped entries read it
+    idx = torch.full((4, 12), -1, dtype=torch.int32)
+    for b, n in enumerate((12, 7, 0)):
+        idx[b, :n] = torch.randperm(3 * BLOCK, generator=g)[:n].to(torch.int32)
+    idx[0, 5:8] = -1
+    req = torch.tensor([0, 1, 2, -1], dtype=torch.int32)
+    qn, qp = torch.randn(4, H, L, generator=g), torch.randn(4, H, R, generator=g)
+    return qn, qp, codes, scales, bt, req, idx
+
+
+@interp
+@pytest.mark.parametrize("dt, splits, use_dot", [(torch.int8, 3, False), (torch.float8_e4m3fn, 1, False),
+                                                 (torch.float8_e4m3fn, 2, True), (torch.int8, 1, True)],
+                         ids=["int8-split3", "fp8-unsplit", "fp8-split2-dot", "int8-unsplit-dot"])
+def test_triton_sparse_mla_dequantises_on_load(dt, splits, use_dot):
+    """The sparse MLA kernel over int8 / fp8 codes == the torch reference dequantising `code *
+    scale` in fp32: split launches (partials merged by LSE) and one split, broadcast and tl.dot."""
+    qn, qp, codes, scales, bt, req, idx = _sparse_case(dt, 40)
+    kw = dict(block_h=16, block_n=16) if use_dot else {}
+    call = dict(num_splits=splits, use_dot=use_dot, kv_scale_cache=scales, **kw)
+    with capture_launches() as launches:  # captured, not run: the launch sequence and its QUANT flag
+        sparse_mla_rows_triton(qn, qp, codes, bt, req, idx, 0.2, **call)
+    assert [lc.kernel.fn.__name__ for lc in launches] == ["_sparse_mla_kernel"] + (
+        ["_sparse_split_merge_kernel"] if splits > 1 else [])
+    out, lse = sparse_mla_rows_triton(qn, qp, codes, bt, req, idx, 0.2, **call)
+    want_out, want_lse = sparse_reference.sparse_attention_rows_with_lse(torch.cat([qn, qp], -1), codes, bt, req, idx,
+                                                                          40, 0.2, scales)
+    assert not torch.isnan(out).any() and torch.isneginf(lse[2:]).all() and (out[2:] == 0).all()
+    torch.testing.assert_close(out, want_out, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(lse, want_lse, atol=1e-5, rtol=1e-5)
+    # The reference is the dequantised cache read in fp32 (its oracle, independent of the kernel).
+    deq = kv_quant.dequantize(codes, scales[..., 0])
+    plain = sparse_reference.sparse_attention_rows_with_lse(torch.cat([qn, qp], -1), deq, bt, req, idx, 40, 0.2)
+    torch.testing.assert_close(want_out, plain[0], atol=1e-6, rtol=1e-6)
+
+
+@interp
+def test_triton_sparse_single_device_and_partial_ops_on_a_quantised_cache():
+    """The launch adapters of `cp::sparse_mla_attention_quant` (quantising write + attention), of
+    `cp::sparse_mla_partial_attention` and of DSA-CP's `cp::sparse_mla_rows_attention` with their
+    scale cache == the CPU ops (codes byte-equal)."""
+    g = torch.Generator().manual_seed(3)
+    m = two_step_metas("mixed", dcp=1, block_size=BLOCK, num_blocks=NUM_BLOCKS)[1]
+    T = m.num_tokens
+    qn, qp, kv_c, k_pe = (torch.randn(T, 4, 16, generator=g), torch.randn(T, 4, 8, generator=g),
+                          torch.randn(T, 16, generator=g), torch.randn(T, 8, generator=g))
+    topk = torch.randint(-1, 12, (T, 5), generator=g, dtype=torch.int32)
+    for dt in DTYPES:
+        codes, scales = torch.zeros(NUM_BLOCKS, BLOCK, 24, dtype=dt), torch.zeros(NUM_BLOCKS, BLOCK, 1)
+        want_c, want_s = codes.clone(), scales.clone()
+        got = sparse_launch.sparse_mla_attention_quant(qn, qp, kv_c, k_pe, codes, scales, *meta_args(m), topk, 0.3)
+        want = torch.ops.cp.sparse_mla_attention_quant(qn, qp, kv_c, k_pe, want_c, want_s, *meta_args(m), topk, 0.3)
+        assert torch.equal(codes.view(torch.uint8), want_c.view(torch.uint8))
+        torch.testing.assert_close(scales, want_s, atol=0, rtol=1e-6)
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+        got = sparse_launch.sparse_mla_partial_attention(qn, qp, codes, m.block_table, m.query_start_loc, topk, 0.3,
+                                                         scales)
+        want = torch.ops.cp.sparse_mla_partial_attention(qn, qp, codes, m.block_table, m.query_start_loc, topk, 0.3,
+                                                         scales)
+        torch.testing.assert_close(got[0], want[0], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(got[1], want[1], atol=1e-5, rtol=1e-5)
+        # DSA-CP's row shard (tp 2, rank 1: the second half of the tokens) with the scale cache
+        rows = layout.token_shard_rows(T, tp=2)
+        args = (qn[:rows], qp[:rows], codes, m.block_table, m.seq_lens, m.query_start_loc, topk[:rows], 2, 1, 0.3,
+                scales)
+        torch.testing.assert_close(sparse_launch.sparse_mla_rows_attention(*args),
+                                   torch.ops.cp.sparse_mla_rows_attention(*args), atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.skipif(IN_PROCESS or os.environ.get(_CHILD_ENV) == "1", reason="checked in-process under the interpreter")

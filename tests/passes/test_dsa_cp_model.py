@@ -121,11 +121,12 @@ def _op(hist: dict[str, int], name: str) -> int:
     return hist.get(name, 0) + hist.get(name + ".default", 0)
 
 
-def _world(rank: int, world: int, hf_config, state_dict, runs: list[tuple[bool, str]]) -> list[dict]:
+def _world(rank: int, world: int, hf_config, state_dict, runs: list[tuple[bool, str]],
+           kv_dtype: str = "auto") -> list[dict]:
     """Each (enable_dsa_cp, lowering) of `runs` in turn, on fresh parallel state and caches."""
     results = []
     for dsa_cp, lowering in runs:
-        cfg = CPConfig(tensor_parallel_size=world, block_size=BLOCK, enable_dsa_cp=dsa_cp)
+        cfg = CPConfig(tensor_parallel_size=world, block_size=BLOCK, enable_dsa_cp=dsa_cp, kv_cache_dtype=kv_dtype)
         state = cp_compile.init_parallel(cfg, device="cpu")
         model = example_from_config(hf_config, state_dict, world, state.layout.tp.rank, state.tp_group)
         cache = cp_compile.allocate_kv_cache(cfg, model.kv_cache_spec(), NUM_BLOCKS,
@@ -151,16 +152,20 @@ def _world(rank: int, world: int, hf_config, state_dict, runs: list[tuple[bool, 
                                            for pm in b.pass_managers for h in pm.history],
                                   batch_kinds=[c.batch_kind for c in b.contexts])
                   for kind, b in compiled.backends.items()}
-        results.append(dict(dsa_cp=dsa_cp, lowering=lowering, steps=steps, graphs=graphs))
+        results.append(dict(dsa_cp=dsa_cp, lowering=lowering, steps=steps, graphs=graphs, kv_dtype=kv_dtype,
+                            layers=[tuple(t.clone() for t in layer) for layer in cache.layers]))
         cp_compile.destroy_parallel()
     return results
 
 
-def _reference(hf_config, state_dict) -> list[Step]:
+def _reference(hf_config, state_dict, kv_dtype: str = "auto", caches: list | None = None) -> list[Step]:
     model = example_from_config(hf_config, state_dict)
-    cfg = CPConfig(block_size=BLOCK)
+    cfg = CPConfig(block_size=BLOCK, kv_cache_dtype=kv_dtype)
     cache = cp_compile.allocate_kv_cache(cfg, model.kv_cache_spec(), NUM_BLOCKS)
-    return run_steps(model, layer_caches(cache), cfg.virtual_block_size)
+    steps = run_steps(model, layer_caches(cache), cfg.virtual_block_size)
+    if caches is not None:
+        caches += cache.layers
+    return steps
 
 
 def _check_run(rank: int, run: dict, ref: list[Step], layers: int) -> dict[str, float]:
@@ -176,6 +181,7 @@ def _check_run(rank: int, run: dict, ref: list[Step], layers: int) -> dict[str, 
         assert got.next_tokens == want.next_tokens, f"{where} step {got.label}"
         diffs[got.label] = (got.last_logits - want.last_logits).abs().max().item()
     graphs = run["graphs"]
+    sparse = "cp.sparse_mla_attention" + ("_quant" if run.get("kv_dtype", "auto") != "auto" else "")
     if not run["dsa_cp"]:
         # Plain TP: one graph for every batch, no pass.
         assert list(graphs) == ["None"] and graphs["None"]["count"] == 1, (where, graphs)
@@ -187,27 +193,35 @@ def _check_run(rank: int, run: dict, ref: list[Step], layers: int) -> dict[str, 
         assert g["count"] == 1 and g["batch_kinds"] == [kind], (where, kind, g)
     assert all("dsa_cp" not in names for names in graphs["decode"]["names"]), where
     for name, _, _, after in graphs["decode"]["history"]:  # whatever other passes ran: TP layout kept
-        assert _op(after, "cp.lightning_indexer") == _op(after, "cp.sparse_mla_attention") == layers
+        assert _op(after, "cp.lightning_indexer") == _op(after, sparse) == layers
         assert _count(after, "all_to_all_single") == 0, (where, name)
     (rewrites, before, after), = [(r, b, a) for n, r, b, a in graphs["prefill"]["history"] if n == "dsa_cp"]
     assert rewrites == 2 * layers, where
-    assert _op(before, "cp.lightning_indexer") == _op(before, "cp.sparse_mla_attention") == layers
-    assert _op(after, "cp.lightning_indexer") == _op(after, "cp.sparse_mla_attention") == 0, where
+    assert _op(before, "cp.lightning_indexer") == _op(before, sparse) == layers
+    assert _op(after, "cp.lightning_indexer") == _op(after, sparse) == 0, where
     assert _count(after, "cp.lightning_indexer_topk_rows") == _count(after, "cp.sparse_mla_rows_attention") == layers
     # Two all-to-alls per layer (Q in, output back); every key and latent written on every rank.
     assert _count(after, "all_to_all_single") - _count(before, "all_to_all_single") == 2 * layers
-    assert _count(after, "cp.cache_write") - _count(before, "cp.cache_write") == 2 * layers
+    # (a quantised latent: its write is cp::quant_cache_write, the indexer's keys' cp::cache_write)
+    assert _count(after, "cache_write") - _count(before, "cache_write") == 2 * layers
     # The indexer's top-k feeds only its sparse attention here: no top-k all-gather.
     assert _count(after, "all_gather_into_tensor") == _count(before, "all_gather_into_tensor")
     return diffs
 
 
-def _run_matrix(runs: list[tuple[bool, str]], world: int = 2, layers: int = 2
+def _run_matrix(runs: list[tuple[bool, str]], world: int = 2, layers: int = 2, kv_dtype: str = "auto"
                 ) -> dict[tuple[bool, str], dict[str, float]]:
     hf, sd = _hf(layers)
-    per_rank = run_on_ranks(_world, world, hf.config, sd, runs, timeout=1200)
-    ref = _reference(hf.config, sd)
+    per_rank = run_on_ranks(_world, world, hf.config, sd, runs, kv_dtype, timeout=1200)
+    ref_caches: list = []
+    ref = _reference(hf.config, sd, kv_dtype, ref_caches)
     layers = hf.config.num_hidden_layers
+    if kv_dtype != "auto":  # every rank writes every token's codes and scale, as one device does
+        for rank_runs in per_rank:
+            for run in rank_runs:
+                for want, got in zip(ref_caches, run["layers"], strict=True):
+                    assert torch.equal(got[0].view(torch.uint8), want[0].view(torch.uint8)), "codes"
+                    torch.testing.assert_close(got[1], want[1], atol=0, rtol=1e-6)
     worst: dict[tuple[bool, str], dict[str, float]] = {}
     for rank, rank_runs in enumerate(per_rank):
         for run in rank_runs:
@@ -253,6 +267,15 @@ def test_dsa_cp_compiled_matches_single_device():
 def test_dsa_cp_compiled_off_matches_single_device():
     """Inductor, DSA-CP off (plain TP): the other half of the compiled matrix."""
     _run_matrix([(False, "inductor")])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kv_dtype", ["int8", "fp8_e4m3"])
+def test_dsa_cp_quantised_matches_single_device(kv_dtype: str):
+    """A quantised latent (issue 39, decision 69), eager, DSA-CP on: the prefill graph's
+    `cp::sparse_mla_attention_quant` token-sharded with its scale cache, the decode graph's kept
+    in TP; == one device with the same quantised cache (logits 1e-5, tokens, codes, scales)."""
+    _run_matrix([(True, "eager")], kv_dtype=kv_dtype)
 
 
 @pytest.mark.slow

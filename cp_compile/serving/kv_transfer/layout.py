@@ -93,6 +93,13 @@ class KVGeometry:
            kv_cache_dtype: str = "auto") -> "KVGeometry":
         """`dtype`: the pages' dtype (`KVCache.layers[0][0].dtype`); `kv_cache_dtype`: the cache's
         `KVCache.kv_cache_dtype` (the config field)."""
+        if spec.kind == "sfa" and kv_cache_dtype != "auto":
+            # A quantised SFA cache keeps its indexer keys in the model's dtype (decision 69), so
+            # its pages have two element sizes; the byte formulas here count one.
+            raise ConfigError("P/D KV transfer of a quantised cache covers GQA and MLA",
+                              f"cache kind='sfa', kv_cache_dtype={kv_cache_dtype!r} (the latent quantised, the "
+                              "indexer's keys in the model's dtype: not built for the transfer plan's byte counts)",
+                              "serve SFA models with P/D disaggregation at kv_cache_dtype='auto'")
         gqa = spec.kind == "gqa"
         return cls(kind=spec.kind, num_layers=spec.num_layers, num_kv_heads=attention.num_kv_heads if gqa else 0,
                    head_dim=spec.head_dim if gqa else 0,
