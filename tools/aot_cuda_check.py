@@ -22,7 +22,9 @@ production shapes (`tools/production_tiles.py`: GQA / MLA decode and prefill, sp
 MLA, the indexer, the DCP merges, batch 1 / 8 / 64, 8k-128k, bf16), specialised as
 Triton's JIT specialises the launch (`jit_specialisation`), and reports blocks per SM
 besides registers, spills and shared memory; a spill at a production tile fails unless
-`production_tiles.ALLOWED_SPILLS` names it with its reason. `--production --subset`:
+`production_tiles.ALLOWED_SPILLS` names it with its reason. An fp8e4nv specialisation (an
+fp8_e4m3 KV cache) below sm_89 is "not on arch" when the compiler refuses the type there
+(`mark_not_on_arch`), in both modes. `--production --subset`:
 the GQA and MLA decode tiles at batch 8, 32k (the default test); the table of
 docs/kernels_aot.md is the full run:
 
@@ -56,7 +58,7 @@ class Compiled:
     kernel: str
     constexprs: dict[str, Any]
     arch: int
-    status: str  # "ok" | "failed" | "not on arch" (--production: production_tiles.NOT_ON_ARCH, and it failed so)
+    status: str  # "ok" | "failed" | "not on arch" (fp8 below sm_89: `mark_not_on_arch`)
     target: str = ""  # the PTX .target (sm_80, sm_90a)
     registers: int | None = None
     spill_stores: int | None = None
@@ -241,14 +243,20 @@ def run_production(archs: tuple[int, ...], subset: bool = False, progress: bool 
     return results
 
 
-def mark_not_on_arch(r: Compiled) -> None:
-    """A tile `production_tiles.NOT_ON_ARCH` declares unbuilt for its arch, whose compile failed
-    saying so, becomes "not on arch" with the reason; any other failure stays a failure."""
-    from tools.production_tiles import not_on_arch
+# Triton's fp8e4nv (torch.float8_e4m3fn) exists from sm_89 on: the kernels over an fp8_e4m3 KV
+# cache (the quantising cache write, the quantised prefill) are not built for sm_80; an fp8 cache
+# on CUDA needs sm_89 / sm_90a, int8 runs on sm_80.
+FP8E4NV_MIN_ARCH = 89
+FP8_NOT_ON_ARCH = ("fp8e4nv needs sm_89+: Triton has no float8_e4m3fn below it ('type fp8e4nv not supported in "
+                   "this architecture'); an fp8_e4m3 KV cache on CUDA needs sm_89 / sm_90a, int8 runs on sm_80")
 
-    why = next((a for a in (not_on_arch(r.kernel, lb, r.arch) for lb in r.labels) if a), "")
-    if why and r.status == "failed" and "not supported in this architecture" in r.message:
-        r.status, r.allowed = "not on arch", why
+
+def mark_not_on_arch(r: Compiled) -> None:
+    """An fp8e4nv specialisation compiled for an arch below sm_89 whose compile failed saying
+    so becomes "not on arch" with the reason; any other failure stays a failure."""
+    if (r.status == "failed" and r.arch < FP8E4NV_MIN_ARCH and "fp8e4nv" in r.pointer_dtypes
+            and "not supported in this architecture" in r.message):
+        r.status, r.allowed = "not on arch", FP8_NOT_ON_ARCH
 
 
 def production_problems(results: list[Compiled]) -> list[str]:
@@ -297,6 +305,10 @@ def markdown(results: list[Compiled]) -> str:
     lines = ["| kernel | specialisation (constexprs) | pointer dtypes | target | regs | spill st/ld (B) | "
              "smem static / dynamic (B) | warps | s |", "|---|---|---|---|---|---|---|---|---|"]
     for r in results:
+        if r.status == "not on arch":
+            lines.append(f"| {r.kernel} | {_short(r.constexprs)} | {','.join(r.pointer_dtypes)} | sm_{r.arch} | "
+                         f"not built: {r.allowed.split(':')[0]} | | | | {r.seconds} |")
+            continue
         if r.status != "ok":
             lines.append(f"| {r.kernel} | {_short(r.constexprs)} | {','.join(r.pointer_dtypes)} | sm_{r.arch} | "
                          f"FAILED: {r.message.splitlines()[0][:80] if r.message else ''} | | | | {r.seconds} |")
@@ -314,6 +326,7 @@ def run(archs: tuple[int, ...], modules: list[str] | None = None, subset: bool =
     for i, spec in enumerate(specs):
         for arch in archs:
             r = compile_spec(spec, arch)
+            mark_not_on_arch(r)
             if progress:
                 print(f"[{i + 1}/{len(specs)} sm_{arch}] {spec.name} {_short(spec.constexprs)}: {r.status} "
                       f"regs={r.registers} spills={r.spill_stores}/{r.spill_loads} smem={r.smem_dynamic} "
@@ -364,10 +377,11 @@ def main(argv: list[str] | None = None) -> int:
     results, failures = run(archs, a.modules, a.subset)
     table = markdown(results)
     print(table)
-    failed = [r for r in results if r.status != "ok"]
+    failed = [r for r in results if r.status not in ("ok", "not on arch")]
     kernels = {(r.module, r.kernel) for r in results}
     print(f"\nAOT CUDA compile: {len(kernels)} kernels, {len(results) // max(len(archs), 1)} specialisations x "
           f"{len(archs)} archs ({', '.join(sorted({r.target for r in results if r.target}))}), {len(failed)} failed, "
+          f"{sum(r.status == 'not on arch' for r in results)} not on their arch (fp8 below sm_89), "
           f"{len(failures)} declaration failures, {sum(r.seconds for r in results):.0f} s")
     for f in failures:
         print(f"declaration: {f}")

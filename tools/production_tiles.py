@@ -44,15 +44,6 @@ KV_QUANT = ((torch.int8, "int8"), (torch.float8_e4m3fn, "fp8_e4m3"))  # kv_cache
 # took 8 warps, ops/sparse/triton_sparse_mla.py).
 ALLOWED_SPILLS: dict[tuple[str, str, int | None], str] = {}
 
-# (kernel, label substring, arch) -> why this production tile does not compile for that arch.
-# The check still compiles it and accepts only a failure that says so (`not supported in this
-# architecture`), so an entry that stops being true fails the check.
-NOT_ON_ARCH: dict[tuple[str, str, int], str] = {
-    ("_paged_prefill_quant_kernel", "fp8_e4m3 cache", 80):
-        "sm_80 has no float8_e4m3fn: Triton's fp8e4nv needs sm_89+ ('type fp8e4nv not supported in this "
-        "architecture'); an fp8_e4m3 KV cache on CUDA needs sm_89 / sm_90a, int8 runs on sm_80",
-}
-
 
 @dataclass
 class ProductionLaunch:
@@ -63,14 +54,6 @@ class ProductionLaunch:
     @property
     def kernel_name(self) -> str:
         return self.launch.kernel.fn.__name__
-
-
-def not_on_arch(kernel: str, label: str, arch: int) -> str | None:
-    """Why this production tile is not built for `arch`, or None."""
-    for (name, part, only), reason in NOT_ON_ARCH.items():
-        if name == kernel and part in label and only == arch:
-            return reason
-    return None
 
 
 def allowed_spill(kernel: str, label: str, arch: int) -> str | None:
