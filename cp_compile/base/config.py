@@ -176,9 +176,7 @@ class CPConfig:
             # What is not built yet (issue 39), refused by name rather than run on a path that
             # would read quantised bytes as if they were the model's dtype.
             for name, on, why in (
-                    ("enable_dsa_cp", self.enable_dsa_cp, "the DSA-CP row ops do not read scales yet"),
-                    ("enable_mla_preprocess", self.enable_mla_preprocess,
-                     "cp::mla_preprocess writes the latent unquantised")):
+                    ("enable_dsa_cp", self.enable_dsa_cp, "the DSA-CP row ops do not read scales yet"),):
                 if on:
                     raise ConfigError(f"kv_cache_dtype={self.kv_cache_dtype!r} is not built with {name}",
                                       f"kv_cache_dtype={self.kv_cache_dtype!r}, {name}={getattr(self, name)!r} "

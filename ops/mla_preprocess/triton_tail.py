@@ -32,6 +32,7 @@ from cp_compile.ops.core.triton_common import (
     next_pow2,
     require_int32_offsets,
 )
+from cp_compile.ops.core.triton_cache_write import cache_write_device
 from cp_compile.ops.quant.triton_int8_matmul import w8a8_dynamic_linear_device
 
 # rope_mode -> (pairs in, split out, rotate in fp32)
@@ -188,3 +189,18 @@ def mla_preprocess_device(x, q_a_weight, q_a_scale, q_a_offset, q_a_norm, q_b_we
                                                   slot_mapping)
     q_abs = torch.einsum("thn,hnl->thl", q[..., :nope], w_uk).contiguous()  # [T, H, L]
     return q_abs, q_pe, kv_c, k_pe, q_resid
+
+
+def mla_preprocess_quant_device(x, q_a_weight, q_a_scale, q_a_offset, q_a_norm, q_b_weight, q_b_scale, q_b_offset,
+                                kv_a_weight, kv_a_scale, kv_a_offset, kv_norm, w_uk, cos, sin, kv_cache,
+                                kv_scale_cache, slot_mapping, q_eps, kv_eps, rope_mode):
+    """`cp::mla_preprocess_quant` on an accelerator: the tail kernel without its write, then the
+    latent through the quantising cache-write kernel `cp::quant_cache_write` runs
+    (`_cache_write_quant_kernel`: the same codes and scales)."""
+    mla.check_quant_args(x, q_a_weight, q_a_norm, q_b_weight, kv_a_weight, kv_norm, w_uk, cos, kv_cache,
+                         kv_scale_cache, slot_mapping, rope_mode)
+    out = mla_preprocess_device(x, q_a_weight, q_a_scale, q_a_offset, q_a_norm, q_b_weight, q_b_scale, q_b_offset,
+                                kv_a_weight, kv_a_scale, kv_a_offset, kv_norm, w_uk, cos, sin, None, None, q_eps,
+                                kv_eps, rope_mode)
+    cache_write_device(torch.cat([out[2], out[3]], dim=-1), kv_cache, slot_mapping, kv_scale_cache)  # [T, L + R]
+    return out

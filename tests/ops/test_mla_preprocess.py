@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import cp_compile.ops  # noqa: F401
+from cp_compile.ops.mla_preprocess import ops as mla_ops
 from cp_compile.ops.mla_preprocess import reference as ref
 from examples.models.common import RotaryEmbedding
 from examples.models.deepseek_mla import DeepseekMLAConfig, MLAAttention
@@ -96,6 +97,39 @@ def test_cache_write_and_padding_slot():
             assert torch.equal(flat[s], latent[t])
     untouched = [i for i in range(NB * BS) if i not in (0, 1, 5, 9)]
     assert torch.all(flat[untouched] == 7.0)
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.int8, torch.float8_e4m3fn], ids=["int8", "fp8"])
+def test_quant_op_writes_the_latent_as_quant_cache_write(kv_dtype):
+    """cp::mla_preprocess_quant (issue 39): the same outputs as cp::mla_preprocess, and the latent
+    in the cache as cp::quant_cache_write of [kv_c | k_pe] leaves it (codes byte-equal, scales
+    equal), a padding slot skipped; body and CPU kernel alike. A cache in the model's dtype or a
+    scale cache of the wrong shape is refused before anything is written."""
+    attn = _layer(12, True, False)
+    x, cos, sin = _inputs()
+    slots = torch.tensor([0, 1, 5, -1, 9])
+    with torch.no_grad():
+        want = cp.mla_preprocess(*op_args(attn, x, cos, sin))
+    want_c, want_s = torch.zeros(NB, BS, CFG.latent_dim, dtype=kv_dtype), torch.zeros(NB, BS, 1)
+    cp.quant_cache_write(torch.cat([want[2], want[3]], -1), want_c, want_s, slots)
+    assert (want_s.view(-1)[[0, 1, 5, 9]] > 0).all()
+    # the registered op (on CPU: its CPU kernel) and the op's body (the reference)
+    for fn in (cp.mla_preprocess_quant, mla_ops.mla_preprocess_quant._init_fn):
+        codes, scales = torch.zeros_like(want_c), torch.zeros_like(want_s)
+        args = op_args(attn, x, cos, sin)
+        with torch.no_grad():
+            got = fn(*args[:15], codes, scales, slots, *args[17:])
+        for name, w, o in zip(("q_abs", "q_pe", "kv_c", "k_pe", "q_resid"), want, got):
+            assert torch.equal(w, o), name
+        assert torch.equal(codes.view(torch.uint8), want_c.view(torch.uint8)) and torch.equal(scales, want_s)
+    args = op_args(attn, x, cos, sin)
+    plain, scales = torch.zeros(NB, BS, CFG.latent_dim), torch.zeros(NB, BS, 1)
+    with pytest.raises(ValueError, match=r"mla_preprocess_quant: kv_cache is torch.float32.*cp::mla_preprocess"):
+        cp.mla_preprocess_quant(*args[:15], plain, scales, slots, *args[17:])
+    codes = torch.zeros(NB, BS, CFG.latent_dim, dtype=kv_dtype)
+    with pytest.raises(ValueError, match=r"scale cache \(\d+, \d+, 2\) torch.float32 does not fit"):
+        cp.mla_preprocess_quant(*args[:15], codes, torch.zeros(NB, BS, 2), slots, *args[17:])
+    assert not codes.view(torch.uint8).any() and not plain.any()
 
 
 @pytest.mark.parametrize("q_lora,interleave,quant", CASES)
