@@ -256,6 +256,24 @@ def test_dcp2_quantised_cache_fused_equals_unfused():
         check_quantised_cache(r, "fp8_e4m3")
 
 
+@pytest.mark.slow
+def test_pcp2_quantised_cache_fused_equals_unfused():
+    """`-m slow` (~75 s). pcp 2 on gloo, int8 latent: the decode graph's write folds into
+    `cp::mla_preprocess_quant`, the PCP prefill graphs keep their `cp::quant_cache_write` of the
+    gathered latents; each rank's logits, tokens and cache (codes and scales) equal the unfused graph's."""
+    hf = _mla_hf()
+    per_rank = run_on_ranks(run_pair, 2, hf.config, hf.state_dict(),
+                            dict(prefill_context_parallel_size=2, kv_cache_dtype="int8"), False, "aot_eager",
+                            timeout=900)
+    for r in per_rank:
+        check_pair(r, False, "aot_eager", folded=False)
+        for (codes_on, scales_on), (codes_off, scales_off) in zip(r[True]["cache"], r[False]["cache"], strict=True):
+            assert torch.equal(codes_on, codes_off) and torch.equal(scales_on, scales_off)
+        fused = [_count({n: a for n, _, _, a in g}["mla_preprocess_cache_write"], "cp.mla_preprocess_quant")
+                 for g in r[True]["graphs"]]
+        assert LAYERS in fused and 0 in fused, fused  # the decode graph folds, the prefill graphs do not
+
+
 SLOW = [
     ("dcp1_tp2", 2, dict(tensor_parallel_size=2), False, "aot_eager", "mla", True),
     ("dcp4", 4, dict(tensor_parallel_size=4, decode_context_parallel_size=4), False, "aot_eager", "mla", True),
