@@ -235,6 +235,20 @@ for mode in ref.ROPE_MODES:
     torch.testing.assert_close(kv_c, ref.rms_norm(kv[:, :16], w, 1e-2), rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(k_pe, ref.rope(kv[:, None, 16:], cos, sin, mode)[:, 0], rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(q_pe, ref.rope(q[..., 6:], cos, sin, mode), rtol=1e-6, atol=1e-6)
+# The quantised tail (issue 39): the latent's codes and per-token scale are the bytes
+# cp::quant_cache_write writes for [kv_c | k_pe]; a -1 slot writes nothing; an all-zero row scale 1.
+import cp_compile.ops  # registers cp::quant_cache_write (its CPU body)
+kv[4] = 0.0
+slots = torch.tensor([3, 0, -1, 9, 6, 1, 12])
+for dt in (torch.int8, torch.float8_e4m3fn):
+    codes, scales = torch.full((4, 4, 20), 5, dtype=torch.int8).to(dt), torch.full((4, 4, 1), 7.0)
+    want_c, want_s = codes.clone(), scales.clone()
+    kv_c, k_pe, _ = mla_preprocess_tail_triton(kv, q, w, cos, sin, 1e-2, "interleave", 6, codes, slots,
+                                               num_programs=2, kv_scale_cache=scales)
+    torch.ops.cp.quant_cache_write(torch.cat([kv_c, k_pe], -1), want_c, want_s, slots)
+    assert torch.equal(codes.view(torch.uint8), want_c.view(torch.uint8)), dt
+    assert torch.equal(scales, want_s), dt
+    assert scales.view(-1)[6] == 1.0 and (scales.view(-1)[[2, 4, 5, 7, 8, 10, 11, 13, 14, 15]] == 7.0).all()
 print("TAIL_OK")
 """
 
@@ -242,7 +256,8 @@ print("TAIL_OK")
 def test_tail_kernel_rope_layouts_under_the_triton_interpreter():
     """The Triton tail (norm + rope) in every rope layout, two programs over 7 tokens, under
     TRITON_INTERPRET=1, against the reference (the whole accelerator kernel with its cache
-    write is tests/ops/test_device_kernels.py's case of cp::mla_preprocess)."""
+    write is tests/ops/test_device_kernels.py's case of cp::mla_preprocess); its quantised
+    write (int8, fp8) == cp::quant_cache_write's bytes and scales."""
     import os
     import subprocess
     import sys
