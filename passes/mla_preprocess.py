@@ -22,6 +22,11 @@ Two pipeline stages in this file (docs/mla_preprocess.md):
    op's own write moves into it and the attention becomes its no-write twin
    (`cp::mla_partial_attention` over causal lengths / `cp::sparse_mla_partial_attention`).
    A PCP prefill graph writes the PCP-gathered latents, not the op's, so it keeps its write.
+   A quantised latent cache (kv_cache_dtype int8 / fp8, issue 39): the write is
+   `cp::quant_cache_write(cat, cache, scale_cache, slots)` or `cp::mla_attention_quant`'s
+   own; folding it turns the op into `cp::mla_preprocess_quant` (the same arguments with
+   the scale cache after the cache), the attention into `cp::mla_partial_attention` with
+   the scale cache.
 """
 
 from __future__ import annotations
@@ -39,7 +44,9 @@ from cp_compile.passes.mla_preprocess_match import (LayerMatch, Linear, NoMatch,
                                                     match_layer, tensor_of)
 
 cp = torch.ops.cp
-_ATTENTION = (cp.mla_attention.default, cp.mla_attention, cp.sparse_mla_attention.default, cp.sparse_mla_attention)
+_ATTENTION = (cp.mla_attention.default, cp.mla_attention, cp.sparse_mla_attention.default, cp.sparse_mla_attention,
+              cp.mla_attention_quant.default, cp.mla_attention_quant)
+_QUANT_ATTENTION = (cp.mla_attention_quant.default, cp.mla_attention_quant)
 _PREPROCESS = (cp.mla_preprocess.default, cp.mla_preprocess)
 
 
@@ -243,8 +250,27 @@ def _hoist_before(graph: fx.Graph, node: fx.Node, anchor: fx.Node, order: dict[f
     return True
 
 
+def _write_into(graph: fx.Graph, op: fx.Node, cache: fx.Node, scale_cache: fx.Node | None,
+                slots: fx.Node) -> fx.Node:
+    """The op with its latent written to `cache` at `slots`: `cp::mla_preprocess` with the cache
+    arguments filled, or (a quantised cache) its `cp::mla_preprocess_quant` twin in its place."""
+    args = list(op.args)
+    if scale_cache is None:
+        args[15], args[16] = cache, slots
+        op.args = tuple(args)
+        return op
+    with graph.inserting_before(op):
+        twin = graph.call_function(cp.mla_preprocess_quant.default,
+                                   (*args[:15], cache, scale_cache, slots, *args[17:]), dict(op.kwargs))
+    twin.meta.update(op.meta)
+    op.replace_all_uses_with(twin)
+    graph.erase_node(op)
+    return twin
+
+
 def _fold_local_write(graph: fx.Graph, op: fx.Node, order: dict[fx.Node, int]) -> bool:
-    """cache_write(cat([kv_c, k_pe], -1), cache, slots) of the op's own latent -> the op writes it."""
+    """cache_write(cat([kv_c, k_pe], -1), cache, slots) of the op's own latent -> the op writes it
+    (quant_cache_write(cat, cache, scale_cache, slots): its quantised twin does)."""
     kv_c, k_pe = _output(op, 2), _output(op, 3)
     if kv_c is None or k_pe is None:
         return False
@@ -252,14 +278,15 @@ def _fold_local_write(graph: fx.Graph, op: fx.Node, order: dict[fx.Node, int]) -
         if cat_pair(cat) != (kv_c, k_pe) or len(cat.users) != 1:
             continue
         write = next(iter(cat.users))
-        if not is_call(write, cp.cache_write.default, cp.cache_write) or write.args[0] is not cat:
+        if is_call(write, cp.cache_write.default, cp.cache_write) and write.args[0] is cat:
+            cache, scale_cache, slots = write.args[1], None, write.args[2]
+        elif is_call(write, cp.quant_cache_write.default, cp.quant_cache_write) and write.args[0] is cat:
+            cache, scale_cache, slots = write.args[1], write.args[2], write.args[3]
+        else:
             continue
-        cache, slots = write.args[1], write.args[2]
         if not _hoist_before(graph, slots, op, order):
             return False
-        args = list(op.args)
-        args[15], args[16] = cache, slots
-        op.args = tuple(args)
+        _write_into(graph, op, cache, scale_cache, slots)
         graph.erase_node(write)
         graph.erase_node(cat)
         return True
@@ -272,12 +299,17 @@ def _fold_attention_write(graph: fx.Graph, op: fx.Node, causal: dict[tuple[fx.No
     attn = next((u for u in (outs[0].users if outs[0] is not None else ()) if is_call(u, *_ATTENTION)), None)
     if attn is None or list(attn.args[:4]) != outs:
         return False
-    cache, slots, block_table, seq_lens, qsl = attn.args[4:9]
-    args = list(op.args)
-    args[15], args[16] = cache, slots
-    op.args = tuple(args)
+    quant = is_call(attn, *_QUANT_ATTENTION)
+    if quant:  # (..., kv_cache, kv_scale_cache, slots, block_table, seq_lens, qsl, scale)
+        cache, scale_cache = attn.args[4], attn.args[5]
+        slots, block_table, seq_lens, qsl, softmax_scale = attn.args[6:11]
+    else:
+        cache, scale_cache = attn.args[4], None
+        slots, block_table, seq_lens, qsl = attn.args[5:9]
+        softmax_scale = attn.args[9]
+    _write_into(graph, op, cache, scale_cache, slots)
     with graph.inserting_before(attn):
-        if is_call(attn, cp.mla_attention.default, cp.mla_attention):
+        if quant or is_call(attn, cp.mla_attention.default, cp.mla_attention):
             key = (slots, qsl, seq_lens)
             if key not in causal:  # once per graph: causal key counts pos + 1 (dcp = 1 localisation)
                 with graph.inserting_after(max(key, key=_order(graph).__getitem__)):
@@ -285,7 +317,8 @@ def _fold_attention_write(graph: fx.Graph, op: fx.Node, causal: dict[tuple[fx.No
                 with graph.inserting_after(meta):
                     causal[key] = graph.call_function(operator.getitem, (meta, 2))
             part = graph.call_function(cp.mla_partial_attention.default,
-                                       (outs[0], outs[1], cache, block_table, qsl, causal[key], attn.args[9]))
+                                       (outs[0], outs[1], cache, block_table, qsl, causal[key], softmax_scale,
+                                        *((scale_cache,) if quant else ())))
         else:
             part = graph.call_function(cp.sparse_mla_partial_attention.default,
                                        (outs[0], outs[1], cache, block_table, qsl, attn.args[9], attn.args[10]))

@@ -2,6 +2,7 @@
 
     .venv/bin/python -m tools.aot_cuda_check [--arch 80 --arch 90] [--json out.json] [--markdown out.md]
                                                  [--subset] [modules ...]
+    .venv/bin/python -m tools.aot_cuda_check --production [--subset] [--kernel NAME ...]
 
 The launches are the ones the Triton-Ascend lowering check compiles: each kernel
 module's `LOWERING.examples` run with launches captured (`ascend_check.collect`:
@@ -21,7 +22,9 @@ production shapes (`tools/production_tiles.py`: GQA / MLA decode and prefill, sp
 MLA, the indexer, the DCP merges, batch 1 / 8 / 64, 8k-128k, bf16), specialised as
 Triton's JIT specialises the launch (`jit_specialisation`), and reports blocks per SM
 besides registers, spills and shared memory; a spill at a production tile fails unless
-`production_tiles.ALLOWED_SPILLS` names it with its reason. `--production --subset`:
+`production_tiles.ALLOWED_SPILLS` names it with its reason. An fp8e4nv specialisation (an
+fp8_e4m3 KV cache) below sm_89 is "not on arch" when the compiler refuses the type there
+(`mark_not_on_arch`), in both modes. `--production --subset`:
 the GQA and MLA decode tiles at batch 8, 32k (the default test); the table of
 docs/kernels_aot.md is the full run:
 
@@ -55,7 +58,7 @@ class Compiled:
     kernel: str
     constexprs: dict[str, Any]
     arch: int
-    status: str  # "ok" | "failed"
+    status: str  # "ok" | "failed" | "not on arch" (fp8 below sm_89: `mark_not_on_arch`)
     target: str = ""  # the PTX .target (sm_80, sm_90a)
     registers: int | None = None
     spill_stores: int | None = None
@@ -185,39 +188,45 @@ def blocks_per_sm(arch: int, registers: int, smem: int, warps: int) -> int:
     return max(0, min(by_regs, by_smem, 64 // warps, 32))
 
 
-def production_units(subset: bool = False) -> list[tuple[Any, dict[str, Any], list[str]]]:
+def production_units(subset: bool = False, kernels: tuple[str, ...] = ()) -> list[tuple[Any, dict[str, Any], list[str]]]:
     """(specialisation, argument values, labels) of each distinct production tile.
 
-    One compile per (kernel, constexprs, compile options, arguments equal to 1): the
+    One compile per (kernel, constexprs, compile options, arguments equal to 1, pointer dtypes): the
     JIT's specialisations that change the code; launches that differ only in which
     counts are divisible by 16 share the compile of the first shape listed.
     subset: the representative tiles the default test compiles (the GQA decode tile of 8
-    q heads per KV head and the MLA decode tile of 128 heads, at batch 8, 32k)."""
+    q heads per KV head and the MLA decode tile of 128 heads, at batch 8, 32k).
+    kernels: only these kernels' tiles (`--kernel`; all when empty)."""
     from tools.ascend_check import _Spec, launch_options, specialise
     from tools.production_tiles import production_launches
 
     units: dict[tuple, tuple[Any, dict[str, Any], list[str]]] = {}
     for pl in production_launches():
+        if kernels and pl.kernel_name not in kernels:
+            continue
         if subset and not (pl.kernel_name == "_paged_attention_lse_kernel" and "batch 8, 32k" in pl.label
                            and ("GQA decode 8 " in pl.label or "MLA decode 128 " in pl.label)):
             continue
         signature, constexprs = specialise(pl.launch)
         options = launch_options(pl.launch)
         ones = tuple(sorted(n for n, t in signature.items() if t in ("i32", "i64") and pl.values.get(n) == 1))
-        key = (pl.kernel_name, tuple(constexprs.items()), tuple(options.items()), ones)
+        # The pointer dtypes too: an int8 and an fp8 cache launch the same constexprs (different code).
+        pointers = tuple(t for t in signature.values() if t.startswith("*"))
+        key = (pl.kernel_name, tuple(constexprs.items()), tuple(options.items()), ones, pointers)
         if key not in units:
             units[key] = (_Spec(pl.launch.kernel, signature, constexprs, None, options), pl.values, [])
         units[key][2].append(pl.label)
     return list(units.values())
 
 
-def run_production(archs: tuple[int, ...], subset: bool = False, progress: bool = True) -> list[Compiled]:
+def run_production(archs: tuple[int, ...], subset: bool = False, progress: bool = True,
+                   kernels: tuple[str, ...] = ()) -> list[Compiled]:
     """Compile every production tile for each arch, as the JIT specialises it; each result
     names its shapes and, where a spill is accepted, why (`production_tiles.allowed_spill`)."""
     from tools.production_tiles import allowed_spill
 
     results = []
-    units = production_units(subset)
+    units = production_units(subset, kernels)
     for i, (spec, values, labels) in enumerate(units):
         for arch in archs:
             r = compile_spec(spec, arch, values)
@@ -225,6 +234,7 @@ def run_production(archs: tuple[int, ...], subset: bool = False, progress: bool 
             r.constexprs = {**r.constexprs, **spec.options}
             if r.status == "ok" and (r.spill_stores or r.spill_loads):
                 r.allowed = next((a for a in (allowed_spill(r.kernel, lb, arch) for lb in labels) if a), "")
+            mark_not_on_arch(r)
             if progress:
                 print(f"[{i + 1}/{len(units)} sm_{arch}] {spec.name} {_short(r.constexprs)}: {r.status} "
                       f"regs={r.registers} spills={r.spill_stores}/{r.spill_loads} smem={r.smem_dynamic} "
@@ -233,14 +243,32 @@ def run_production(archs: tuple[int, ...], subset: bool = False, progress: bool 
     return results
 
 
+# Triton's fp8e4nv (torch.float8_e4m3fn) exists from sm_89 on: the kernels over an fp8_e4m3 KV
+# cache (the quantising cache write, the quantised prefill) are not built for sm_80; an fp8 cache
+# on CUDA needs sm_89 / sm_90a, int8 runs on sm_80.
+FP8E4NV_MIN_ARCH = 89
+FP8_NOT_ON_ARCH = ("fp8e4nv needs sm_89+: Triton has no float8_e4m3fn below it ('type fp8e4nv not supported in "
+                   "this architecture'); an fp8_e4m3 KV cache on CUDA needs sm_89 / sm_90a, int8 runs on sm_80")
+
+
+def mark_not_on_arch(r: Compiled) -> None:
+    """An fp8e4nv specialisation compiled for an arch below sm_89 whose compile failed saying
+    so becomes "not on arch" with the reason; any other failure stays a failure."""
+    if (r.status == "failed" and r.arch < FP8E4NV_MIN_ARCH and "fp8e4nv" in r.pointer_dtypes
+            and "not supported in this architecture" in r.message):
+        r.status, r.allowed = "not on arch", FP8_NOT_ON_ARCH
+
+
 def production_problems(results: list[Compiled]) -> list[str]:
     """Why the production check fails: a compile failure, a spill not in the allow-list, a
     tile no SM can hold."""
     bad = []
     for r in results:
         where = f"{r.kernel} {_short(r.constexprs)} on {r.target or f'sm_{r.arch}'} ({r.labels[0] if r.labels else ''})"
+        if r.status == "not on arch":
+            continue
         if r.status != "ok":
-            bad.append(f"{where}: compile failed: {r.message.splitlines()[0] if r.message else ''}")
+            bad.append(f"{where}: compile failed: {r.message.splitlines()[-1] if r.message else ''}")
         elif (r.spill_stores or r.spill_loads) and not r.allowed:
             bad.append(f"{where}: spills {r.spill_stores}/{r.spill_loads} B; pick a tile that does not (launcher "
                        "tile choice, num_warps) or name it with its reason in tools/production_tiles.ALLOWED_SPILLS")
@@ -256,6 +284,10 @@ def production_markdown(results: list[Compiled]) -> str:
              "|---|---|---|---|---|---|---|---|---|---|"]
     for r in results:
         shapes = f"{r.labels[0]} (1 of {len(r.labels)})" if r.labels else ""
+        if r.status == "not on arch":
+            lines.append(f"| {r.kernel} | {_short(r.constexprs)} | {shapes} | sm_{r.arch} | not built | | | | | "
+                         f"{r.allowed.split(':')[0]} |")
+            continue
         if r.status != "ok":
             lines.append(f"| {r.kernel} | {_short(r.constexprs)} | {shapes} | sm_{r.arch} | FAILED | | | | | |")
             continue
@@ -273,6 +305,10 @@ def markdown(results: list[Compiled]) -> str:
     lines = ["| kernel | specialisation (constexprs) | pointer dtypes | target | regs | spill st/ld (B) | "
              "smem static / dynamic (B) | warps | s |", "|---|---|---|---|---|---|---|---|---|"]
     for r in results:
+        if r.status == "not on arch":
+            lines.append(f"| {r.kernel} | {_short(r.constexprs)} | {','.join(r.pointer_dtypes)} | sm_{r.arch} | "
+                         f"not built: {r.allowed.split(':')[0]} | | | | {r.seconds} |")
+            continue
         if r.status != "ok":
             lines.append(f"| {r.kernel} | {_short(r.constexprs)} | {','.join(r.pointer_dtypes)} | sm_{r.arch} | "
                          f"FAILED: {r.message.splitlines()[0][:80] if r.message else ''} | | | | {r.seconds} |")
@@ -290,6 +326,7 @@ def run(archs: tuple[int, ...], modules: list[str] | None = None, subset: bool =
     for i, spec in enumerate(specs):
         for arch in archs:
             r = compile_spec(spec, arch)
+            mark_not_on_arch(r)
             if progress:
                 print(f"[{i + 1}/{len(specs)} sm_{arch}] {spec.name} {_short(spec.constexprs)}: {r.status} "
                       f"regs={r.registers} spills={r.spill_stores}/{r.spill_loads} smem={r.smem_dynamic} "
@@ -306,6 +343,7 @@ def main(argv: list[str] | None = None) -> int:
                    "the representative decode tiles)")
     p.add_argument("--production", action="store_true", help="the tiles the launchers pick at the production "
                    "shapes (tools/production_tiles.py), specialised as the JIT does; a spill not in the allow-list fails")
+    p.add_argument("--kernel", action="append", help="with --production: only this kernel's tiles (repeatable)")
     p.add_argument("--json", type=Path)
     p.add_argument("--markdown", type=Path)
     a = p.parse_args(argv)
@@ -319,13 +357,14 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     archs = tuple(a.arch or DEFAULT_ARCHS)
     if a.production:
-        results = run_production(archs, a.subset)
+        results = run_production(archs, a.subset, kernels=tuple(a.kernel or ()))
         table = production_markdown(results)
         print(table)
         problems = production_problems(results)
         print(f"\nAOT CUDA compile at production tiles: {len(results) // max(len(archs), 1)} tiles x {len(archs)} archs, "
               f"{sum(1 for r in results if r.spill_stores or r.spill_loads)} spilling "
-              f"({sum(1 for r in results if r.allowed)} accepted), {len(problems)} problems, "
+              f"({sum(1 for r in results if r.allowed and r.status == 'ok')} accepted), "
+              f"{sum(r.status == 'not on arch' for r in results)} not on their arch, {len(problems)} problems, "
               f"{sum(r.seconds for r in results):.0f} s")
         for line in problems:
             print(f"problem: {line}")
@@ -338,10 +377,11 @@ def main(argv: list[str] | None = None) -> int:
     results, failures = run(archs, a.modules, a.subset)
     table = markdown(results)
     print(table)
-    failed = [r for r in results if r.status != "ok"]
+    failed = [r for r in results if r.status not in ("ok", "not on arch")]
     kernels = {(r.module, r.kernel) for r in results}
     print(f"\nAOT CUDA compile: {len(kernels)} kernels, {len(results) // max(len(archs), 1)} specialisations x "
           f"{len(archs)} archs ({', '.join(sorted({r.target for r in results if r.target}))}), {len(failed)} failed, "
+          f"{sum(r.status == 'not on arch' for r in results)} not on their arch (fp8 below sm_89), "
           f"{len(failures)} declaration failures, {sum(r.seconds for r in results):.0f} s")
     for f in failures:
         print(f"declaration: {f}")

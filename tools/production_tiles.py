@@ -8,7 +8,8 @@ views, so 128k contexts cost no memory), at
 - MLA decode and prefill: 16 and 128 heads of 512 + 64;
 - sparse MLA: top-2048, 16 and 128 heads; indexer: 64 heads x 128;
 - the DCP merges (all-to-all combine, LSE rescale) over 8 ranks at those heads;
-- batch 1 / 8 / 64, context 8k / 32k / 128k, bf16 (prefill: one 8k prompt).
+- batch 1 / 8 / 64, context 8k / 32k / 128k, bf16 (prefill: one 8k prompt);
+- GQA and MLA prefill over an int8 / fp8_e4m3 cache (issue 39), the same prompt.
 Every launch keeps its argument values, so the compile specialises them as Triton's JIT
 does (`aot_cuda_check.jit_specialisation`).
 
@@ -36,6 +37,7 @@ INDEXER = (64, 128)  # heads x head dim
 DCP_RANKS = 8
 PREFILL_TOKENS = 8192
 BF16 = torch.bfloat16
+KV_QUANT = ((torch.int8, "int8"), (torch.float8_e4m3fn, "fp8_e4m3"))  # kv_cache_dtype of the quantised prefill rows
 
 # (kernel, label substring, arch or None for both) -> why this production tile may spill.
 # Empty: no production tile spills (the sparse MLA tile's entry went when its launcher
@@ -68,19 +70,24 @@ def _paged(B: int, ctx: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
             torch.full((B,), ctx, dtype=torch.int32))
 
 
-def _gqa(group: int, T: int, B: int, ctx: int) -> tuple:
+def _scales(bt: torch.Tensor, heads: int) -> torch.Tensor:
+    """A quantised cache's fp32 row scales [pages, BLOCK_SIZE, heads], zero-stride like the pages."""
+    return torch.empty(1, BLOCK_SIZE, heads).expand(bt.numel(), BLOCK_SIZE, heads)
+
+
+def _gqa(group: int, T: int, B: int, ctx: int, kv_dtype: torch.dtype = BF16) -> tuple:
     bt, _, kv_lens = _paged(B, ctx)
     D = 128
     q = torch.empty(T, group, D, dtype=BF16)
-    kv = torch.empty(1, BLOCK_SIZE, 1, D, dtype=BF16).expand(bt.numel(), BLOCK_SIZE, 1, D)
+    kv = torch.empty(1, BLOCK_SIZE, 1, D, dtype=kv_dtype).expand(bt.numel(), BLOCK_SIZE, 1, D)
     qsl = torch.linspace(0, T, B + 1).round().to(torch.int32)
     return q, kv, kv, bt, qsl, torch.full((T,), ctx, dtype=torch.int32), D ** -0.5
 
 
-def _mla(heads: int, T: int, B: int, ctx: int) -> tuple:
+def _mla(heads: int, T: int, B: int, ctx: int, kv_dtype: torch.dtype = BF16) -> tuple:
     bt, _, _ = _paged(B, ctx)
     qn, qp = torch.empty(T, heads, 512, dtype=BF16), torch.empty(T, heads, 64, dtype=BF16)
-    cache = torch.empty(1, BLOCK_SIZE, 576, dtype=BF16).expand(bt.numel(), BLOCK_SIZE, 576)
+    cache = torch.empty(1, BLOCK_SIZE, 576, dtype=kv_dtype).expand(bt.numel(), BLOCK_SIZE, 576)
     qsl = torch.linspace(0, T, B + 1).round().to(torch.int32)
     return qn, qp, cache, bt, qsl, torch.full((T,), ctx, dtype=torch.int32), 576 ** -0.5
 
@@ -132,6 +139,20 @@ def _calls() -> Iterator[tuple[str, Callable[[], Any]]]:
     for h in MLA_HEADS:
         yield (f"MLA prefill {h} heads 512+64, {PREFILL_TOKENS // 1024}k prompt",
                lambda h=h: paged_launch.mla_partial_attention(*_mla(h, PREFILL_TOKENS, 1, PREFILL_TOKENS)))
+    # Quantised caches (issue 39): the same prompt over int8 / fp8 pages and their fp32 row scales
+    # (the query-tiled kernel's QUANT twin, `_paged_prefill_quant_kernel`).
+    for kv_dtype, name in KV_QUANT:
+        for g in GQA_GROUPS:
+            def gqa_quant(g=g, kv_dtype=kv_dtype):
+                args = _gqa(g, PREFILL_TOKENS, 1, PREFILL_TOKENS, kv_dtype)
+                sc = _scales(args[3], 1)
+                return paged_launch.paged_attention_lse(*args, sc, sc)
+            yield f"GQA prefill {g} q heads per KV head, D 128, {name} cache, {PREFILL_TOKENS // 1024}k prompt", gqa_quant
+        for h in MLA_HEADS:
+            def mla_quant(h=h, kv_dtype=kv_dtype):
+                args = _mla(h, PREFILL_TOKENS, 1, PREFILL_TOKENS, kv_dtype)
+                return paged_launch.mla_partial_attention(*args, _scales(args[3], 1))
+            yield f"MLA prefill {h} heads 512+64, {name} cache, {PREFILL_TOKENS // 1024}k prompt", mla_quant
 
 
 def production_launches() -> list[ProductionLaunch]:

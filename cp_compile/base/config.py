@@ -172,18 +172,6 @@ class CPConfig:
             raise ConfigError("kv_cache_dtype is auto|fp8_e4m3|int8", f"kv_cache_dtype={self.kv_cache_dtype!r}",
                               "use 'auto' (the model's dtype), 'fp8_e4m3' or 'int8' (quantised pages with a scale "
                               "per token and KV head)")
-        if self.kv_cache_quantized:
-            # What is not built yet (issue 39), refused by name rather than run on a path that
-            # would read quantised bytes as if they were the model's dtype.
-            for name, on, why in (
-                    ("enable_mla_preprocess", self.enable_mla_preprocess,
-                     "cp::mla_preprocess writes the latent unquantised"),):
-                if on:
-                    raise ConfigError(f"kv_cache_dtype={self.kv_cache_dtype!r} is not built with {name}",
-                                      f"kv_cache_dtype={self.kv_cache_dtype!r}, {name}={getattr(self, name)!r} "
-                                      f"({why})",
-                                      f"set kv_cache_dtype='auto', or {name}="
-                                      f"{1 if name.endswith('size') else False!r}")
         if self.dcp_merge not in ("auto", "ag_rs", "a2a", "replicate"):
             raise ConfigError("dcp_merge is auto|ag_rs|a2a|replicate", f"dcp_merge={self.dcp_merge!r}",
                               "use 'auto' (the cost model chooses), 'ag_rs', 'a2a' or 'replicate'")

@@ -103,6 +103,13 @@ def op_cases(device: torch.device | str = "cpu", dtype: torch.dtype = torch.floa
                                 torch.rand(T, R // 2, generator=gen).to(device),
                                 torch.zeros(NB, BS, L + R, dtype=dtype, device=device), slots, 1e-6, 1e-6,
                                 "interleave"), (15,)),
+        # ... into an int8 latent cache with its per-token scales (issue 39), context already cached.
+        "cp::mla_preprocess_quant": ((x, rnd(12, 32) / 6, None, None, 1 + rnd(12) / 5, rnd(H * (8 + R), 12) / 4, None,
+                                      None, rnd(L + R, 32) / 6, None, None, 1 + rnd(L) / 5, rnd(H, 8, L) / 3,
+                                      torch.rand(T, R // 2, generator=gen).to(device),
+                                      torch.rand(T, R // 2, generator=gen).to(device),
+                                      codes(NB, BS, L + R), scales(NB, BS, 1), slots, 1e-6, 1e-6, "interleave"),
+                                     (15, 16)),
         # Quantised KV (issue 39): int8 pages with an fp32 scale per token and KV head (MLA: per token),
         # the cached context as codes and scales already there, the new tokens quantised by the op.
         "cp::quant_cache_write": ((rnd(T, Hkv, D), codes(NB, BS, Hkv, D), scales(NB, BS, Hkv), slots), (1, 2)),

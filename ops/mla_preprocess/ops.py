@@ -27,7 +27,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from cp_compile.ops.core.spec import GE, OpDecl
+from cp_compile.ops.core import kv_quant, paged_cache
+from cp_compile.ops.core.spec import GE, Absent, OpDecl
 from cp_compile.ops.mla_preprocess import launch
 from cp_compile.ops.mla_preprocess import reference as ref
 from cp_compile.ops.mla_preprocess.cpu import mla_preprocess_cpu
@@ -118,9 +119,89 @@ def _mla_preprocess_fake(x, q_a_weight, q_a_scale, q_a_offset, q_a_norm, q_b_wei
             x.new_empty(T, q_lora))
 
 
+# A quantised latent cache (CPConfig.kv_cache_dtype int8 / fp8, issue 39): its own op, whose scale
+# cache is a required mutated argument (an optional mutated argument breaks torchair's GE
+# conversion of every graph, docs/quant_kv.md). The latent [kv_c | k_pe] is written exactly as
+# `cp::quant_cache_write` writes it: codes, and one fp32 scale per token in kv_scale_cache.
+@torch.library.custom_op("cp::mla_preprocess_quant", mutates_args=("kv_cache", "kv_scale_cache"))
+def mla_preprocess_quant(
+    x: Tensor,  # [T, D]
+    q_a_weight: Tensor | None,
+    q_a_scale: Tensor | None,
+    q_a_offset: Tensor | None,
+    q_a_norm: Tensor | None,
+    q_b_weight: Tensor,
+    q_b_scale: Tensor | None,
+    q_b_offset: Tensor | None,
+    kv_a_weight: Tensor,
+    kv_a_scale: Tensor | None,
+    kv_a_offset: Tensor | None,
+    kv_norm: Tensor,  # [L]
+    w_uk: Tensor,  # [H, nope, L]
+    cos: Tensor,  # [T, R/2] fp32
+    sin: Tensor,  # [T, R/2] fp32
+    kv_cache: Tensor,  # [NB, BS, L + R] int8 / float8_e4m3fn, written in place
+    kv_scale_cache: Tensor,  # [NB, BS, 1] fp32, written in place
+    slot_mapping: Tensor,  # [T] int64, -1 = skip
+    q_eps: float,
+    kv_eps: float,
+    rope_mode: str,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """`cp::mla_preprocess` writing its latent into a quantised cache (arguments as that op's, the
+    scale cache after the cache)."""
+    check_quant_args(x, q_a_weight, q_a_norm, q_b_weight, kv_a_weight, kv_norm, w_uk, cos, kv_cache, kv_scale_cache,
+                     slot_mapping, rope_mode)
+    return ref.mla_preprocess(x, q_a_weight, q_a_scale, q_a_offset, q_a_norm, q_b_weight, q_b_scale, q_b_offset,
+                              kv_a_weight, kv_a_scale, kv_a_offset, kv_norm, w_uk, cos, sin, kv_cache,
+                              slot_mapping, q_eps, kv_eps, rope_mode,
+                              write=lambda cache, new, slots: paged_cache.write_cache(cache, new, slots,
+                                                                                      kv_scale_cache))
+
+
+def check_quant_args(x: Tensor, q_a_weight: Tensor | None, q_a_norm: Tensor | None, q_b_weight: Tensor,
+                     kv_a_weight: Tensor, kv_norm: Tensor, w_uk: Tensor, cos: Tensor, kv_cache: Tensor,
+                     kv_scale_cache: Tensor, slot_mapping: Tensor, rope_mode: str) -> None:
+    """`check_args`, and a quantised cache with its scale cache (one fp32 scale per token)."""
+    check_args(x, q_a_weight, q_a_norm, q_b_weight, kv_a_weight, kv_norm, w_uk, cos, kv_cache, slot_mapping,
+               rope_mode)
+    if not kv_quant.is_quantized(kv_cache.dtype):
+        raise ValueError(f"mla_preprocess_quant: kv_cache is {kv_cache.dtype}; it writes an int8 / float8_e4m3fn "
+                         "cache (use cp::mla_preprocess for a cache in the model's dtype)")
+    kv_quant.check_pair(kv_cache, kv_scale_cache, "kv_cache")
+    kv_quant.scale_view(kv_cache, kv_scale_cache)  # refuses a scale cache of the wrong shape / dtype
+
+
+def _mla_preprocess_quant_cpu(x, q_a_weight, q_a_scale, q_a_offset, q_a_norm, q_b_weight, q_b_scale, q_b_offset,
+                              kv_a_weight, kv_a_scale, kv_a_offset, kv_norm, w_uk, cos, sin, kv_cache,
+                              kv_scale_cache, slot_mapping, q_eps, kv_eps, rope_mode):
+    """The CPU kernel's values, then the latent quantised into the cache as cp::quant_cache_write's CPU body."""
+    check_quant_args(x, q_a_weight, q_a_norm, q_b_weight, kv_a_weight, kv_norm, w_uk, cos, kv_cache, kv_scale_cache,
+                     slot_mapping, rope_mode)
+    out = mla_preprocess_cpu(x, q_a_weight, q_a_scale, q_a_offset, q_a_norm, q_b_weight, q_b_scale, q_b_offset,
+                             kv_a_weight, kv_a_scale, kv_a_offset, kv_norm, w_uk, cos, sin, None, None, q_eps, kv_eps,
+                             rope_mode)
+    paged_cache.write_cache(kv_cache, torch.cat([out[2], out[3]], dim=-1), slot_mapping, kv_scale_cache)
+    return out
+
+
+@mla_preprocess_quant.register_fake
+def _mla_preprocess_quant_fake(x, q_a_weight, q_a_scale, q_a_offset, q_a_norm, q_b_weight, q_b_scale, q_b_offset,
+                               kv_a_weight, kv_a_scale, kv_a_offset, kv_norm, w_uk, cos, sin, kv_cache,
+                               kv_scale_cache, slot_mapping, q_eps, kv_eps, rope_mode):
+    return _mla_preprocess_fake(x, q_a_weight, q_a_scale, q_a_offset, q_a_norm, q_b_weight, q_b_scale, q_b_offset,
+                                kv_a_weight, kv_a_scale, kv_a_offset, kv_norm, w_uk, cos, sin, None, None, q_eps,
+                                kv_eps, rope_mode)
+
+
+# The quantised-KV ops are not built for the NPU / GE yet (docs/quant_kv.md), this one with them.
+_NO_QUANT = ("not built: a quantised KV cache (issue 39) runs on CPU / CUDA; torch_npu's MLA prolog and the GE "
+             "graph write the latent in the model's dtype")
+
 # ----------------------------------------------------------------------------- declarations (core/spec.py)
 OPS = (
     OpDecl(mla_preprocess, cuda=launch.mla_preprocess, npu=mla_preprocess_npu,
            ge=GE("ge", "MatMulV2", "Rsqrt", "BatchMatMulV2", "ScatterNdUpdate"), profile="other",
            cpu=_mla_preprocess_cpu),
+    OpDecl(mla_preprocess_quant, cuda=launch.mla_preprocess_quant, npu=Absent(_NO_QUANT), ge=Absent(_NO_QUANT),
+           profile="other", cpu=_mla_preprocess_quant_cpu),
 )

@@ -1,5 +1,9 @@
 """MLAPO tail: kv_a_layernorm + rope on k_pe and q_pe + the latent cache write, one kernel.
 
+A quantised latent cache (int8 / fp8, issue 39) is written by `_mla_tail_quant_kernel` (the
+same body, `QUANT`): the row [kv_c | k_pe] as codes with one fp32 scale per token, the
+arithmetic of core's `_cache_write_quant_kernel` (so the bytes `cp::quant_cache_write` writes).
+
 After the library GEMMs of `cp::mla_preprocess` (kv_a_proj_with_mqa -> kv [T, L + R],
 q_b_proj -> q [T, H, nope + R]) one program per token (persistent grid):
 
@@ -32,6 +36,8 @@ from cp_compile.ops.core.triton_common import (
     next_pow2,
     require_int32_offsets,
 )
+from cp_compile.ops.core import kv_quant
+from cp_compile.ops.core.triton_cache_write import _rint, _round_e4m3
 from cp_compile.ops.quant.triton_int8_matmul import w8a8_dynamic_linear_device
 
 # rope_mode -> (pairs in, split out, rotate in fp32)
@@ -57,13 +63,16 @@ def _rope(x, c, s, HALF: tl.constexpr, PAIRS: tl.constexpr, SPLIT_OUT: tl.conste
 
 
 @triton.jit
-def _mla_tail_kernel(
-    kv_ptr, q_ptr, w_ptr, cos_ptr, sin_ptr, slot_ptr, cache_ptr, kvc_ptr, kpe_ptr, qpe_ptr,
-    T, H, L, eps, block_size,
-    s_kv, s_qt, s_qh, s_cos, s_cb, s_cs,
+def _tail_rows(
+    kv_ptr, q_ptr, w_ptr, cos_ptr, sin_ptr, slot_ptr, cache_ptr, kvc_ptr, kpe_ptr, qpe_ptr, scale_ptr,
+    T, H, L, eps, block_size, qmax,
+    s_kv, s_qt, s_qh, s_cos, s_cb, s_cs, s_sb, s_ss,
     NOPE: tl.constexpr, HALF: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_H: tl.constexpr,
     PAIRS: tl.constexpr, SPLIT_OUT: tl.constexpr, WRITE: tl.constexpr, ROPE_F32: tl.constexpr,
+    QUANT: tl.constexpr, INT8: tl.constexpr,
 ):
+    # The body of both kernels below. QUANT: the cache row is written as int8 / fp8 codes of
+    # [kv_c | k_pe] with its fp32 scale at scale_ptr, the arithmetic of `_cache_write_quant_kernel`.
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
     cl = tl.arange(0, BLOCK_L)
@@ -100,24 +109,80 @@ def _mla_tail_kernel(
             keep = slot >= 0
             s32 = tl.where(keep, slot, 0).to(tl.int32)
             row = cache_ptr + (s32 // block_size) * s_cb + (s32 % block_size) * s_cs
-            # a skipped token masks every column (as the cache-write kernel)
-            tl.store(row + cl, kv_c.to(cache_ptr.dtype.element_ty), mask=cl < tl.where(keep, L, 0))
-            tl.store(row + L + cr[None, :], k_pe.to(cache_ptr.dtype.element_ty),
-                     mask=cr[None, :] < tl.where(keep, R, 0))
+            if QUANT:
+                # one scale for the row [kv_c | k_pe], from the values as stored in kv_c / k_pe
+                yc = tl.where(ml, kv_c.to(tl.float32), 0.0)  # [BLOCK_L]
+                yr = k_pe.to(tl.float32)  # [1, R]
+                amax = tl.maximum(tl.max(tl.abs(yc), axis=0), tl.max(tl.max(tl.abs(yr), axis=1), axis=0))
+                sc = tl.where(amax > 0.0, tl.math.div_rn(amax, qmax), 1.0)
+                yc = tl.minimum(tl.maximum(tl.math.div_rn(yc, sc), -qmax), qmax)
+                yr = tl.minimum(tl.maximum(tl.math.div_rn(yr, sc), -qmax), qmax)
+                if INT8:
+                    yc = _rint(yc)
+                    yr = _rint(yr)
+                else:
+                    yc = _round_e4m3(yc)
+                    yr = _round_e4m3(yr)
+                tl.store(row + cl, yc.to(cache_ptr.dtype.element_ty), mask=cl < tl.where(keep, L, 0))
+                tl.store(row + L + cr[None, :], yr.to(cache_ptr.dtype.element_ty),
+                         mask=cr[None, :] < tl.where(keep, R, 0))
+                tl.store(scale_ptr + (s32 // block_size) * s_sb + (s32 % block_size) * s_ss, sc, mask=keep)
+            else:
+                # a skipped token masks every column (as the cache-write kernel)
+                tl.store(row + cl, kv_c.to(cache_ptr.dtype.element_ty), mask=cl < tl.where(keep, L, 0))
+                tl.store(row + L + cr[None, :], k_pe.to(cache_ptr.dtype.element_ty),
+                         mask=cr[None, :] < tl.where(keep, R, 0))
+
+
+@triton.jit
+def _mla_tail_kernel(
+    kv_ptr, q_ptr, w_ptr, cos_ptr, sin_ptr, slot_ptr, cache_ptr, kvc_ptr, kpe_ptr, qpe_ptr,
+    T, H, L, eps, block_size,
+    s_kv, s_qt, s_qh, s_cos, s_cb, s_cs,
+    NOPE: tl.constexpr, HALF: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_H: tl.constexpr,
+    PAIRS: tl.constexpr, SPLIT_OUT: tl.constexpr, WRITE: tl.constexpr, ROPE_F32: tl.constexpr,
+):
+    """The latent written in the cache's (model) dtype, or not at all (WRITE False)."""
+    _tail_rows(kv_ptr, q_ptr, w_ptr, cos_ptr, sin_ptr, slot_ptr, cache_ptr, kvc_ptr, kpe_ptr, qpe_ptr,
+               kvc_ptr,  # scale pointer, never written (QUANT False)
+               T, H, L, eps, block_size, 1.0, s_kv, s_qt, s_qh, s_cos, s_cb, s_cs, 0, 0,
+               NOPE, HALF, BLOCK_L, BLOCK_H, PAIRS, SPLIT_OUT, WRITE, ROPE_F32, False, False)
+
+
+@triton.jit
+def _mla_tail_quant_kernel(
+    kv_ptr, q_ptr, w_ptr, cos_ptr, sin_ptr, slot_ptr, cache_ptr, kvc_ptr, kpe_ptr, qpe_ptr, scale_ptr,
+    T, H, L, eps, block_size, qmax,
+    s_kv, s_qt, s_qh, s_cos, s_cb, s_cs, s_sb, s_ss,
+    NOPE: tl.constexpr, HALF: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_H: tl.constexpr,
+    PAIRS: tl.constexpr, SPLIT_OUT: tl.constexpr, ROPE_F32: tl.constexpr, INT8: tl.constexpr,
+):
+    """The latent written into an int8 / fp8 cache with its per-token scale (issue 39). A kernel of
+    its own so the Triton-Ascend check can declare it absent by name."""
+    _tail_rows(kv_ptr, q_ptr, w_ptr, cos_ptr, sin_ptr, slot_ptr, cache_ptr, kvc_ptr, kpe_ptr, qpe_ptr, scale_ptr,
+               T, H, L, eps, block_size, qmax, s_kv, s_qt, s_qh, s_cos, s_cb, s_cs, s_sb, s_ss,
+               NOPE, HALF, BLOCK_L, BLOCK_H, PAIRS, SPLIT_OUT, True, ROPE_F32, True, INT8)
 
 
 def mla_preprocess_tail_triton(kv: torch.Tensor, q: torch.Tensor, kv_norm: torch.Tensor, cos: torch.Tensor,
                                sin: torch.Tensor, eps: float, rope_mode: str, nope: int,
                                kv_cache: torch.Tensor | None = None, slot_mapping: torch.Tensor | None = None, *,
-                               num_programs: int | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                               num_programs: int | None = None,
+                               kv_scale_cache: torch.Tensor | None = None
+                               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """kv [T, L + R], q [T, H, nope + R] (the GEMM outputs), kv_norm [L], cos / sin [T, R/2]
-    -> (kv_c [T, L], k_pe [T, R], q_pe [T, H, R]); writes [kv_c | k_pe] at slot_mapping when given."""
+    -> (kv_c [T, L], k_pe [T, R], q_pe [T, H, R]); writes [kv_c | k_pe] at slot_mapping when given
+    (an int8 / fp8 cache: quantised, its per-token scale into kv_scale_cache [NB, BS, 1])."""
     T, H = q.shape[0], q.shape[1]
     L = kv_norm.shape[0]
     half = cos.shape[-1]
     R = 2 * half
     if kv.shape[-1] != L + R or q.shape[-1] != nope + R or rope_mode not in _PAIRS or half != next_pow2(half):
         raise ValueError(f"mla tail: kv {tuple(kv.shape)}, q {tuple(q.shape)}, L={L}, R={R}, mode={rope_mode!r}")
+    quant = kv_scale_cache is not None
+    if quant:
+        kv_quant.check_pair(kv_cache, kv_scale_cache, "kv_cache")  # type: ignore[arg-type]
+        scales = kv_quant.scale_view(kv_cache, kv_scale_cache)  # type: ignore[arg-type]  # [NB, BS]
     kv, cos, sin = kv.contiguous(), cos.contiguous(), sin.contiguous()
     if q.stride(-1) != 1:
         q = q.contiguous()
@@ -133,14 +198,24 @@ def mla_preprocess_tail_triton(kv: torch.Tensor, q: torch.Tensor, kv_norm: torch
     require_int32_offsets(kv=kv, q=q, cache=cache, q_pe=q_pe)
     pairs, split, rope_f32 = _PAIRS[rope_mode]
     grid = (grid_size(T, kv.device, num_programs),)
-    kernel_for(_mla_tail_kernel, kv.device)[grid](
-        kv, q, kv_norm, cos, sin, slots, cache, kv_c, k_pe, q_pe,
-        T, H, L, float(eps), cache.shape[1] if write else 1,
-        kv.stride(0), q.stride(0), q.stride(1), cos.stride(0),
-        cache.stride(0) if write else 0, cache.stride(1) if write else 0,
-        NOPE=nope, HALF=half, BLOCK_L=next_pow2(L), BLOCK_H=next_pow2(H), PAIRS=pairs, SPLIT_OUT=split,
-        WRITE=write, ROPE_F32=rope_f32,
-    )
+    tiles = dict(NOPE=nope, HALF=half, BLOCK_L=next_pow2(L), BLOCK_H=next_pow2(H), PAIRS=pairs, SPLIT_OUT=split,
+                 ROPE_F32=rope_f32)
+    strides = (kv.stride(0), q.stride(0), q.stride(1), cos.stride(0),
+               cache.stride(0) if write else 0, cache.stride(1) if write else 0)
+    if quant:
+        require_int32_offsets(kv_scale_cache=scales)
+        kernel_for(_mla_tail_quant_kernel, kv.device)[grid](
+            kv, q, kv_norm, cos, sin, slots, cache, kv_c, k_pe, q_pe, scales,
+            T, H, L, float(eps), cache.shape[1], kv_quant.QMAX[cache.dtype],
+            *strides, scales.stride(0), scales.stride(1),
+            **tiles, INT8=cache.dtype == torch.int8,
+        )
+    else:
+        kernel_for(_mla_tail_kernel, kv.device)[grid](
+            kv, q, kv_norm, cos, sin, slots, cache, kv_c, k_pe, q_pe,
+            T, H, L, float(eps), cache.shape[1] if write else 1, *strides,
+            **tiles, WRITE=write,
+        )
     return kv_c, k_pe, q_pe
 
 
@@ -156,13 +231,27 @@ def _lowering_examples():
         yield (f"bf16 R1/tp8 {mode}", functools.partial(
             mla_preprocess_tail_triton, kv, q, torch.empty(512, dtype=torch.bfloat16), torch.empty(4, 32),
             torch.empty(4, 32), 1e-6, mode, 128, cache, torch.zeros(4, dtype=torch.int64)))
+    # A quantised latent (issue 39): int8 / fp8 codes with one fp32 scale per token.
+    for qdtype in (torch.int8, torch.float8_e4m3fn):
+        kv, q = torch.empty(4, 576, dtype=torch.bfloat16), torch.empty(4, 16, 192, dtype=torch.bfloat16)
+        cache = torch.empty(2, 16, 576, dtype=qdtype)
+        yield (f"bf16 R1/tp8 interleave, {str(qdtype)[6:]} latent", functools.partial(
+            mla_preprocess_tail_triton, kv, q, torch.empty(512, dtype=torch.bfloat16), torch.empty(4, 32),
+            torch.empty(4, 32), 1e-6, "interleave", 128, cache, torch.zeros(4, dtype=torch.int64),
+            kv_scale_cache=torch.empty(2, 16, 1)))
 
+
+# The quantised-KV ops are Absent on the NPU (docs/quant_kv.md), this kernel with them.
+_QUANT_NOT_ON_NPU = ("the NPU declares the quantised-KV ops Absent (docs/quant_kv.md), cp::mla_preprocess_quant "
+                     "with them; triton-ascend has no fp8 type")
 
 LOWERING = LoweringDeclaration(
     examples=_lowering_examples,
     int64={"_mla_tail_kernel": "slot values are int64 data (vLLM's slot mapping dtype); cast to int32 once "
-                               "after the -1 test, no int64 addressing"},
-    helpers=("_rope",),
+                               "after the -1 test, no int64 addressing",
+           "_mla_tail_quant_kernel": "the same int64 slot mapping as _mla_tail_kernel"},
+    helpers=("_rope", "_tail_rows", "_rint", "_round_e4m3"),
+    not_on_ascend={"_mla_tail_quant_kernel": _QUANT_NOT_ON_NPU},
 )
 
 
@@ -173,6 +262,14 @@ def mla_preprocess_device(x, q_a_weight, q_a_scale, q_a_offset, q_a_norm, q_b_we
     q-LoRA norm and the absorption in torch, the tail kernel above for the rest."""
     mla.check_args(x, q_a_weight, q_a_norm, q_b_weight, kv_a_weight, kv_norm, w_uk, cos, kv_cache, slot_mapping,
                    rope_mode)
+    return _device(x, q_a_weight, q_a_scale, q_a_offset, q_a_norm, q_b_weight, q_b_scale, q_b_offset, kv_a_weight,
+                   kv_a_scale, kv_a_offset, kv_norm, w_uk, cos, sin, kv_cache, slot_mapping, q_eps, kv_eps,
+                   rope_mode, None)
+
+
+def _device(x, q_a_weight, q_a_scale, q_a_offset, q_a_norm, q_b_weight, q_b_scale, q_b_offset, kv_a_weight,
+            kv_a_scale, kv_a_offset, kv_norm, w_uk, cos, sin, kv_cache, slot_mapping, q_eps, kv_eps, rope_mode,
+            kv_scale_cache):
     lin = functools.partial(ref.linear, w8a8=w8a8_dynamic_linear_device)
     T = x.shape[0]
     H, nope, _ = w_uk.shape
@@ -185,6 +282,19 @@ def mla_preprocess_device(x, q_a_weight, q_a_scale, q_a_offset, q_a_norm, q_b_we
     q = q.view(T, H, -1)  # [T, H, nope + R]
     kv = lin(x, kv_a_weight, kv_a_scale, kv_a_offset)  # [T, L + R]
     kv_c, k_pe, q_pe = mla_preprocess_tail_triton(kv, q, kv_norm, cos, sin, kv_eps, rope_mode, nope, kv_cache,
-                                                  slot_mapping)
+                                                  slot_mapping, kv_scale_cache=kv_scale_cache)
     q_abs = torch.einsum("thn,hnl->thl", q[..., :nope], w_uk).contiguous()  # [T, H, L]
     return q_abs, q_pe, kv_c, k_pe, q_resid
+
+
+def mla_preprocess_quant_device(x, q_a_weight, q_a_scale, q_a_offset, q_a_norm, q_b_weight, q_b_scale, q_b_offset,
+                                kv_a_weight, kv_a_scale, kv_a_offset, kv_norm, w_uk, cos, sin, kv_cache,
+                                kv_scale_cache, slot_mapping, q_eps, kv_eps, rope_mode):
+    """`cp::mla_preprocess_quant` on an accelerator: as `mla_preprocess_device`, the tail kernel
+    writing the latent quantised (`_mla_tail_quant_kernel`: `_cache_write_quant_kernel`'s codes and
+    scales for the row [kv_c | k_pe])."""
+    mla.check_quant_args(x, q_a_weight, q_a_norm, q_b_weight, kv_a_weight, kv_norm, w_uk, cos, kv_cache,
+                         kv_scale_cache, slot_mapping, rope_mode)
+    return _device(x, q_a_weight, q_a_scale, q_a_offset, q_a_norm, q_b_weight, q_b_scale, q_b_offset, kv_a_weight,
+                   kv_a_scale, kv_a_offset, kv_norm, w_uk, cos, sin, kv_cache, slot_mapping, q_eps, kv_eps,
+                   rope_mode, kv_scale_cache)

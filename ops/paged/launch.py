@@ -34,15 +34,11 @@ def _paged(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_
            v_scale_cache: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     kv_quant.check_pair(k_cache, k_scale_cache, "k_cache")
     kv_quant.check_pair(v_cache, v_scale_cache, "v_cache")
-    if k_scale_cache is not None:
-        # Quantised caches: the decode kernel dequantises on load; the query-tiled prefill
-        # kernel does not yet (issue 39), so every batch takes the decode kernel (exact, slower
-        # for long prefills).
-        return _decode(q, k_cache, v_cache, block_table, query_start_loc, kv_lens, scale,
-                       k_scale_cache=k_scale_cache, v_scale_cache=v_scale_cache)
+    scales = {} if k_scale_cache is None else dict(k_scale_cache=k_scale_cache, v_scale_cache=v_scale_cache)
+    # Quantised caches (issue 39) take the same choice: both kernels dequantise on load.
     if q.shape[0] >= PREFILL_TOKENS_PER_REQUEST * max(query_start_loc.shape[0] - 1, 1):
-        return _prefill(q, k_cache, v_cache, block_table, query_start_loc, kv_lens, scale)
-    return _decode(q, k_cache, v_cache, block_table, query_start_loc, kv_lens, scale)
+        return _prefill(q, k_cache, v_cache, block_table, query_start_loc, kv_lens, scale, **scales)
+    return _decode(q, k_cache, v_cache, block_table, query_start_loc, kv_lens, scale, **scales)
 
 
 def paged_attention_lse(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,

@@ -134,6 +134,43 @@ def test_aot_production_spill_fails_unless_named(monkeypatch: pytest.MonkeyPatch
     assert blocks_per_sm(80, 32, 0, 4) == 16  # warps bound it: 64 warps an SM
 
 
+def test_aot_fp8_below_sm89_is_not_on_arch_only_by_the_compilers_word() -> None:
+    """An fp8e4nv specialisation on sm_80 (an fp8_e4m3 KV cache's kernels) is "not on arch"
+    only when its compile failed with Triton's "not supported in this architecture"; any
+    other failure, the same failure on sm_90 or without an fp8 pointer, stays a problem."""
+    from tools.aot_cuda_check import Compiled, mark_not_on_arch, production_problems
+
+    said = 'ValueError("type fp8e4nv not supported in this architecture. The supported fp8 dtypes are ...")'
+
+    def failed(arch: int, message: str, pointers: tuple[str, ...] = ("bf16", "fp32", "fp8e4nv", "i32")) -> Compiled:
+        r = Compiled("m", "_paged_prefill_quant_kernel", {}, arch, "failed", pointer_dtypes=list(pointers),
+                     message=f"CompilationError: at 1:0:\n{message}", labels=["GQA prefill, fp8_e4m3 cache"])
+        mark_not_on_arch(r)
+        return r
+
+    fp8_sm80 = failed(80, said)
+    assert fp8_sm80.status == "not on arch" and "sm_89" in fp8_sm80.allowed and production_problems([fp8_sm80]) == []
+    for r in (failed(80, "IndexError: out of resources"), failed(90, said),
+              failed(80, said, ("bf16", "fp32", "i32", "i8"))):
+        assert r.status == "failed" and len(production_problems([r])) == 1, r
+
+
+@pytest.mark.slow
+def test_aot_production_quantised_prefill_tiles(tmp_path: Path) -> None:
+    """The quantised prefill tiles (int8 / fp8 GQA and MLA, 8k prompt) compile for sm_90a and
+    sm_80 with no spill, fp8 on sm_80 excepted (no fp8e4nv there)."""
+    proc, data = _production(tmp_path, "--kernel", "_paged_prefill_quant_kernel")
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-3000:]
+    rows = data["results"]
+    assert len(rows) == 8 and {r["kernel"] for r in rows} == {"_paged_prefill_quant_kernel"}
+    for r in rows:
+        if r["status"] == "not on arch":
+            assert r["arch"] == 80 and "fp8_e4m3 cache" in r["labels"][0] and "fp8e4nv" in r["pointer_dtypes"], r
+        else:
+            assert r["status"] == "ok" and r["spill_stores"] == 0 and r["spill_loads"] == 0, r
+    assert sum(r["status"] == "ok" for r in rows) == 6
+
+
 @pytest.mark.slow
 def test_aot_every_specialisation_both_archs(tmp_path: Path) -> None:
     out = tmp_path / "aot.json"
@@ -142,7 +179,9 @@ def test_aot_every_specialisation_both_archs(tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-3000:]
     rows = json.loads(out.read_text())["results"]
     assert {r["kernel"] for r in rows} == _jitted_kernels()
-    assert {r["target"] for r in rows} == {"sm_80", "sm_90a"}
+    assert {r["target"] for r in rows if r["status"] == "ok"} == {"sm_80", "sm_90a"}
+    # fp8 KV-cache kernels are not built for sm_80 (no fp8e4nv), and only those
+    assert all(r["arch"] == 80 and "fp8e4nv" in r["pointer_dtypes"] for r in rows if r["status"] != "ok")
 
 
 def test_decode_plan_splits_the_dcp_decode_shape() -> None:

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import cp_compile.ops  # noqa: F401
+from cp_compile.ops.mla_preprocess import ops as mla_ops
 from cp_compile.ops.mla_preprocess import reference as ref
 from examples.models.common import RotaryEmbedding
 from examples.models.deepseek_mla import DeepseekMLAConfig, MLAAttention
@@ -96,6 +97,39 @@ def test_cache_write_and_padding_slot():
             assert torch.equal(flat[s], latent[t])
     untouched = [i for i in range(NB * BS) if i not in (0, 1, 5, 9)]
     assert torch.all(flat[untouched] == 7.0)
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.int8, torch.float8_e4m3fn], ids=["int8", "fp8"])
+def test_quant_op_writes_the_latent_as_quant_cache_write(kv_dtype):
+    """cp::mla_preprocess_quant (issue 39): the same outputs as cp::mla_preprocess, and the latent
+    in the cache as cp::quant_cache_write of [kv_c | k_pe] leaves it (codes byte-equal, scales
+    equal), a padding slot skipped; body and CPU kernel alike. A cache in the model's dtype or a
+    scale cache of the wrong shape is refused before anything is written."""
+    attn = _layer(12, True, False)
+    x, cos, sin = _inputs()
+    slots = torch.tensor([0, 1, 5, -1, 9])
+    with torch.no_grad():
+        want = cp.mla_preprocess(*op_args(attn, x, cos, sin))
+    want_c, want_s = torch.zeros(NB, BS, CFG.latent_dim, dtype=kv_dtype), torch.zeros(NB, BS, 1)
+    cp.quant_cache_write(torch.cat([want[2], want[3]], -1), want_c, want_s, slots)
+    assert (want_s.view(-1)[[0, 1, 5, 9]] > 0).all()
+    # the registered op (on CPU: its CPU kernel) and the op's body (the reference)
+    for fn in (cp.mla_preprocess_quant, mla_ops.mla_preprocess_quant._init_fn):
+        codes, scales = torch.zeros_like(want_c), torch.zeros_like(want_s)
+        args = op_args(attn, x, cos, sin)
+        with torch.no_grad():
+            got = fn(*args[:15], codes, scales, slots, *args[17:])
+        for name, w, o in zip(("q_abs", "q_pe", "kv_c", "k_pe", "q_resid"), want, got):
+            assert torch.equal(w, o), name
+        assert torch.equal(codes.view(torch.uint8), want_c.view(torch.uint8)) and torch.equal(scales, want_s)
+    args = op_args(attn, x, cos, sin)
+    plain, scales = torch.zeros(NB, BS, CFG.latent_dim), torch.zeros(NB, BS, 1)
+    with pytest.raises(ValueError, match=r"mla_preprocess_quant: kv_cache is torch.float32.*cp::mla_preprocess"):
+        cp.mla_preprocess_quant(*args[:15], plain, scales, slots, *args[17:])
+    codes = torch.zeros(NB, BS, CFG.latent_dim, dtype=kv_dtype)
+    with pytest.raises(ValueError, match=r"scale cache \(\d+, \d+, 2\) torch.float32 does not fit"):
+        cp.mla_preprocess_quant(*args[:15], codes, torch.zeros(NB, BS, 2), slots, *args[17:])
+    assert not codes.view(torch.uint8).any() and not plain.any()
 
 
 @pytest.mark.parametrize("q_lora,interleave,quant", CASES)
@@ -201,6 +235,20 @@ for mode in ref.ROPE_MODES:
     torch.testing.assert_close(kv_c, ref.rms_norm(kv[:, :16], w, 1e-2), rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(k_pe, ref.rope(kv[:, None, 16:], cos, sin, mode)[:, 0], rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(q_pe, ref.rope(q[..., 6:], cos, sin, mode), rtol=1e-6, atol=1e-6)
+# The quantised tail (issue 39): the latent's codes and per-token scale are the bytes
+# cp::quant_cache_write writes for [kv_c | k_pe]; a -1 slot writes nothing; an all-zero row scale 1.
+import cp_compile.ops  # registers cp::quant_cache_write (its CPU body)
+kv[4] = 0.0
+slots = torch.tensor([3, 0, -1, 9, 6, 1, 12])
+for dt in (torch.int8, torch.float8_e4m3fn):
+    codes, scales = torch.full((4, 4, 20), 5, dtype=torch.int8).to(dt), torch.full((4, 4, 1), 7.0)
+    want_c, want_s = codes.clone(), scales.clone()
+    kv_c, k_pe, _ = mla_preprocess_tail_triton(kv, q, w, cos, sin, 1e-2, "interleave", 6, codes, slots,
+                                               num_programs=2, kv_scale_cache=scales)
+    torch.ops.cp.quant_cache_write(torch.cat([kv_c, k_pe], -1), want_c, want_s, slots)
+    assert torch.equal(codes.view(torch.uint8), want_c.view(torch.uint8)), dt
+    assert torch.equal(scales, want_s), dt
+    assert scales.view(-1)[6] == 1.0 and (scales.view(-1)[[2, 4, 5, 7, 8, 10, 11, 13, 14, 15]] == 7.0).all()
 print("TAIL_OK")
 """
 
@@ -208,7 +256,8 @@ print("TAIL_OK")
 def test_tail_kernel_rope_layouts_under_the_triton_interpreter():
     """The Triton tail (norm + rope) in every rope layout, two programs over 7 tokens, under
     TRITON_INTERPRET=1, against the reference (the whole accelerator kernel with its cache
-    write is tests/ops/test_device_kernels.py's case of cp::mla_preprocess)."""
+    write is tests/ops/test_device_kernels.py's case of cp::mla_preprocess); its quantised
+    write (int8, fp8) == cp::quant_cache_write's bytes and scales."""
     import os
     import subprocess
     import sys

@@ -29,11 +29,10 @@ BLOCK, NUM_BLOCKS = 4, 16
 def test_config_refusals_name_field_value_and_fix():
     with pytest.raises(cp_compile.ConfigError, match=r"kv_cache_dtype='fp16'.*Fix: use 'auto'"):
         cp_compile.CPConfig(kv_cache_dtype="fp16")
-    for kw, name in ((dict(enable_mla_preprocess=True), "enable_mla_preprocess"),):
-        with pytest.raises(cp_compile.ConfigError, match=rf"kv_cache_dtype='int8'.*{name}=.*Fix: set "
-                                                         rf"kv_cache_dtype='auto', or {name}="):
-            cp_compile.CPConfig(kv_cache_dtype="int8", **kw)
-    cp_compile.CPConfig(kv_cache_dtype="int8", enable_dsa_cp=True, tensor_parallel_size=2)  # decision 69
+    # Every feature takes a quantised cache now: DSA-CP since decision 69, MLAPO (its latent written
+    # quantised) since decision 72 (tests/ops/test_sfa_quant_kv_dcp.py, tests/passes/test_mla_preprocess_model.py)
+    cp_compile.CPConfig(kv_cache_dtype="int8", enable_dsa_cp=True, tensor_parallel_size=2)
+    cp_compile.CPConfig(kv_cache_dtype="int8", enable_mla_preprocess=True)
     # PCP carries the scales since decision 68 (tests/cp_compile/test_pcp_exactness.py)
     cp_compile.CPConfig(kv_cache_dtype="int8", prefill_context_parallel_size=2, tensor_parallel_size=2)
     cfg = cp_compile.CPConfig(kv_cache_dtype="fp8_e4m3", tensor_parallel_size=2, decode_context_parallel_size=2)

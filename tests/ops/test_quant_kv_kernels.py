@@ -1,7 +1,9 @@
 """Triton kernels of the quantised KV cache (issue 39) against the torch oracle, under the
 interpreter: the quantising cache write (the same bytes and scales as `kv_quant.write_quantized`)
-and the decode kernel's dequantise on load (GQA and MLA, split and unsplit); the sparse MLA (SFA)
-kernel's dequantise on load (split-KV and its merge, unsplit, tl.dot and broadcast products).
+and the decode and query-tiled prefill kernels' dequantise on load (GQA and MLA, split and
+unsplit; prefill tiles over pages that end mid-tile, one-token contexts, empty DCP shards); the
+sparse MLA (SFA) kernel's dequantise on load (split-KV and its merge, unsplit, tl.dot and
+broadcast products).
 
 TRITON_INTERPRET is read when triton is first imported (see test_kernels.py): run alone this
 file sets it and checks in-process; otherwise one test reruns the file in a fresh interpreter.
@@ -31,20 +33,21 @@ from cp_compile.testing.batches import meta_args, two_step_metas  # noqa: E402
 assert triton_available(), "triton is not installed: pip install -e '.[test]'"
 
 from cp_compile.ops.core.triton_cache_write import cache_write_device  # noqa: E402
-from cp_compile.ops.core.triton_common import interpreter_active  # noqa: E402
+from cp_compile.ops.core.triton_common import capture_launches, interpreter_active  # noqa: E402
 from cp_compile.ops.paged import launch  # noqa: E402
 from cp_compile.ops.paged.triton_decode import paged_attention_with_lse_triton  # noqa: E402
 from cp_compile.ops.core import kv_quant  # noqa: E402
 from cp_compile.ops.sparse import launch as sparse_launch  # noqa: E402
 from cp_compile.ops.sparse import reference as sparse_reference  # noqa: E402
-from cp_compile.ops.core.triton_common import capture_launches  # noqa: E402
 from cp_compile.ops.sparse.triton_sparse_mla import sparse_mla_rows_triton  # noqa: E402
+from cp_compile.ops.paged.triton_prefill import paged_prefill_attention_lse_triton  # noqa: E402
 
 IN_PROCESS = interpreter_active()
 interp = pytest.mark.skipif(not IN_PROCESS, reason="triton imported without TRITON_INTERPRET=1: "
                             "covered by test_quant_kernels_in_fresh_interpreter")
 DTYPES = [torch.int8, torch.float8_e4m3fn]
 BLOCK, NUM_BLOCKS = 4, 16
+PREFILL_BLOCKS = 32
 
 
 @interp
@@ -94,6 +97,62 @@ def test_triton_decode_dequantises_on_load(dt, splits):
     got = launch.mla_partial_attention(qn, qp, lc, m.block_table, m.query_start_loc, kv_lens, 0.3, ls)
     torch.testing.assert_close(got[0], want[0], atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(got[1], want[1], atol=1e-5, rtol=1e-5)
+
+
+def _prefill_batch(g: torch.Generator):
+    """4 requests (1 .. 9 new tokens over 0 .. 13 cached: a one-token context, pages of 4 that
+    end mid-tile) and 2 padding tokens, over a shuffled block table."""
+    lens, ctx = [1, 9, 3, 6], [0, 13, 5, 2]
+    qsl = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
+    seq = torch.tensor([a + b for a, b in zip(lens, ctx)], dtype=torch.int32)
+    bt = torch.randperm(PREFILL_BLOCKS, generator=g)[:24].view(4, 6).to(torch.int32)
+    return qsl, seq, bt, int(qsl[-1]) + 2
+
+
+def _quant_pages(g: torch.Generator, dt: torch.dtype, *row: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every slot of a cache written through cp::quant_cache_write (codes + per-row scales)."""
+    cache = torch.zeros(PREFILL_BLOCKS, BLOCK, *row, dtype=dt)
+    scales = torch.zeros(PREFILL_BLOCKS, BLOCK, row[0] if len(row) == 2 else 1)
+    n = PREFILL_BLOCKS * BLOCK
+    torch.ops.cp.quant_cache_write(torch.randn(n, *row, generator=g) * torch.rand(n, *row[:-1], 1, generator=g) * 4,
+                                   cache, scales, torch.arange(n))
+    return cache, scales
+
+
+@interp
+@pytest.mark.parametrize("dt", DTYPES, ids=["int8", "fp8"])
+def test_triton_prefill_dequantises_on_load(dt):
+    """The query-tiled kernel over quantised pages == the reference, on one device (causal
+    lens) and on rank 1 of a dcp 2 shard (local lens: it holds no key of the one-token
+    request, an empty shard); GQA group 2 with padded head dims (D 24, Dv 20), MLA latent +
+    rope through the registered launcher, which routes T >= 4 B to this kernel. fp32 q: the
+    interpreter's tl.dot misreads bf16 (docs/kernels.md); bf16 runs in the GPU check."""
+    g = torch.Generator().manual_seed(3)
+    qsl, seq, bt, T = _prefill_batch(g)
+    kc, ks = _quant_pages(g, dt, 2, 24)
+    vc, vs = _quant_pages(g, dt, 2, 20)
+    lc, ls = _quant_pages(g, dt, 40)
+    tol = dict(atol=1e-5, rtol=1e-5)
+    q = torch.randn(T, 4, 24, generator=g)
+    qn, qp = torch.randn(T, 4, 32, generator=g), torch.randn(T, 4, 8, generator=g)
+    views = [layout.causal_lens(qsl, seq, T), layout.local_causal_lens(qsl, seq, T, cp=2, rank=1, interleave=1)]
+    assert views[1][0] == 0 and views[0].max() > 16  # an empty shard row; more keys than one tile
+    for kv_lens in views:
+        want = reference.paged_attention_with_lse(q, kc, vc, bt, qsl, kv_lens, 0.25, ks, vs)
+        got = paged_prefill_attention_lse_triton(q, kc, vc, bt, qsl, kv_lens, 0.25, block_m=16, block_n=16,
+                                                 num_programs=3, k_scale_cache=ks, v_scale_cache=vs)
+        torch.testing.assert_close(got[0], want[0], **tol)
+        torch.testing.assert_close(got[1], want[1], **tol)
+        want = reference.mla_attention_with_lse(qn, qp, lc, bt, qsl, kv_lens, 0.3, ls)
+        got = launch.mla_partial_attention(qn, qp, lc, bt, qsl, kv_lens, 0.3, ls)
+        torch.testing.assert_close(got[0], want[0], **tol)
+        torch.testing.assert_close(got[1], want[1], **tol)
+    # the routing: this batch (T >= 4 B) takes the quantised prefill kernel, one token a request the decode kernel
+    with capture_launches() as launches:
+        launch.paged_attention_lse(q, kc, vc, bt, qsl, views[0], 0.25, ks, vs)
+        launch.paged_attention_lse(q[:4], kc, vc, bt, torch.arange(5, dtype=torch.int32), views[0][:4], 0.25, ks, vs)
+    assert [lc.kernel.fn.__name__ for lc in launches][:2] == ["_paged_prefill_quant_kernel",
+                                                              "_paged_attention_lse_kernel"]
 
 
 @interp

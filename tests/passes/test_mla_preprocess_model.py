@@ -76,7 +76,8 @@ def run_pair(rank: int, world: int, hf_config, state_dict, cfg_kwargs: dict, qua
             torch.compiler.set_stance("default")
         graphs = [[(h.name, h.rewrites, h.before, h.after) for h in pm.history]
                   for b in compiled.backends.values() for pm in b.pass_managers]
-        out[on] = dict(logits=[r.last_logits for r in res], tokens=[r.next_tokens for r in res], graphs=graphs)
+        out[on] = dict(logits=[r.last_logits for r in res], tokens=[r.next_tokens for r in res], graphs=graphs,
+                       cache=[[t.clone() for t in layer] for layer in cache.layers])
         if state is not None:
             cp_compile.destroy_parallel()
     return out
@@ -129,6 +130,32 @@ def test_one_device_bf16_fused_equals_unfused():
     hf = hf_deepseek_v3(q_lora_rank=None, num_layers=LAYERS)
     check_pair(run_pair(0, 1, hf.config, hf.state_dict(), {}, False, "aot_eager", torch.bfloat16), False,
                "aot_eager", tol=2e-2)
+
+
+def check_quantised_cache(res: dict, kv_dtype: str) -> None:
+    """The fused graphs write the latent through `cp::mla_preprocess_quant` (every layer; no
+    `cp::quant_cache_write` / `cp::mla_attention_quant` left) and leave the same codes (bytes)
+    and scales in the cache as the unfused quantised graphs."""
+    for graph in res[True]["graphs"]:
+        after = {name: a for name, _, _, a in graph}["mla_preprocess_cache_write"]
+        assert _count(after, "cp.mla_preprocess_quant") == LAYERS, after
+        assert not _count(after, "cp.quant_cache_write") and not _count(after, "cp.mla_attention_quant"), after
+    dtype = {"int8": torch.int8, "fp8_e4m3": torch.float8_e4m3fn}[kv_dtype]
+    for on_layer, off_layer in zip(res[True]["cache"], res[False]["cache"], strict=True):
+        (codes_on, scales_on), (codes_off, scales_off) = on_layer, off_layer
+        assert codes_on.dtype == dtype and torch.equal(codes_on.view(torch.uint8), codes_off.view(torch.uint8))
+        torch.testing.assert_close(scales_on, scales_off, atol=0, rtol=1e-6)
+        assert (scales_on > 0).any()
+
+
+@pytest.mark.parametrize("kv_dtype", [pytest.param("int8", marks=pytest.mark.slow), "fp8_e4m3"])
+def test_one_device_quantised_cache_fused_equals_unfused(kv_dtype):
+    """MLAPO over a quantised latent cache (issue 39, decision 72): the fused op writes codes + per-token
+    scales as `cp::quant_cache_write` does; logits fp32 1e-5, tokens equal, the caches equal."""
+    hf = hf_deepseek_v3(q_lora_rank=24, num_layers=LAYERS)
+    res = run_pair(0, 1, hf.config, hf.state_dict(), dict(kv_cache_dtype=kv_dtype), False, "aot_eager")
+    check_pair(res, False, "aot_eager")
+    check_quantised_cache(res, kv_dtype)
 
 
 HF_MODELS = {
@@ -214,6 +241,37 @@ def _run(world: int, cfg_kwargs: dict, quant: bool = False, lowering: str = "aot
 
 def test_dcp2_fused_equals_unfused():
     _run(2, dict(tensor_parallel_size=2, decode_context_parallel_size=2))
+
+
+@pytest.mark.slow
+def test_dcp2_quantised_cache_fused_equals_unfused():
+    """`-m slow` (~60 s, a spawned world). tp = dcp = 2 on gloo, fp8 latent: the DCP composition's local `cp::quant_cache_write` folds into
+    `cp::mla_preprocess_quant`; each rank's logits, tokens and cache shard equal the unfused graph's."""
+    hf = _mla_hf()
+    per_rank = run_on_ranks(run_pair, 2, hf.config, hf.state_dict(),
+                            dict(tensor_parallel_size=2, decode_context_parallel_size=2, kv_cache_dtype="fp8_e4m3"),
+                            False, "aot_eager", timeout=900)
+    for r in per_rank:
+        check_pair(r, False, "aot_eager")
+        check_quantised_cache(r, "fp8_e4m3")
+
+
+@pytest.mark.slow
+def test_pcp2_quantised_cache_fused_equals_unfused():
+    """`-m slow` (~75 s). pcp 2 on gloo, int8 latent: the decode graph's write folds into
+    `cp::mla_preprocess_quant`, the PCP prefill graphs keep their `cp::quant_cache_write` of the
+    gathered latents; each rank's logits, tokens and cache (codes and scales) equal the unfused graph's."""
+    hf = _mla_hf()
+    per_rank = run_on_ranks(run_pair, 2, hf.config, hf.state_dict(),
+                            dict(prefill_context_parallel_size=2, kv_cache_dtype="int8"), False, "aot_eager",
+                            timeout=900)
+    for r in per_rank:
+        check_pair(r, False, "aot_eager", folded=False)
+        for (codes_on, scales_on), (codes_off, scales_off) in zip(r[True]["cache"], r[False]["cache"], strict=True):
+            assert torch.equal(codes_on, codes_off) and torch.equal(scales_on, scales_off)
+        fused = [_count({n: a for n, _, _, a in g}["mla_preprocess_cache_write"], "cp.mla_preprocess_quant")
+                 for g in r[True]["graphs"]]
+        assert LAYERS in fused and 0 in fused, fused  # the decode graph folds, the prefill graphs do not
 
 
 SLOW = [
