@@ -134,8 +134,9 @@ class EngineArgs:
 
 
 # vLLM's --kv-cache-dtype names that mean something else here, with the name to use.
-_VLLM_KV_DTYPES = {"fp8": "fp8_e4m3 (vLLM's 'fp8' is e4m3 on CUDA)", "fp8_e5m2": "fp8_e4m3 (e5m2 is not built)",
-                   "fp8_inc": "fp8_e4m3", "fp8_ds_mla": "fp8_e4m3", "bfloat16": "auto", "float16": "auto"}
+_VLLM_KV_DTYPES = {"fp8": "vLLM's 'fp8' (e4m3) is 'fp8_e4m3' here", "fp8_e5m2": "e5m2 is not built, use 'fp8_e4m3'",
+                   "fp8_inc": "use 'fp8_e4m3'", "fp8_ds_mla": "use 'fp8_e4m3'",
+                   "bfloat16": "the model's dtype is 'auto'", "float16": "the model's dtype is 'auto'"}
 
 
 def check_kv_cache_dtype(value: Any) -> str:
@@ -143,9 +144,9 @@ def check_kv_cache_dtype(value: Any) -> str:
     for it (vLLM spells fp8 `--kv-cache-dtype fp8`; here the names say the format: fp8_e4m3)."""
     if value in ("auto", "fp8_e4m3", "int8"):
         return value
-    hint = f"use '{_VLLM_KV_DTYPES[value]}'" if value in _VLLM_KV_DTYPES else "use one of them"
+    hint = f"{_VLLM_KV_DTYPES[value]}; " if value in _VLLM_KV_DTYPES else ""
     raise ConfigError("kv_cache_dtype is auto|fp8_e4m3|int8", f"kv_cache_dtype={value!r}",
-                      f"{hint}: 'auto' (the model's dtype), 'fp8_e4m3' or 'int8' (quantised pages with an fp32 "
+                      f"{hint}use 'auto' (the model's dtype), 'fp8_e4m3' or 'int8' (quantised pages with an fp32 "
                       "scale per token and KV head)")
 
 
