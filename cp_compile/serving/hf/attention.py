@@ -53,7 +53,7 @@ def gqa_paged_attention(module: torch.nn.Module, query: torch.Tensor, key: torch
     v = value[0].transpose(0, 1)  # [T, Hkv, Dv]
     scale = scaling if scaling is not None else q.shape[-1] ** -0.5
     if scale_caches:
-        statics = {k: v for k, v in static_scales(module).items() if k in ("k_static_scale", "v_static_scale")}
+        statics = {n: s for n, s in static_scales(module).items() if n in ("k_static_scale", "v_static_scale")}
         out = torch.ops.cp.gqa_paged_attention_quant(dense(q), dense(k), dense(v), k_cache, v_cache, *scale_caches,
                                                      meta.slot_mapping, meta.block_table, meta.seq_lens,
                                                      meta.query_start_loc, scale, **statics)  # [T, Hq, Dv]
@@ -85,7 +85,7 @@ def mla_latent_attention(module: torch.nn.Module, query: torch.Tensor, key: torc
     q_abs = torch.einsum("thn,hnl->thl", q_nope, w_uk)  # [T, H, L]
     scale = scaling if scaling is not None else (nope + rope) ** -0.5
     if scale_caches:
-        statics = {k: v for k, v in static_scales(module).items() if k == "kv_static_scale"}
+        statics = {n: s for n, s in static_scales(module).items() if n == "kv_static_scale"}
         latent = torch.ops.cp.mla_attention_quant(dense(q_abs), dense(q_pe), dense(kv_c[0, 0]), dense(k_pe[0, 0]),
                                                   kv_cache, *scale_caches, meta.slot_mapping, meta.block_table,
                                                   meta.seq_lens, meta.query_start_loc, scale, **statics)  # [T, H, L]
