@@ -11,7 +11,6 @@ reference: HF's sdpa attention over `dequant(quant(k, s))`).
 from __future__ import annotations
 
 import copy
-import json
 import os
 import time
 
