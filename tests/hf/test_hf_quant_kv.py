@@ -287,3 +287,23 @@ def test_static_scales_with_pcp_refused():
     with pytest.raises(ConfigError, match=r"static KV scales are served at prefill_context_parallel_size = 1"):
         cp_compile.serving.hf.Engine(hf, cfg, num_blocks=4, kv_scales=_static(hf.config),
                                      parallel=object())  # refused before the parallel state is read
+
+
+def test_llm_with_a_quantised_cache_equals_the_engine(tmp_path):
+    """`LLM(..., kv_cache_dtype="int8")` (tiny DeepSeek-V2-Lite: MLA + MoE, its own tokenizer, in
+    this process) serves from int8 pages and gives the greedy tokens of the engine over the same
+    checkpoint with the same int8 cache."""
+    from cp_compile import LLM, SamplingParams
+    from cp_compile.serving.hf.rank_load import load_rank_local
+    from examples.models.tiny_seed import save_checkpoint, tiny_seed_model
+
+    path = save_checkpoint(tiny_seed_model("deepseek_v2_lite"), str(tmp_path / "ckpt"))
+    prompts = [[5, 9, 14, 3, 22], [7, 8, 30]]
+    with LLM(model=path, block_size=BLOCK, lowering="eager", max_model_len=64, kv_cache_dtype="int8") as llm:
+        outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)
+        served = llm.executor.engine
+        assert served.cache.layers[0][0].dtype == torch.int8 and served.capacity()["kv_scale_bytes_per_rank"] > 0
+    cfg = cp_compile.CPConfig(block_size=BLOCK, kv_cache_dtype="int8")
+    ref = cp_compile.serving.hf.Engine(load_rank_local(path), cfg, num_blocks=NUM_BLOCKS, lowering="eager",
+                                       eos_token_id=None, progress=False)
+    assert [o.outputs[0].token_ids for o in outs] == ref.generate(prompts, max_new_tokens=8)
