@@ -2,11 +2,13 @@
 
     python -m examples.kv_capacity                         # tiny random Qwen3, tp 2, 48 KiB per rank
     python -m examples.kv_capacity --model /path/to/ckpt --kv-cache-memory-bytes 8589934592 --max-model-len 32768
+    python -m examples.kv_capacity --kv-cache-dtype int8   # quantised pages: the report splits pages + scales
 
 Starts `cp_compile.LLM` at the same world (tp 2) and the same `kv_cache_memory_bytes`
 per rank, once with dcp 1 and once with dcp 2; each start prints its KV pool (rank 0):
 blocks and bytes, tokens per rank, tokens per DCP group, and the maximum concurrency at
-`max_model_len`. Then it serves `--requests` prompts of `max_model_len` tokens (prompt
+`max_model_len` (a quantised cache, `--kv-cache-dtype`: the block's page and fp32 scale
+bytes apart, both in the block and so in the capacity; issue 39). Then it serves `--requests` prompts of `max_model_len` tokens (prompt
 + max_tokens) through continuous batching and prints the wall time (one run: a
 capacity report, not a benchmark).
 """
@@ -39,16 +41,17 @@ def main() -> None:
     ap.add_argument("--block-size", type=int, default=4)
     ap.add_argument("--requests", type=int, default=8)
     ap.add_argument("--lowering", default="eager", choices=("auto", "inductor", "aot_eager", "eager"))
+    ap.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "fp8_e4m3", "int8"))
     args = ap.parse_args()
     path = args.model or tiny_checkpoint()
     out_tokens = 8
     prompt = list(range(3, 3 + args.max_model_len - out_tokens))
     for dcp in (1, 2):
-        print(f"--- tp {args.tp}, dcp {dcp}, kv_cache_memory_bytes {args.kv_cache_memory_bytes:,d} per rank",
-              flush=True)
+        print(f"--- tp {args.tp}, dcp {dcp}, kv_cache_memory_bytes {args.kv_cache_memory_bytes:,d} per rank, "
+              f"kv_cache_dtype {args.kv_cache_dtype}", flush=True)
         with LLM(path, tensor_parallel_size=args.tp, decode_context_parallel_size=dcp, block_size=args.block_size,
                  max_model_len=args.max_model_len, max_num_seqs=64, lowering=args.lowering,
-                 kv_cache_memory_bytes=args.kv_cache_memory_bytes) as llm:
+                 kv_cache_memory_bytes=args.kv_cache_memory_bytes, kv_cache_dtype=args.kv_cache_dtype) as llm:
             t0 = time.perf_counter()
             outs = llm.generate([prompt] * args.requests, SamplingParams(temperature=0, max_tokens=out_tokens,
                                                                           ignore_eos=True))

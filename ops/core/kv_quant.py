@@ -50,12 +50,18 @@ def check_pair(cache: torch.Tensor, scale_cache: torch.Tensor | None, what: str)
         scale_view(cache, scale_cache)
 
 
-def quantize(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize(x: torch.Tensor, dtype: torch.dtype,
+             static_scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """x [..., D] (any float dtype) -> (q [..., D] `dtype`, scale [...] fp32), one scale per row.
-    An all-zero row gets scale 1 (its codes are 0 either way)."""
+    An all-zero row gets scale 1 (its codes are 0 either way). `static_scale` (one fp32
+    scalar, a checkpoint's per-layer k_scale / v_scale, decision 71) replaces the row's
+    dynamic amax scale: every row gets it, and codes past the dtype's range are clamped."""
     xf = x.float()
-    amax = xf.abs().amax(dim=-1)  # [...]
-    scale = torch.where(amax > 0, amax / QMAX[dtype], torch.ones_like(amax))
+    if static_scale is None:
+        amax = xf.abs().amax(dim=-1)  # [...]
+        scale = torch.where(amax > 0, amax / QMAX[dtype], torch.ones_like(amax))
+    else:
+        scale = static_scale.float().reshape(()).expand(xf.shape[:-1]).contiguous()  # [...] the layer's one scale
     y = xf / scale[..., None]
     if dtype == torch.int8:
         q = torch.round(y).clamp(-127, 127).to(torch.int8)
@@ -75,15 +81,25 @@ def bytes_view(t: torch.Tensor) -> torch.Tensor:
 
 
 def write_quantized(cache: torch.Tensor, scale_cache: torch.Tensor, new: torch.Tensor,
-                    slot_mapping: torch.Tensor) -> None:
+                    slot_mapping: torch.Tensor, static_scale: torch.Tensor | None = None) -> None:
     """cache[slot], scale[slot] = quantize(new[t]) for every token with slot >= 0 (in place).
-    new [T', ...row dims, D] (T' >= T), cache [NB, BS, ...row dims, D], scale_cache one per row."""
+    new [T', ...row dims, D] (T' >= T), cache [NB, BS, ...row dims, D], scale_cache one per row.
+    With `static_scale` every row is stored with that scale (its readers are unchanged)."""
     scales = scale_view(cache, scale_cache)
     flat = bytes_view(cache).view(-1, *cache.shape[2:])  # [NB * BS, ..., D]
     sflat = scales.view(-1, *scales.shape[2:])  # [NB * BS, ...]
     keep = slot_mapping >= 0
     idx = slot_mapping[keep].long()
-    q, s = quantize(new[: slot_mapping.shape[0]][keep].reshape(-1, *cache.shape[2:]), cache.dtype)
+    q, s = quantize(new[: slot_mapping.shape[0]][keep].reshape(-1, *cache.shape[2:]), cache.dtype, static_scale)
     flat.index_copy_(0, idx, bytes_view(q))
     sflat.index_copy_(0, idx, s)
+
+
+def check_static_scale(static_scale: torch.Tensor | None, what: str) -> None:
+    """A static scale is one finite, positive fp32 value (a checkpoint's per-layer k_scale / v_scale)."""
+    if static_scale is None:
+        return
+    if static_scale.numel() != 1 or static_scale.dtype != torch.float32:
+        raise ValueError(f"{what} {tuple(static_scale.shape)} {static_scale.dtype} is not one fp32 scale; pass the "
+                         "layer's per-tensor scale as a one-element fp32 tensor (cp_compile.serving.hf.kv_scales)")
 

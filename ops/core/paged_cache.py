@@ -70,12 +70,17 @@ def check_paged_step(caches: tuple[torch.Tensor, ...], slot_mapping: torch.Tenso
 
 
 def write_cache(cache: torch.Tensor, new: torch.Tensor, slot_mapping: torch.Tensor,
-                scale_cache: torch.Tensor | None = None) -> None:
+                scale_cache: torch.Tensor | None = None, static_scale: torch.Tensor | None = None) -> None:
     """cache[slot] = new[t] for every token with slot >= 0 (in place). A quantised cache
-    (int8 / fp8, issue 39) stores quantize(new[t]) and its per-row scales in `scale_cache`."""
+    (int8 / fp8, issue 39) stores quantize(new[t]) and its per-row scales in `scale_cache`
+    (with a checkpoint's `static_scale`, that scale for every row; decision 71)."""
     kv_quant.check_pair(cache, scale_cache, "the cache")
+    if static_scale is not None and scale_cache is None:
+        raise ValueError("a static KV scale was passed for a cache in the model's dtype; static scales are for "
+                         "int8 / float8_e4m3fn caches only: drop it or allocate a quantised cache")
+    kv_quant.check_static_scale(static_scale, "the static KV scale")
     if scale_cache is not None:
-        kv_quant.write_quantized(cache, scale_cache, new, slot_mapping)
+        kv_quant.write_quantized(cache, scale_cache, new, slot_mapping, static_scale)
         return
     flat = cache.view(-1, *cache.shape[2:])  # [num_blocks * block_size, ...]
     keep = slot_mapping >= 0
@@ -102,7 +107,8 @@ def gather_request_rows(cache: torch.Tensor, scale_cache: torch.Tensor | None, b
 
 
 def write_latent(kv_cache: torch.Tensor, kv_c: torch.Tensor, k_pe: torch.Tensor,
-                 slot_mapping: torch.Tensor, scale_cache: torch.Tensor | None = None) -> None:
+                 slot_mapping: torch.Tensor, scale_cache: torch.Tensor | None = None,
+                 static_scale: torch.Tensor | None = None) -> None:
     """kv_cache[slot] = [kv_c | k_pe] (the MLA cache stores one [L+R] vector per token;
     quantised: one scale per token over both parts)."""
-    write_cache(kv_cache, torch.cat([kv_c, k_pe], dim=-1), slot_mapping, scale_cache)
+    write_cache(kv_cache, torch.cat([kv_c, k_pe], dim=-1), slot_mapping, scale_cache, static_scale)

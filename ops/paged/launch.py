@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from cp_compile.ops.core import kv_quant, layout
+from cp_compile.ops.core import kv_quant, layout, paged_cache
 from cp_compile.ops.core.launcher import lazy
 
 _decode = lazy("cp_compile.ops.paged.triton_decode", "paged_attention_with_lse_triton")
@@ -67,21 +67,44 @@ def dcp_localize_metadata(slot_mapping: torch.Tensor, query_start_loc: torch.Ten
             layout.local_context_lens(query_start_loc, seq_lens, T, **lay))
 
 
+def _static_write(new: torch.Tensor, cache: torch.Tensor, slot_mapping: torch.Tensor, scale_cache: torch.Tensor,
+                  static_scale: torch.Tensor | None) -> None:
+    """The Triton quantised write computes the dynamic scale; a checkpoint's static scale
+    (decision 71) is written by the torch reference (same arithmetic as the CPU path)."""
+    if static_scale is None:
+        cache_write(new, cache, slot_mapping, scale_cache)
+    else:
+        paged_cache.write_cache(cache, new, slot_mapping, scale_cache, static_scale)
+
+
 def quant_cache_write(new: torch.Tensor, cache: torch.Tensor, scale_cache: torch.Tensor,
-                      slot_mapping: torch.Tensor) -> None:
-    cache_write(new, cache, slot_mapping, scale_cache)
+                      slot_mapping: torch.Tensor, static_scale: torch.Tensor | None = None) -> None:
+    _static_write(new, cache, slot_mapping, scale_cache, static_scale)
 
 
 def gqa_paged_attention_quant(q, k, v, k_cache, v_cache, k_scale_cache, v_scale_cache, slot_mapping, block_table,
-                              seq_lens, query_start_loc, scale):
-    return gqa_paged_attention(q, k, v, k_cache, v_cache, slot_mapping, block_table, seq_lens, query_start_loc, scale,
-                               k_scale_cache, v_scale_cache)
+                              seq_lens, query_start_loc, scale, k_static_scale=None, v_static_scale=None):
+    if k_static_scale is None and v_static_scale is None:
+        return gqa_paged_attention(q, k, v, k_cache, v_cache, slot_mapping, block_table, seq_lens, query_start_loc,
+                                   scale, k_scale_cache, v_scale_cache)
+    kv_quant.check_pair(k_cache, k_scale_cache, "k_cache")  # before either cache is written
+    kv_quant.check_pair(v_cache, v_scale_cache, "v_cache")
+    _static_write(k, k_cache, slot_mapping, k_scale_cache, k_static_scale)
+    _static_write(v, v_cache, slot_mapping, v_scale_cache, v_static_scale)
+    kv_lens = layout.causal_lens(query_start_loc, seq_lens, q.shape[0])
+    return paged_attention_lse(q, k_cache, v_cache, block_table, query_start_loc, kv_lens, scale,
+                               k_scale_cache, v_scale_cache)[0]
 
 
 def mla_attention_quant(q_nope, q_pe, kv_c, k_pe, kv_cache, kv_scale_cache, slot_mapping, block_table, seq_lens,
-                        query_start_loc, scale):
-    return mla_attention(q_nope, q_pe, kv_c, k_pe, kv_cache, slot_mapping, block_table, seq_lens, query_start_loc,
-                         scale, kv_scale_cache)
+                        query_start_loc, scale, kv_static_scale=None):
+    if kv_static_scale is None:
+        return mla_attention(q_nope, q_pe, kv_c, k_pe, kv_cache, slot_mapping, block_table, seq_lens,
+                             query_start_loc, scale, kv_scale_cache)
+    _static_write(torch.cat([kv_c, k_pe], -1), kv_cache, slot_mapping, kv_scale_cache, kv_static_scale)
+    kv_lens = layout.causal_lens(query_start_loc, seq_lens, q_nope.shape[0])
+    return mla_partial_attention(q_nope, q_pe, kv_cache, block_table, query_start_loc, kv_lens, scale,
+                                 kv_scale_cache)[0]
 
 
 def gqa_paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,

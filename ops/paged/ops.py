@@ -80,34 +80,40 @@ def gqa_paged_attention_quant(
     seq_lens: torch.Tensor,
     query_start_loc: torch.Tensor,
     scale: float,
+    k_static_scale: Optional[torch.Tensor] = None,  # [] fp32: a checkpoint's per-layer k_scale (decision 71)
+    v_static_scale: Optional[torch.Tensor] = None,  # [] fp32: its v_scale
 ) -> torch.Tensor:
     """`cp::gqa_paged_attention` over a quantised cache: the write quantises each token's row per
-    KV head (its scale into the scale caches), the attention dequantises on load."""
+    KV head (its scale into the scale caches), the attention dequantises on load. With static
+    scales every row is written with the layer's scale instead of its dynamic amax scale."""
     return _gqa_step(reference.paged_attention_with_lse, q, k, v, k_cache, v_cache, slot_mapping, block_table,
-                     seq_lens, query_start_loc, scale, k_scale_cache, v_scale_cache)
+                     seq_lens, query_start_loc, scale, k_scale_cache, v_scale_cache, k_static_scale, v_static_scale)
 
 
 def _gqa_paged_attention_quant_cpu(q, k, v, k_cache, v_cache, k_scale_cache, v_scale_cache, slot_mapping,
-                                   block_table, seq_lens, query_start_loc, scale):
+                                   block_table, seq_lens, query_start_loc, scale, k_static_scale=None,
+                                   v_static_scale=None):
     return _gqa_step(cpu.paged_attention_lse, q, k, v, k_cache, v_cache, slot_mapping, block_table,
-                     seq_lens, query_start_loc, scale, k_scale_cache, v_scale_cache)
+                     seq_lens, query_start_loc, scale, k_scale_cache, v_scale_cache, k_static_scale, v_static_scale)
 
 
 @gqa_paged_attention_quant.register_fake
 def _(q, k, v, k_cache, v_cache, k_scale_cache, v_scale_cache, slot_mapping, block_table, seq_lens, query_start_loc,
-      scale):
+      scale, k_static_scale=None, v_static_scale=None):
     return q.new_empty(q.shape[0], q.shape[1], v.shape[-1])
 
 
 def _gqa_step(attend, q, k, v, k_cache, v_cache, slot_mapping, block_table, seq_lens, query_start_loc, scale,
-              k_scale_cache=None, v_scale_cache=None):
+              k_scale_cache=None, v_scale_cache=None, k_static_scale=None, v_static_scale=None):
     """Check, write the caches, attend causally with `attend` (the reference, or the CPU kernel)."""
     paged_cache.check_paged_step((k_cache, v_cache), slot_mapping, block_table, seq_lens, query_start_loc,
                                op="cp::gqa_paged_attention")
     kv_quant.check_pair(k_cache, k_scale_cache, "k_cache")  # before either cache is written
     kv_quant.check_pair(v_cache, v_scale_cache, "v_cache")
-    paged_cache.write_cache(k_cache, k, slot_mapping, k_scale_cache)
-    paged_cache.write_cache(v_cache, v, slot_mapping, v_scale_cache)
+    kv_quant.check_static_scale(k_static_scale, "k_static_scale")
+    kv_quant.check_static_scale(v_static_scale, "v_static_scale")
+    paged_cache.write_cache(k_cache, k, slot_mapping, k_scale_cache, k_static_scale)
+    paged_cache.write_cache(v_cache, v, slot_mapping, v_scale_cache, v_static_scale)
     kv_lens = layout.causal_lens(query_start_loc, seq_lens, q.shape[0])  # [T], 0 for padding
     out, _ = attend(q, k_cache, v_cache, block_table, query_start_loc, kv_lens, scale, k_scale_cache, v_scale_cache)
     return out  # fresh tensor (built with torch.zeros inside), never an alias of q
@@ -165,30 +171,31 @@ def mla_attention_quant(
     seq_lens: torch.Tensor,
     query_start_loc: torch.Tensor,
     scale: float,
+    kv_static_scale: Optional[torch.Tensor] = None,  # [] fp32: a checkpoint's latent scale (k_scale; decision 71)
 ) -> torch.Tensor:
     """`cp::mla_attention` over a quantised latent cache (issue 39)."""
     return _mla_step(reference.mla_attention_with_lse, q_nope, q_pe, kv_c, k_pe, kv_cache, slot_mapping,
-                     block_table, seq_lens, query_start_loc, scale, kv_scale_cache)
+                     block_table, seq_lens, query_start_loc, scale, kv_scale_cache, kv_static_scale)
 
 
 def _mla_attention_quant_cpu(q_nope, q_pe, kv_c, k_pe, kv_cache, kv_scale_cache, slot_mapping, block_table,
-                             seq_lens, query_start_loc, scale):
+                             seq_lens, query_start_loc, scale, kv_static_scale=None):
     return _mla_step(cpu.mla_attention_lse, q_nope, q_pe, kv_c, k_pe, kv_cache, slot_mapping,
-                     block_table, seq_lens, query_start_loc, scale, kv_scale_cache)
+                     block_table, seq_lens, query_start_loc, scale, kv_scale_cache, kv_static_scale)
 
 
 @mla_attention_quant.register_fake
 def _(q_nope, q_pe, kv_c, k_pe, kv_cache, kv_scale_cache, slot_mapping, block_table, seq_lens, query_start_loc,
-      scale):
+      scale, kv_static_scale=None):
     return torch.empty_like(q_nope, memory_format=torch.contiguous_format)
 
 
 def _mla_step(attend, q_nope, q_pe, kv_c, k_pe, kv_cache, slot_mapping, block_table, seq_lens, query_start_loc,
-              scale, kv_scale_cache=None):
+              scale, kv_scale_cache=None, kv_static_scale=None):
     """Check, write the latent cache, attend causally with `attend` (the reference, or the CPU kernel)."""
     paged_cache.check_paged_step((kv_cache,), slot_mapping, block_table, seq_lens, query_start_loc,
                                op="cp::mla_attention")
-    paged_cache.write_latent(kv_cache, kv_c, k_pe, slot_mapping, kv_scale_cache)
+    paged_cache.write_latent(kv_cache, kv_c, k_pe, slot_mapping, kv_scale_cache, kv_static_scale)
     kv_lens = layout.causal_lens(query_start_loc, seq_lens, q_nope.shape[0])
     return attend(q_nope, q_pe, kv_cache, block_table, query_start_loc, kv_lens, scale, kv_scale_cache)[0]
 
@@ -248,14 +255,16 @@ def _(new, cache, slot_mapping):
 
 
 @torch.library.custom_op("cp::quant_cache_write", mutates_args=("cache", "scale_cache"))
-def quant_cache_write(new: Tensor, cache: Tensor, scale_cache: Tensor, slot_mapping: Tensor) -> None:
+def quant_cache_write(new: Tensor, cache: Tensor, scale_cache: Tensor, slot_mapping: Tensor,
+                      static_scale: Optional[Tensor] = None) -> None:
     """`cp::cache_write` into an int8 / fp8 cache: each row stored quantised, its fp32 scale in
-    `scale_cache` ([NB, BS, rows]) at the same slot (issue 39)."""
-    paged_cache.write_cache(cache, new, slot_mapping, scale_cache)
+    `scale_cache` ([NB, BS, rows]) at the same slot (issue 39); with `static_scale` ([] fp32, a
+    checkpoint's per-layer scale, decision 71) every row takes that scale."""
+    paged_cache.write_cache(cache, new, slot_mapping, scale_cache, static_scale)
 
 
 @quant_cache_write.register_fake
-def _(new, cache, scale_cache, slot_mapping):
+def _(new, cache, scale_cache, slot_mapping, static_scale=None):
     return None
 
 

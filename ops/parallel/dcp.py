@@ -193,19 +193,24 @@ def merge_heads(out: Tensor, lse: Tensor, ctx: DCPContext, heads: int,
     return dense(merged.to(dtype).transpose(0, 1)), total.transpose(0, 1)
 
 
-def write_cache(new: Tensor, cache: Tensor, slot_mapping: Tensor, scale_cache: Tensor | None = None) -> None:
+def write_cache(new: Tensor, cache: Tensor, slot_mapping: Tensor, scale_cache: Tensor | None = None,
+                static_scale: Tensor | None = None) -> None:
     """This rank's tokens into its shard: `cp::cache_write`, or `cp::quant_cache_write` for a
-    quantised cache (its scales beside the pages, on the owner rank; issue 39)."""
+    quantised cache (its scales beside the pages, on the owner rank; issue 39), with the
+    layer's static scale where a checkpoint gave one (decision 71)."""
     if scale_cache is None:
         _cp.cache_write.default(new, cache, slot_mapping)
-    else:
+    elif static_scale is None:
         _cp.quant_cache_write.default(new, cache, scale_cache, slot_mapping)
+    else:
+        _cp.quant_cache_write.default(new, cache, scale_cache, slot_mapping, static_scale)
 
 
 def dcp_gqa_attention(q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, slot_mapping: Tensor,
                       block_table: Tensor, seq_lens: Tensor, query_start_loc: Tensor, scale: float,
                       ctx: DCPContext, local: LocalMetadata | None = None, k_scale_cache: Tensor | None = None,
-                      v_scale_cache: Tensor | None = None) -> Tensor:
+                      v_scale_cache: Tensor | None = None, k_static_scale: Tensor | None = None,
+                      v_static_scale: Tensor | None = None) -> Tensor:
     """DCP version of `cp::gqa_paged_attention`: same arguments (global metadata,
     this rank's cache shard), same output [T, Hq, Dv] for this rank's heads
     (replicated: q [T, N*Hq, D] holds the group's heads, the output this rank's Hq).
@@ -216,19 +221,21 @@ def dcp_gqa_attention(q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_cache:
     attends its local causal prefix `local_len(r, pos+1)` on every rank.
     """
     return merge_partial(dcp_gqa_partial(q, k, v, k_cache, v_cache, slot_mapping, block_table, seq_lens,
-                                         query_start_loc, scale, ctx, local, k_scale_cache, v_scale_cache), ctx)
+                                         query_start_loc, scale, ctx, local, k_scale_cache, v_scale_cache,
+                                         k_static_scale, v_static_scale), ctx)
 
 
 def dcp_gqa_partial(q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, slot_mapping: Tensor,
                     block_table: Tensor, seq_lens: Tensor, query_start_loc: Tensor, scale: float,
                     ctx: DCPContext, local: LocalMetadata | None = None, k_scale_cache: Tensor | None = None,
-                    v_scale_cache: Tensor | None = None) -> "Partial":
+                    v_scale_cache: Tensor | None = None, k_static_scale: Tensor | None = None,
+                    v_static_scale: Tensor | None = None) -> "Partial":
     """`dcp_gqa_attention` up to the merge: local K/V writes, the group's queries, the partial
     over the local shard (out [T, N*Hq, Dv], lse [T, N*Hq]; the all-reduce fold, issue 37)."""
     if local is None:
         local = localize(ctx, slot_mapping, query_start_loc, seq_lens)
-    write_cache(k, k_cache, local.slot_mapping, k_scale_cache)
-    write_cache(v, v_cache, local.slot_mapping, v_scale_cache)
+    write_cache(k, k_cache, local.slot_mapping, k_scale_cache, k_static_scale)
+    write_cache(v, v_cache, local.slot_mapping, v_scale_cache, v_static_scale)
     out, lse = gathered_gqa_partial(q, k_cache, v_cache, block_table, query_start_loc, local.causal_lens, scale,
                                     k.shape[1], ctx, k_scale_cache, v_scale_cache)  # [T, N*Hq, Dv], [T, N*Hq]
     return Partial(out, lse, own_heads(q, ctx), q.dtype)
@@ -270,13 +277,13 @@ def rescale_partial(part: Partial, ctx: DCPContext) -> Tensor:
 def dcp_mla_partial(q_nope: Tensor, q_pe: Tensor, kv_c: Tensor, k_pe: Tensor, kv_cache: Tensor,
                     slot_mapping: Tensor, block_table: Tensor, seq_lens: Tensor, query_start_loc: Tensor,
                     scale: float, ctx: DCPContext, local: LocalMetadata | None = None,
-                    kv_scale_cache: Tensor | None = None) -> Partial:
+                    kv_scale_cache: Tensor | None = None, kv_static_scale: Tensor | None = None) -> Partial:
     """`dcp_mla_attention` up to the merge: local latent write, the group's queries, the
     partial over the local shard (out [T, N*H, L]; a quantised latent: its per-token scales
     sharded with the pages)."""
     if local is None:
         local = localize(ctx, slot_mapping, query_start_loc, seq_lens)
-    write_cache(torch.cat([kv_c, k_pe], dim=-1), kv_cache, local.slot_mapping, kv_scale_cache)
+    write_cache(torch.cat([kv_c, k_pe], dim=-1), kv_cache, local.slot_mapping, kv_scale_cache, kv_static_scale)
     heads = own_heads(q_nope, ctx)
     q_nope, q_pe = group_mla_queries(q_nope, q_pe, ctx)  # [T, N*H, L], [T, N*H, R]
     part = _cp.mla_partial_attention.default(q_nope, q_pe, kv_cache, block_table,
@@ -287,10 +294,10 @@ def dcp_mla_partial(q_nope: Tensor, q_pe: Tensor, kv_c: Tensor, k_pe: Tensor, kv
 def dcp_mla_attention(q_nope: Tensor, q_pe: Tensor, kv_c: Tensor, k_pe: Tensor, kv_cache: Tensor,
                       slot_mapping: Tensor, block_table: Tensor, seq_lens: Tensor, query_start_loc: Tensor,
                       scale: float, ctx: DCPContext, local: LocalMetadata | None = None,
-                      kv_scale_cache: Tensor | None = None) -> Tensor:
+                      kv_scale_cache: Tensor | None = None, kv_static_scale: Tensor | None = None) -> Tensor:
     """DCP version of `cp::mla_attention` (absorbed MLA): output [T, H, L] for this rank's heads."""
     return merge_partial(dcp_mla_partial(q_nope, q_pe, kv_c, k_pe, kv_cache, slot_mapping, block_table, seq_lens,
-                                         query_start_loc, scale, ctx, local, kv_scale_cache), ctx)
+                                         query_start_loc, scale, ctx, local, kv_scale_cache, kv_static_scale), ctx)
 
 
 def group_mla_queries(q_nope: Tensor, q_pe: Tensor, ctx: DCPContext) -> tuple[Tensor, Tensor]:

@@ -199,10 +199,19 @@ def _check_scales(cache: Tensor, scale_cache: Tensor | None, what: str) -> bool:
     return scale_cache is not None
 
 
+def _refuse_static(*static_scales: Tensor | None) -> None:
+    """A checkpoint's static KV scales (decision 71) are not built into the PCP prefill."""
+    if any(s is not None for s in static_scales):
+        raise NotImplementedError("the PCP prefill does not take a checkpoint's static KV scales (k_scale / v_scale) "
+                                  "yet (decision 71). Fix: prefill_context_parallel_size=1, or serve without the "
+                                  "checkpoint's scales (dynamic per-token scales)")
+
+
 def pcp_gqa_attention(q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, slot_mapping: Tensor,
                       block_table: Tensor, seq_lens: Tensor, query_start_loc: Tensor, token_index: Tensor,
                       scale: float, ctx: PCPContext, step: _Step | None = None,
-                      k_scale_cache: Tensor | None = None, v_scale_cache: Tensor | None = None) -> Tensor:
+                      k_scale_cache: Tensor | None = None, v_scale_cache: Tensor | None = None,
+                      k_static_scale: Tensor | None = None, v_static_scale: Tensor | None = None) -> Tensor:
     """PCP version of `cp::gqa_paged_attention` for this rank's tokens.
 
     q [T_loc, Hq, D], k [T_loc, Hkv, D], v [T_loc, Hkv, Dv] (this rank's tokens and
@@ -210,6 +219,7 @@ def pcp_gqa_attention(q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_cache:
     out [T_loc, Hq, Dv]. Exact for prefill, chunked prefill with a cached prefix and
     mixed batches; at `ctx.fresh` only for steps without cached context.
     """
+    _refuse_static(k_static_scale, v_static_scale)
     quant = _check_scales(k_cache, k_scale_cache, "k_cache") | _check_scales(v_cache, v_scale_cache, "v_cache")
     if step is None:
         step = pcp_step(ctx, token_index, slot_mapping, query_start_loc, seq_lens)
@@ -249,12 +259,13 @@ def pcp_gqa_attention(q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_cache:
 def pcp_mla_attention(q_nope: Tensor, q_pe: Tensor, kv_c: Tensor, k_pe: Tensor, kv_cache: Tensor,
                       slot_mapping: Tensor, block_table: Tensor, seq_lens: Tensor, query_start_loc: Tensor,
                       token_index: Tensor, scale: float, ctx: PCPContext, step: _Step | None = None,
-                      kv_scale_cache: Tensor | None = None) -> Tensor:
+                      kv_scale_cache: Tensor | None = None, kv_static_scale: Tensor | None = None) -> Tensor:
     """PCP version of `cp::mla_attention` (absorbed MLA) for this rank's tokens.
 
     q_nope [T_loc, H, L], q_pe [T_loc, H, R], kv_c [T_loc, L], k_pe [T_loc, R],
     kv_cache [NB, BS, L+R] (this rank's shard) -> latent out [T_loc, H, L].
     """
+    _refuse_static(kv_static_scale)
     quant = _check_scales(kv_cache, kv_scale_cache, "kv_cache")
     if step is None:
         step = pcp_step(ctx, token_index, slot_mapping, query_start_loc, seq_lens)

@@ -192,3 +192,42 @@ def test_opcheck_with_scale_caches():
     f8 = torch.zeros(NUM_BLOCKS, BLOCK, 24, dtype=torch.float8_e4m3fn)
     torch.library.opcheck(cp.mla_attention_quant, (qn, qp, c, kp, f8, ls, *meta_args(m), 0.3),
                           test_utils=("test_faketensor", "test_autograd_registration", "test_aot_dispatch_dynamic"))
+
+
+def test_static_scale_write_stores_the_static_scale_and_clamps():
+    """A checkpoint's static scale (decision 71): every written row gets that scale and its codes
+    are `clamp(round(x / s))` (int8) / `clamp(x / s)` cast (fp8), through the op (CPU kernel and
+    reference), opcheck'd with the optional static arguments."""
+    q, (kc, vc, ks, vs), m, _, (k, v) = _gqa_case(torch.int8, "mixed")
+    s_k, s_v = torch.tensor(0.01), torch.tensor(0.02)
+    fresh = [torch.zeros_like(t) for t in (kc, vc, ks, vs)]
+    out = cp.gqa_paged_attention_quant(q, k, v, *fresh, *meta_args(m), 0.25, k_static_scale=s_k,
+                                       v_static_scale=s_v)
+    keep = m.slot_mapping >= 0
+    slots = m.slot_mapping[keep].long()
+    for cache, scales, x, s in ((fresh[0], fresh[2], k, s_k), (fresh[1], fresh[3], v, s_v)):
+        rows = cache.view(-1, *cache.shape[2:])[slots]  # [n, Hkv, D]
+        assert torch.equal(scales.view(-1, scales.shape[-1])[slots], torch.full(rows.shape[:-1], s.item()))
+        want = torch.round(x[: keep.shape[0]][keep].float() / s).clamp(-127, 127).to(torch.int8)
+        assert torch.equal(rows, want)
+        assert (rows.abs() == 127).any()  # the static scale clamps some rows here: not their amax scale
+    ref = [torch.zeros_like(t) for t in (kc, vc, ks, vs)]
+    want = reference.paged_attention_with_lse  # the attention over what was stored, read back by the reference
+    kv_quant.write_quantized(ref[0], ref[2], k, m.slot_mapping, s_k)
+    kv_quant.write_quantized(ref[1], ref[3], v, m.slot_mapping, s_v)
+    from cp_compile.ops.core.layout import causal_lens
+    kv_lens = causal_lens(m.query_start_loc, m.seq_lens, q.shape[0])
+    torch.testing.assert_close(out, want(q, ref[0], ref[1], m.block_table, m.query_start_loc, kv_lens, 0.25,
+                                         ref[2], ref[3])[0], atol=1e-5, rtol=1e-5)
+    fresh = [torch.zeros_like(t) for t in (kc, vc, ks, vs)]
+    torch.library.opcheck(cp.quant_cache_write, (k, fresh[0], fresh[2], m.slot_mapping, s_k))
+    fresh = [torch.zeros_like(t) for t in (kc, vc, ks, vs)]
+    torch.library.opcheck(cp.gqa_paged_attention_quant, (q, k, v, *fresh, *meta_args(m), 0.25, s_k, s_v))
+    lc, ls = torch.zeros(NUM_BLOCKS, BLOCK, 24, dtype=torch.int8), torch.zeros(NUM_BLOCKS, BLOCK, 1)
+    T = q.shape[0]
+    qn, qp, c, kp = torch.randn(T, 4, 16), torch.randn(T, 4, 8), torch.randn(T, 16), torch.randn(T, 8)
+    torch.library.opcheck(cp.mla_attention_quant, (qn, qp, c, kp, lc, ls, *meta_args(m), 0.3, s_k))
+    cp.mla_attention_quant(qn, qp, c, kp, lc, ls, *meta_args(m), 0.3, kv_static_scale=s_k)  # one latent scale
+    assert torch.equal(ls.view(-1)[slots], torch.full((slots.numel(),), s_k.item()))
+    with pytest.raises(ValueError, match=r"k_static_scale \(2,\) torch.float32 is not one fp32 scale"):
+        cp.gqa_paged_attention_quant(q, k, v, *fresh, *meta_args(m), 0.25, k_static_scale=torch.ones(2))

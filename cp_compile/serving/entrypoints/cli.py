@@ -31,6 +31,9 @@ def _parser() -> argparse.ArgumentParser:
                    "requests of max-model-len)")
     s.add_argument("--kv-cache-memory-bytes", type=int, default=None, help="KV pool bytes per rank (the pool's "
                    "blocks, tokens per rank / DCP group and max concurrency are printed at start-up)")
+    s.add_argument("--kv-cache-dtype", default="auto", help="KV cache storage: auto (the model's dtype), fp8_e4m3 "
+                   "or int8 (quantised pages + an fp32 scale per token and KV head; docs/quant_kv.md). vLLM's "
+                   "'fp8' is spelled fp8_e4m3 here")
     s.add_argument("--enable-dsa-cp", action="store_true")
     s.add_argument("--seed", type=int, default=0)
     s.add_argument("--lowering", default="auto", choices=("auto", "inductor", "aot_eager", "eager"))
@@ -67,7 +70,7 @@ def main(argv: list[str] | None = None) -> int:
               cp_kv_cache_interleave_size=args.cp_kv_cache_interleave_size, block_size=args.block_size,
               dtype=args.dtype, max_model_len=args.max_model_len, enable_dsa_cp=args.enable_dsa_cp,
               max_num_seqs=args.max_num_seqs, num_kv_blocks=args.num_kv_blocks,
-              kv_cache_memory_bytes=args.kv_cache_memory_bytes, seed=args.seed,
+              kv_cache_memory_bytes=args.kv_cache_memory_bytes, kv_cache_dtype=args.kv_cache_dtype, seed=args.seed,
               lowering=args.lowering, kv_transfer_config=args.kv_transfer_config, step_timeout_s=args.step_timeout_s)
     print(f"cp-compile serve: {args.served_model_name or args.model} on http://{args.host}:{args.port} "
           f"(tp={args.tensor_parallel_size}, dcp={args.decode_context_parallel_size}, "

@@ -38,7 +38,8 @@ from cp_compile.serving.hf.engine import Engine
 from cp_compile.serving.loop.scheduler import StepPlan
 from cp_compile.serving.entrypoints import kv_rank
 from cp_compile.serving.hf.gathered_weights import gathered_weight_bytes
-from cp_compile.serving.hf.kv_budget import bytes_per_block, check_budget, plan_pool
+from cp_compile.serving.hf.kv_budget import bytes_per_block, check_budget, plan_pool, scale_bytes_per_block
+from cp_compile.serving.hf.kv_scales import read_kv_scales
 from cp_compile.serving.hf.rank_load import checkpoint_dtype, load_rank_local
 from cp_compile.serving.hf.support import attention_spec
 from cp_compile.serving.kv_transfer import KVTransferConfig
@@ -65,6 +66,9 @@ class EngineArgs:
     # The merge rewrites (issue 37): CPConfig's; their gathered weights are taken out of the budget.
     dcp_merge_fold: str = "off"
     dcp_project_before_merge: str = "auto"
+    # "auto" (the model's dtype), "fp8_e4m3" or "int8": quantised pages with fp32 scales (issue 39,
+    # docs/quant_kv.md); a checkpoint's static k_scale / v_scale are used with "fp8_e4m3" (decision 71).
+    kv_cache_dtype: str = "auto"
     lowering: str = "auto"
     device: str = "cpu"
     kv_transfer_config: dict | None = None  # PD disaggregation role (kv_rank.py), as given to LLM
@@ -84,7 +88,8 @@ class EngineArgs:
                         prefill_context_parallel_size=self.prefill_context_parallel_size,
                         cp_kv_cache_interleave_size=self.cp_kv_cache_interleave_size, block_size=self.block_size,
                         enable_dsa_cp=self.enable_dsa_cp, dcp_merge_fold=self.dcp_merge_fold,
-                        dcp_project_before_merge=self.dcp_project_before_merge)
+                        dcp_project_before_merge=self.dcp_project_before_merge,
+                        kv_cache_dtype=check_kv_cache_dtype(self.kv_cache_dtype))
 
     def validate(self) -> None:
         """The checks that need only config.json: the model is servable (by name) and
@@ -109,6 +114,15 @@ class EngineArgs:
             plan_pool(cfg, bytes_per_block(cfg, hf_config, dtype), _max_model_len(self, hf_config), self.max_num_seqs,
                       self.kv_cache_memory_bytes,
                       reserved_bytes=gathered_weight_bytes(cfg, hf_config, dtype, self.kv_cache_memory_bytes))
+        if cfg.kv_cache_dtype == "fp8_e4m3" and cfg.prefill_context_parallel_size > 1:
+            # A checkpoint's static scales: malformed ones and PCP refused before any rank starts.
+            if read_kv_scales(self.model, hf_config.num_hidden_layers):
+                raise ConfigError("a checkpoint's static KV scales are served at prefill_context_parallel_size = 1",
+                                  f"prefill_context_parallel_size={cfg.prefill_context_parallel_size}, "
+                                  f"kv_cache_dtype='fp8_e4m3', {self.model} has k_scale / v_scale (decision 71)",
+                                  "prefill_context_parallel_size=1 (dcp may be > 1), or kv_cache_dtype='int8'")
+        elif cfg.kv_cache_dtype == "fp8_e4m3":
+            read_kv_scales(self.model, hf_config.num_hidden_layers)  # malformed scales refused here
         if self.kv_transfer_config is not None:
             KVTransferConfig.from_dict(self.kv_transfer_config)
 
@@ -124,6 +138,23 @@ class EngineArgs:
             return _DTYPES[self.dtype]
         except KeyError:
             raise ValueError(f"dtype={self.dtype!r}: choose one of {sorted(_DTYPES)}") from None
+
+
+# vLLM's --kv-cache-dtype names that mean something else here, with the name to use.
+_VLLM_KV_DTYPES = {"fp8": "vLLM's 'fp8' (e4m3) is 'fp8_e4m3' here", "fp8_e5m2": "e5m2 is not built, use 'fp8_e4m3'",
+                   "fp8_inc": "use 'fp8_e4m3'", "fp8_ds_mla": "use 'fp8_e4m3'",
+                   "bfloat16": "the model's dtype is 'auto'", "float16": "the model's dtype is 'auto'"}
+
+
+def check_kv_cache_dtype(value: Any) -> str:
+    """`kv_cache_dtype` as CPConfig takes it, or ConfigError naming the value and the project's name
+    for it (vLLM spells fp8 `--kv-cache-dtype fp8`; here the names say the format: fp8_e4m3)."""
+    if value in ("auto", "fp8_e4m3", "int8"):
+        return value
+    hint = f"{_VLLM_KV_DTYPES[value]}; " if value in _VLLM_KV_DTYPES else ""
+    raise ConfigError("kv_cache_dtype is auto|fp8_e4m3|int8", f"kv_cache_dtype={value!r}",
+                      f"{hint}use 'auto' (the model's dtype), 'fp8_e4m3' or 'int8' (quantised pages with an fp32 "
+                      "scale per token and KV head)")
 
 
 def _max_model_len(args: EngineArgs, hf_config: Any) -> int:
@@ -148,11 +179,15 @@ def build_engine(args: EngineArgs, init: bool = True, parallel: ParallelState | 
     dtype = next(model.parameters()).dtype
     pool = plan_pool(cfg, bytes_per_block(cfg, model.config, dtype, tp_rank), max_len, args.max_num_seqs,
                      args.kv_cache_memory_bytes, args.num_kv_blocks,
-                     reserved_bytes=gathered_weight_bytes(cfg, model.config, dtype, args.kv_cache_memory_bytes))
-    if (live.rank if live is not None else 0) == 0:
-        print("\n".join(pool.lines()), flush=True)  # start-up capacity report, once
+                     reserved_bytes=gathered_weight_bytes(cfg, model.config, dtype, args.kv_cache_memory_bytes),
+                     block_scale_bytes=scale_bytes_per_block(cfg, model.config, dtype, tp_rank))
+    scales = read_kv_scales(args.model, model.config.num_hidden_layers)  # {} without k_scale / v_scale
     engine = Engine(model, cfg, num_blocks=pool.num_blocks, max_batch=args.max_num_seqs,
-                                  max_model_len=max_len, lowering=args.lowering, progress=False, parallel=state)
+                                  max_model_len=max_len, lowering=args.lowering, progress=False, parallel=state,
+                                  kv_scales=scales)
+    if (live.rank if live is not None else 0) == 0:
+        # start-up capacity report, once (and what was done with a checkpoint's KV scales)
+        print("\n".join(pool.lines() + ([engine.kv_scales_note] if engine.kv_scales_note else [])), flush=True)
     engine.model_max_len = max_len  # the Engine clamps max_model_len to its KV capacity; the driver names both
     engine.kv_pool = pool
     if args.kv_transfer_config is not None:

@@ -93,15 +93,15 @@ class LLM:
                  prefill_context_parallel_size: int = 1, cp_kv_cache_interleave_size: int = 1, block_size: int = 16,
                  dtype: str = "auto", max_model_len: int | None = None, enable_dsa_cp: bool = False,
                  max_num_seqs: int = 8, num_kv_blocks: int | None = None, kv_cache_memory_bytes: int | None = None,
-                 seed: int = 0, lowering: str | None = None,
+                 kv_cache_dtype: str = "auto", seed: int = 0, lowering: str | None = None,
                  tokenizer: str | None = None, kv_transfer_config: dict | None = None, step_timeout_s: float = 300.0,
                  **unsupported: Any) -> None:
         if unsupported:
             raise TypeError(f"LLM: unsupported arguments {sorted(unsupported)}; cp_compile.LLM takes model, "
                             "tensor_parallel_size, decode_context_parallel_size, prefill_context_parallel_size, "
                             "cp_kv_cache_interleave_size, block_size, dtype, max_model_len, enable_dsa_cp, "
-                            "max_num_seqs, num_kv_blocks, kv_cache_memory_bytes, seed, lowering, tokenizer, "
-                            "kv_transfer_config, step_timeout_s")
+                            "max_num_seqs, num_kv_blocks, kv_cache_memory_bytes, kv_cache_dtype, seed, lowering, "
+                            "tokenizer, kv_transfer_config, step_timeout_s")
         kv = KVTransferConfig.from_dict(kv_transfer_config) if kv_transfer_config is not None else None
         if kv is not None and "RANK" in os.environ and int(os.environ.get("WORLD_SIZE", "1")) > 1:
             raise ConfigError("kv_transfer_config with spawned ranks (one driver per instance)",
@@ -116,7 +116,7 @@ class LLM:
                                cp_kv_cache_interleave_size=cp_kv_cache_interleave_size, block_size=block_size,
                                dtype=dtype, max_model_len=max_model_len, enable_dsa_cp=enable_dsa_cp,
                                max_num_seqs=max_num_seqs, num_kv_blocks=num_kv_blocks,
-                               kv_cache_memory_bytes=kv_cache_memory_bytes,
+                               kv_cache_memory_bytes=kv_cache_memory_bytes, kv_cache_dtype=kv_cache_dtype,
                                lowering=lowering or os.environ.get("CP_COMPILE_LOWERING", "auto"),
                                kv_transfer_config=rank_config(kv) if kv is not None else None,
                                step_timeout_s=step_timeout_s)

@@ -80,7 +80,9 @@ class Checkpoint:
 
         with safe_open(self._file(name), framework="pt") as f:
             sl = f.get_slice(name)
-            if index is None:
+            if index is None and not sl.get_shape():  # a scalar (a KV scale): no slice of a 0-dim tensor
+                parts = [f.get_tensor(name)]
+            elif index is None:
                 parts = [sl[:]]
             else:
                 lead: tuple[Any, ...] = (slice(None),) * dim

@@ -22,6 +22,7 @@ from cp_compile.base.config import ConfigError, CPConfig
 from cp_compile.compiler.decorator import compile_model
 from cp_compile.serving.hf.attention import GQA_NAME, MLA_NAME, register
 from cp_compile.serving.hf.cache import PagedCache
+from cp_compile.serving.hf.kv_scales import KVScales, attach
 from cp_compile.serving.hf.moe import EXPERTS_IMPLEMENTATION, is_moe_block
 from cp_compile.serving.loop.scheduler import Scheduler, StepPlan
 from cp_compile.serving.hf.sfa import route_sfa_layers
@@ -79,17 +80,26 @@ class Engine:
     `rank_load.load_rank_local` loaded is sharded already and kept as is).
     `num_blocks`: pages per layer on this rank (`config.block_size` tokens each); the
     group holds `num_blocks * block_size * dcp` tokens. `record_logits` keeps each
-    generated token's logits (`Engine.last_logits`) for checks.
+    generated token's logits (`Engine.last_logits`) for checks. `kv_scales`: a checkpoint's
+    static per-layer KV scales (`kv_scales.read_kv_scales`), used with kv_cache_dtype
+    "fp8_e4m3" (decision 71; `kv_scales_note` says what was done with them).
     """
 
     def __init__(self, model: nn.Module, config: CPConfig, num_blocks: int, *, max_batch: int = 16,
                  max_model_len: int | None = None, lowering: Lowering = "auto", warmup_steps: int = 2,
                  forbid_recompiles: bool = False, eos_token_id: int | None | str = "auto",
                  progress: bool | None = None, record_logits: bool = False,
-                 parallel: ParallelState | None = None) -> None:
+                 parallel: ParallelState | None = None, kv_scales: dict[int, KVScales] | None = None) -> None:
         self.kind = check_supported(model.config)
         self.spec = attention_spec(model.config)
         config.validate_for(self.spec)
+        if kv_scales and config.kv_cache_dtype == "fp8_e4m3" and config.prefill_context_parallel_size > 1:
+            raise ConfigError("a checkpoint's static KV scales are served at prefill_context_parallel_size = 1",
+                              f"prefill_context_parallel_size={config.prefill_context_parallel_size}, "
+                              f"kv_cache_dtype='fp8_e4m3', k_scale / v_scale for {len(kv_scales)} layers (the PCP "
+                              "prefill writes dynamic scales only; decision 71)",
+                              "prefill_context_parallel_size=1 (dcp may be > 1), or kv_cache_dtype='int8' "
+                              "(dynamic scales)")
         # The one read of the current state, at this front door (None: pass parallel=).
         state = self.parallel = parallel if parallel is not None else parallel_state_or_none()
         sizes = _sizes(config)
@@ -100,12 +110,6 @@ class Engine:
             raise ConfigError("Engine config == init_parallel config",
                               f"Engine {_fmt(sizes)}; init_parallel {_fmt(_sizes(state.cfg))}",
                               "pass the CPConfig given to init_parallel")
-        if config.kv_cache_quantized:
-            # The HF attention functions call the model-dtype ops (cp_compile/serving/hf/attention.py).
-            raise ConfigError(f"kv_cache_dtype={config.kv_cache_dtype!r} is not built for the HF engine",
-                              f"kv_cache_dtype={config.kv_cache_dtype!r} (issue 39: the example models and the "
-                              "compiled DCP path take a quantised cache; the HF attention functions do not yet)",
-                              "set kv_cache_dtype='auto' for cp_compile.serving.hf.Engine")
         self.config = config
         self.rank = state.rank if state is not None else 0
         tp_rank = state.layout.tp.rank if state is not None else 0
@@ -114,6 +118,8 @@ class Engine:
             model.config._experts_implementation = EXPERTS_IMPLEMENTATION
         self.plan = shard_model(model, config.tensor_parallel_size, tp_rank, state.tp_group if state is not None else None)
         register()
+        # Before compiling: the attention functions read the layer's static scales off its module.
+        self.kv_scales_note = attach(model, kv_scales or {}, self.kind, config.kv_cache_dtype)
         if self.kind == "sfa":
             route_sfa_layers(model)  # the layers' forward makes the indexer + sparse MLA op calls (sfa.py)
         model.config._attn_implementation = GQA_NAME if self.kind == "gqa" else MLA_NAME
@@ -167,6 +173,7 @@ class Engine:
         n = self.config.context_parallel_size  # pcp * dcp ranks share each token range
         return dict(tokens_per_rank=self.cache.tokens_per_rank, tokens_per_group=self.cache.tokens_per_rank * n,
                     kv_bytes_per_rank=bytes_rank, kv_bytes_per_rank_dcp1=bytes_rank * n,
+                    kv_scale_bytes_per_rank=self.cache.scale_bytes,  # part of kv_bytes_per_rank (issue 39)
                     dcp=self.config.decode_context_parallel_size, pcp=self.config.prefill_context_parallel_size,
                     index_bytes_per_rank=self.cache.replicated_bytes,  # SFA's replicated indexer cache
                     gathered_weight_bytes_per_rank=self.gathered_weight_bytes())

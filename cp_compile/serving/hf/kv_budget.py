@@ -37,6 +37,13 @@ def bytes_per_block(cfg: CPConfig, hf_config: Any, dtype: torch.dtype, tp_rank: 
     return cache.sharded_bytes + cache.replicated_bytes
 
 
+def scale_bytes_per_block(cfg: CPConfig, hf_config: Any, dtype: torch.dtype, tp_rank: int = 0) -> int:
+    """The part of `bytes_per_block` that is a quantised cache's fp32 scales (0 for
+    kv_cache_dtype "auto"; issue 39), for the start-up report."""
+    spec = kv_cache_spec(hf_config, cfg.tensor_parallel_size, tp_rank)
+    return allocate_kv_cache(cfg, spec, 1, dtype=dtype, device="meta", check_layout=False).scale_bytes
+
+
 @dataclass(frozen=True)
 class KVPool:
     num_blocks: int
@@ -48,11 +55,19 @@ class KVPool:
     max_num_seqs: int
     # Reserved out of the budget for the weights the merge rewrites gather (gathered_weights.py)
     gathered_weight_bytes: int = 0
+    block_scale_bytes: int = 0  # the part of block_bytes that is quantisation scales (issue 39)
+    kv_cache_dtype: str = "auto"
 
     def lines(self) -> list[str]:
         """The start-up report (vLLM's "GPU KV cache size" / "Maximum concurrency" lines)."""
+        bs = self.tokens_per_rank // self.num_blocks if self.num_blocks else 0
+        split = ""
+        if self.block_scale_bytes:  # a quantised cache: its scales are in the blocks, and so in the capacity
+            pages = self.block_bytes - self.block_scale_bytes
+            split = (f" ({self.kv_cache_dtype} pages {pages:,d} B + fp32 scales {self.block_scale_bytes:,d} B per "
+                     f"block; per token {pages // bs:,d} + {self.block_scale_bytes // bs:,d} B)")
         return [f"KV cache: {self.num_blocks} blocks x {self.block_bytes:,d} B = "
-                f"{self.num_blocks * self.block_bytes:,d} B per rank",
+                f"{self.num_blocks * self.block_bytes:,d} B per rank" + split,
                 f"KV cache size: {self.tokens_per_rank:,d} tokens per rank, {self.tokens_per_group:,d} tokens per "
                 "DCP group",
                 f"Maximum concurrency for {self.max_model_len:,d} tokens per request: {self.max_concurrency} "
@@ -72,11 +87,12 @@ def check_budget(value: Any) -> None:
 
 def plan_pool(cfg: CPConfig, block_bytes: int, max_model_len: int, max_num_seqs: int,
               kv_cache_memory_bytes: int | None = None, num_blocks: int | None = None,
-              reserved_bytes: int = 0) -> KVPool:
+              reserved_bytes: int = 0, block_scale_bytes: int = 0) -> KVPool:
     """The pool: `num_blocks` if given, else from `kv_cache_memory_bytes` less `reserved_bytes`
     (the weights the merge rewrites gather, gathered_weights.py), else `max_num_seqs` requests
     of `max_model_len` (+1 block). A budget that cannot hold one request of `max_model_len` is
-    refused, naming the bytes it needs."""
+    refused, naming the bytes it needs. `block_scale_bytes`: the part of `block_bytes` that is
+    quantisation scales (reported, already counted in `block_bytes`)."""
     check_budget(kv_cache_memory_bytes)
     vbs = cfg.virtual_block_size
     per_request = math.ceil(max_model_len / vbs)
@@ -95,4 +111,5 @@ def plan_pool(cfg: CPConfig, block_bytes: int, max_model_len: int, max_num_seqs:
     return KVPool(num_blocks=num_blocks, block_bytes=block_bytes, tokens_per_rank=num_blocks * cfg.block_size,
                   tokens_per_group=num_blocks * cfg.block_size * n, max_model_len=max_model_len,
                   max_concurrency=num_blocks // per_request, max_num_seqs=max_num_seqs,
-                  gathered_weight_bytes=reserved_bytes)
+                  gathered_weight_bytes=reserved_bytes, block_scale_bytes=block_scale_bytes,
+                  kv_cache_dtype=cfg.kv_cache_dtype)
