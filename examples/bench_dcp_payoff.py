@@ -60,6 +60,7 @@ class Scaled:
     heads_per_rank: int = 8
     mlp_per_rank: int = 256
     vocab: int = 512
+    q_lora: int = 256
 
     def hf_config(self, tp: int) -> Any:
         import transformers
@@ -79,7 +80,7 @@ class Scaled:
         return transformers.DeepseekV3Config(
             vocab_size=self.vocab, hidden_size=self.hidden, intermediate_size=self.mlp_per_rank * tp,
             moe_intermediate_size=self.mlp_per_rank, num_hidden_layers=self.layers,
-            first_k_dense_replace=self.layers, num_attention_heads=n, num_key_value_heads=n, q_lora_rank=256,
+            first_k_dense_replace=self.layers, num_attention_heads=n, num_key_value_heads=n, q_lora_rank=self.q_lora,
             kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, rope_parameters=rope,
             tie_word_embeddings=False, dtype="float32", eos_token_id=None)
 
@@ -88,6 +89,15 @@ SCALED = {
     "tiny": Scaled("tiny", "tiny", "the CI model (examples/models/tiny.py sizes), 1 KV head of 16"),
     "qwen3": Scaled("qwen3-235b-a22b-tp8 (scaled)", "qwen3", "Qwen3-235B-A22B per rank at tp 8", heads_per_rank=8),
     "mla": Scaled("deepseek-r1-tp8 (scaled)", "mla", "DeepSeek-R1 per rank at tp 8", heads_per_rank=16),
+    # The real per-rank widths (2 layers, vocab 512): hidden 4096 / 7168; the MLP a dense
+    # stand-in for the rank's share of the active experts (Qwen3-235B-A22B: 8 of 128 experts
+    # of 1536 over tp 8 = 1536; R1: its dense layers' 18432 / 8 = 2304); R1's q_lora 1536.
+    # The same GEMMs on both sides of the engine-vs-`generate` comparison; the vocab is kept
+    # small because the LM head is the same GEMM in both and is not what is compared.
+    "qwen3_full": Scaled("qwen3-235b-a22b-tp8 (per-rank widths, 2 layers)", "qwen3",
+                         "Qwen3-235B-A22B per rank at tp 8", hidden=4096, heads_per_rank=8, mlp_per_rank=1536),
+    "mla_full": Scaled("deepseek-r1-tp8 (per-rank widths, 2 layers)", "mla", "DeepSeek-R1 per rank at tp 8",
+                       hidden=7168, heads_per_rank=16, mlp_per_rank=2304, q_lora=1536),
 }
 
 

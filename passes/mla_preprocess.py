@@ -268,6 +268,13 @@ def _write_into(graph: fx.Graph, op: fx.Node, cache: fx.Node, scale_cache: fx.No
     return twin
 
 
+def _static_scale(node: fx.Node, position: int, name: str) -> object:
+    """The node's static-scale argument (positional or keyword), None when it has none."""
+    if len(node.args) > position:
+        return node.args[position]
+    return node.kwargs.get(name)
+
+
 def _fold_local_write(graph: fx.Graph, op: fx.Node, order: dict[fx.Node, int]) -> bool:
     """cache_write(cat([kv_c, k_pe], -1), cache, slots) of the op's own latent -> the op writes it
     (quant_cache_write(cat, cache, scale_cache, slots): its quantised twin does)."""
@@ -281,6 +288,8 @@ def _fold_local_write(graph: fx.Graph, op: fx.Node, order: dict[fx.Node, int]) -
         if is_call(write, cp.cache_write.default, cp.cache_write) and write.args[0] is cat:
             cache, scale_cache, slots = write.args[1], None, write.args[2]
         elif is_call(write, cp.quant_cache_write.default, cp.quant_cache_write) and write.args[0] is cat:
+            if _static_scale(write, 4, "static_scale") is not None:
+                return False  # the fused write stores dynamic scales only: a static one stays unfused
             cache, scale_cache, slots = write.args[1], write.args[2], write.args[3]
         else:
             continue
@@ -300,6 +309,8 @@ def _fold_attention_write(graph: fx.Graph, op: fx.Node, causal: dict[tuple[fx.No
     if attn is None or list(attn.args[:4]) != outs:
         return False
     quant = is_call(attn, *_QUANT_ATTENTION)
+    if quant and _static_scale(attn, 11, "kv_static_scale") is not None:
+        return False  # a checkpoint's static latent scale (decision 71): the fused write stores dynamic ones
     if quant:  # (..., kv_cache, kv_scale_cache, slots, block_table, seq_lens, qsl, scale)
         cache, scale_cache = attn.args[4], attn.args[5]
         slots, block_table, seq_lens, qsl, softmax_scale = attn.args[6:11]

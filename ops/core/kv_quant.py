@@ -103,3 +103,15 @@ def check_static_scale(static_scale: torch.Tensor | None, what: str) -> None:
         raise ValueError(f"{what} {tuple(static_scale.shape)} {static_scale.dtype} is not one fp32 scale; pass the "
                          "layer's per-tensor scale as a one-element fp32 tensor (cp_compile.serving.hf.kv_scales)")
 
+
+
+def refuse_static_scale(op: str, *static_scales: object) -> None:
+    """The NPU paths (torch_npu kernels, GE converters) write dynamic scales only: a checkpoint's
+    static scale (decision 71) is served with kv_cache_dtype fp8_e4m3, which FusedInferAttentionScore
+    cannot read, so a static scale there is refused by name rather than silently replaced."""
+    if any(s is not None for s in static_scales):
+        raise NotImplementedError(
+            f"{op}: the NPU kernels and GE converters write dynamic per-token scales only; a static per-layer "
+            "scale (a checkpoint's k_scale / v_scale, decision 71) is not mapped there (it is used with "
+            "kv_cache_dtype='fp8_e4m3', which FusedInferAttentionScore does not read). Fix: on the NPU use "
+            "kv_cache_dtype='int8' (dynamic scales), or serve the static scales on CPU / CUDA")

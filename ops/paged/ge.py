@@ -36,6 +36,7 @@ from torchair.ge._ge_graph import DataType, Tensor
 from cp_compile.ops.core.ge_util import (F32, I32, I64, cast, const, dims, request_of_token, reshape, scatter_into,
                                          token_positions, where)
 from cp_compile.ops.core.ge_kv_quant import quant_scatter_into
+from cp_compile.ops.core.kv_quant import refuse_static_scale
 
 MAX_INT32 = 2147483647
 
@@ -191,9 +192,11 @@ def _gqa_after_write(q, k_cache, v_cache, block_table, seq_lens, query_start_loc
 def convert_gqa_paged_attention_quant(q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor,
                                       k_scale_cache: Tensor, v_scale_cache: Tensor, slot_mapping: Tensor,
                                       block_table: Tensor, seq_lens: Tensor, query_start_loc: Tensor, scale: float,
+                                      k_static_scale: Any = None, v_static_scale: Any = None,
                                       meta_outputs: Any = None):
     # The write of cp::quant_cache_write (codes and scales, each by ScatterNdUpdate), then the
     # partial's FIA with the antiquant scales, at one-device causal lengths.
+    refuse_static_scale("cp::gqa_paged_attention_quant", k_static_scale, v_static_scale)
     refuse_fp8("cp::gqa_paged_attention_quant", k_cache, v_cache)
     k_cache, k_scale_cache = quant_scatter_into(k_cache, k_scale_cache, k, slot_mapping)
     v_cache, v_scale_cache = quant_scatter_into(v_cache, v_scale_cache, v, slot_mapping)
@@ -214,8 +217,10 @@ def convert_mla_attention(q_nope: Tensor, q_pe: Tensor, kv_c: Tensor, k_pe: Tens
 
 def convert_mla_attention_quant(q_nope: Tensor, q_pe: Tensor, kv_c: Tensor, k_pe: Tensor, kv_cache: Tensor,
                                 kv_scale_cache: Tensor, slot_mapping: Tensor, block_table: Tensor, seq_lens: Tensor,
-                                query_start_loc: Tensor, scale: float, meta_outputs: Any = None):
+                                query_start_loc: Tensor, scale: float, kv_static_scale: Any = None,
+                                meta_outputs: Any = None):
     # One scale per token for the whole [c | k_pe] row, as the reference's write_latent.
+    refuse_static_scale("cp::mla_attention_quant", kv_static_scale)
     refuse_fp8("cp::mla_attention_quant", kv_cache)
     latent = ge.ConcatV2([kv_c, k_pe], const(1, I32), N=2)  # [T, L+R]
     written, scales = quant_scatter_into(kv_cache, kv_scale_cache, latent, slot_mapping)

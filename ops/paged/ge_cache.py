@@ -27,6 +27,7 @@ from torchair._ge_concrete_graph import ge_apis as ge
 from torchair.ge._ge_graph import DataType, Tensor
 
 from cp_compile.ops.core.ge_kv_quant import quant_scatter_into
+from cp_compile.ops.core.kv_quant import refuse_static_scale
 from cp_compile.ops.core.ge_util import I32, I64, cast, const, local_len, scatter_into, token_positions, where
 
 
@@ -57,9 +58,10 @@ def convert_dcp_localize_metadata(slot_mapping: Tensor, query_start_loc: Tensor,
 
 
 def convert_quant_cache_write(new: Tensor, cache: Tensor, scale_cache: Tensor, slot_mapping: Tensor,
-                              meta_outputs: Any = None):
+                              static_scale: Any = None, meta_outputs: Any = None):
     # The quantisation as GE primitives (core/ge_kv_quant.py), then two ScatterNdUpdates: the
     # int8 codes into the pages, the fp32 scales into the scale cache, at the same slots.
+    refuse_static_scale("cp::quant_cache_write", static_scale)
     if cache.dtype != DataType.DT_INT8:
         raise NotImplementedError(
             f"cp::quant_cache_write: the GE converter writes int8 pages only (GE dtype {cache.dtype} here): "

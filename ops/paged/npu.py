@@ -161,9 +161,10 @@ def _mla_partial_attention(q_nope, q_pe, kv_cache, block_table, query_start_loc,
     return out[..., :L].contiguous(), lse
 
 
-def _quant_cache_write(new, cache, scale_cache, slot_mapping):
+def _quant_cache_write(new, cache, scale_cache, slot_mapping, static_scale=None):
     """cp::quant_cache_write: quantise every row on the device (core/kv_quant.quantize, torch ops),
     then the codes and the scales each through `_cache_write` (-1 slots routed, no host read)."""
+    kv_quant.refuse_static_scale("cp::quant_cache_write", static_scale)
     kv_quant.check_pair(cache, scale_cache, "cache")
     _refuse_fp8("cp::quant_cache_write", cache)
     T = slot_mapping.shape[0]
@@ -173,7 +174,8 @@ def _quant_cache_write(new, cache, scale_cache, slot_mapping):
 
 
 def _gqa_paged_attention_quant(q, k, v, k_cache, v_cache, k_scale_cache, v_scale_cache, slot_mapping, block_table,
-                               seq_lens, query_start_loc, scale):
+                               seq_lens, query_start_loc, scale, k_static_scale=None, v_static_scale=None):
+    kv_quant.refuse_static_scale("cp::gqa_paged_attention_quant", k_static_scale, v_static_scale)
     _refuse_fp8("cp::gqa_paged_attention_quant", k_cache, v_cache)  # before either cache is written
     _quant_cache_write(k, k_cache, k_scale_cache, slot_mapping)
     _quant_cache_write(v, v_cache, v_scale_cache, slot_mapping)
@@ -183,7 +185,8 @@ def _gqa_paged_attention_quant(q, k, v, k_cache, v_cache, k_scale_cache, v_scale
 
 
 def _mla_attention_quant(q_nope, q_pe, kv_c, k_pe, kv_cache, kv_scale_cache, slot_mapping, block_table, seq_lens,
-                         query_start_loc, scale):
+                         query_start_loc, scale, kv_static_scale=None):
+    kv_quant.refuse_static_scale("cp::mla_attention_quant", kv_static_scale)
     _quant_cache_write(torch.cat([kv_c, k_pe], -1), kv_cache, kv_scale_cache, slot_mapping)  # one scale per row
     kv_lens = layout.causal_lens(query_start_loc, seq_lens, q_nope.shape[0])
     return _mla_partial_attention(q_nope, q_pe, kv_cache, block_table, query_start_loc, kv_lens, scale,

@@ -42,10 +42,11 @@ def _prompts() -> list[list[int]]:
 
 
 def _written_scales(engine) -> list[list[torch.Tensor]]:
-    """Per layer, per scale cache: the scales of the slots written (non-zero: the caches start at 0)."""
+    """Per layer, per scale cache: the scales of the slots written (non-zero: the caches start at 0).
+    Layers: GQA (k, v, k_scale, v_scale), MLA (latent, latent_scale), SFA (latent, latent_scale, index)."""
     out = []
     for layer in engine.cache.layers:
-        scales = layer[len(layer) // 2:]
+        scales = layer[1:2] if engine.kind == "sfa" else layer[len(layer) // 2:]
         out.append([s[s != 0] for s in scales])
     return out
 
@@ -83,12 +84,19 @@ DCP_CASES = [
     pytest.param("deepseek_v3", 4, "fp8_e4m3", False, id="deepseek_v3-mla-fp8", marks=pytest.mark.slow),
     pytest.param("deepseek_v3", 4, "int8", True, id="deepseek_v3-mla-int8-static-unused", marks=pytest.mark.slow),
     pytest.param("deepseek_v3", 4, "fp8_e4m3", True, id="deepseek_v3-mla-fp8-static", marks=pytest.mark.slow),
+    # SFA (DeepSeek-V3.2: sparse MLA over the quantised latent, the indexer cache unquantised; decision 69)
+    pytest.param("deepseek_v32", 0, "int8", False, id="deepseek_v32-sfa-int8", marks=pytest.mark.slow),
 ]
 
 
 @pytest.mark.parametrize("kind,kv_heads,kv_cache_dtype,static", DCP_CASES)
 def test_hf_engine_quantised_tp2_dcp2_matches_one_device(kind, kv_heads, kv_cache_dtype, static):
-    hf = tiny_hf(kind, num_kv_heads=kv_heads)
+    if kind == "deepseek_v32":
+        from examples.models.tiny_seed import tiny_seed_model
+
+        hf = tiny_seed_model(kind)
+    else:
+        hf = tiny_hf(kind, num_kv_heads=kv_heads)
     sd = {k: v.detach().clone() for k, v in hf.state_dict().items()}
     prompts = _prompts()
     scales = _static(hf.config) if static else None
@@ -100,7 +108,8 @@ def test_hf_engine_quantised_tp2_dcp2_matches_one_device(kind, kv_heads, kv_cach
     layers = hf.config.num_hidden_layers
     worst = 0.0
     for rank, out in enumerate(outs):
-        assert out["history"][0] == ("dcp_attention", layers), out["history"]
+        dcp_pass = "sfa_dcp" if kind == "deepseek_v32" else "dcp_attention"
+        assert dict(out["history"])[dcp_pass] == layers, out["history"]
         assert out["graphs"] == 1
         assert out["page_dtype"] == ref["page_dtype"] == cp_compile.base.config.KV_CACHE_DTYPES[kv_cache_dtype]
         for i in range(len(prompts)):

@@ -46,7 +46,8 @@ def sfa_forward(self: nn.Module, hidden_states: torch.Tensor, position_embedding
                 attention_mask: torch.Tensor | None = None, cache: Any = None, position_ids: Any = None,
                 prev_topk_indices: Any = None, **kwargs: Any) -> tuple[Any, ...]:
     try:
-        (latent_cache, index_cache), meta = kwargs["cp_kv_caches"][self.layer_idx], kwargs["cp_meta"]
+        # (latent, index) or, over a quantised latent (CPConfig.kv_cache_dtype), (latent, latent_scale, index)
+        (latent_cache, *scales, index_cache), meta = kwargs["cp_kv_caches"][self.layer_idx], kwargs["cp_meta"]
     except KeyError as e:
         raise TypeError(f"cp_compile.serving.hf SFA attention needs model kwarg {e.args[0]!r}; call the model through "
                         "cp_compile.serving.hf.Engine") from None
@@ -78,10 +79,12 @@ def sfa_forward(self: nn.Module, hidden_states: torch.Tensor, position_embedding
     q_nope = q_pass[0].transpose(0, 1)  # [T, H, nope]
     q_abs = torch.einsum("thn,hnl->thl", q_nope, wkv[:, :nope])  # [T, H, L]
     q_pe = q_rot[0].transpose(0, 1)  # [T, H, R]
-    o_lat = torch.ops.cp.sparse_mla_attention(q_abs.contiguous(), q_pe.contiguous(), kv_c[0].contiguous(),
-                                              k_rot[0, 0].contiguous(), latent_cache, meta.slot_mapping,
-                                              meta.block_table, meta.seq_lens, meta.query_start_loc, topk,
-                                              self.scaling)  # [T, H, L]
+    lat_args = (q_abs.contiguous(), q_pe.contiguous(), kv_c[0].contiguous(), k_rot[0, 0].contiguous(), latent_cache)
+    meta_args = (meta.slot_mapping, meta.block_table, meta.seq_lens, meta.query_start_loc, topk, self.scaling)
+    if scales:  # the quantised latent's own op, its scale cache a required written argument (decision 69)
+        o_lat = torch.ops.cp.sparse_mla_attention_quant(*lat_args, *scales, *meta_args)  # [T, H, L]
+    else:
+        o_lat = torch.ops.cp.sparse_mla_attention(*lat_args, *meta_args)  # [T, H, L]
     out = torch.einsum("thl,hvl->thv", o_lat, wkv[:, nope:])  # [T, H, v]
     # o_proj on [T, H * v] (2D): the DSA-CP o_proj pass matches the example models' 2D linear.
     out = self.o_proj(out.reshape(S, -1)).unsqueeze(0)  # [1, T, hidden]
