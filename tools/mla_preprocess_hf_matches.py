@@ -27,7 +27,8 @@ PROMPTS = [[1, 2, 3, 4, 5, 6, 7], [6, 7, 8]]
 
 
 def hf_engine_pair(hf_model: torch.nn.Module, cfg_kwargs: dict | None = None, lowering: str = "eager",
-                   parallel: bool = False, max_new_tokens: int = 4) -> dict[bool, dict[str, Any]]:
+                   parallel: bool = False, max_new_tokens: int = 4,
+                   engine_kwargs: dict | None = None) -> dict[bool, dict[str, Any]]:
     """Serve PROMPTS through cp_compile.serving.hf.Engine with enable_mla_preprocess off, then on
     (recompiles forbidden after the warm-up) -> per side: tokens, logits per prompt [n, vocab],
     pass history [(name, rewrites, ops before, ops after)], graphs compiled, the pass's warnings.
@@ -45,7 +46,8 @@ def hf_engine_pair(hf_model: torch.nn.Module, cfg_kwargs: dict | None = None, lo
             with warnings.catch_warnings(record=True) as caught:
                 warnings.simplefilter("always")
                 engine = Engine(copy.deepcopy(hf_model), cfg, num_blocks=NUM_BLOCKS, lowering=lowering,
-                                progress=False, forbid_recompiles=True, record_logits=True)
+                                progress=False, forbid_recompiles=True, record_logits=True,
+                                **(engine_kwargs or {}))
                 tokens = engine.generate(PROMPTS, max_new_tokens=max_new_tokens)
         finally:
             if parallel:

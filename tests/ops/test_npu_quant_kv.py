@@ -170,3 +170,25 @@ def test_fp8_cache_refused_by_name_before_any_write(npu: ValueTorchNpu) -> None:
     with pytest.raises(NotImplementedError, match=r"cp::paged_attention_lse: .*no fp8"):
         paged_npu._paged_attention_lse(q, cache, cache, table, qsl, lens, 0.25, scale, scale)
     assert npu.calls == [] and torch.equal(cache.view(torch.uint8), before)
+
+
+def test_static_scale_refused_by_name_before_any_write(npu: ValueTorchNpu) -> None:
+    """A checkpoint's static scale (decision 71) reaching the NPU kernels is refused by name, never
+    replaced by dynamic scales without a word; nothing is written."""
+    cache, scale = torch.zeros(3, 4, 2, 16, dtype=torch.int8), torch.ones(3, 4, 2)
+    before = (cache.clone(), scale.clone())
+    static = torch.tensor(0.01)
+    with pytest.raises(NotImplementedError, match=r"cp::quant_cache_write: .*static per-layer scale.*Fix:"):
+        paged_npu._quant_cache_write(torch.randn(2, 2, 16), cache, scale, torch.tensor([0, 1]), static)
+    slots, table = torch.tensor([0, 1]), torch.tensor([[0, 1]], dtype=torch.int32)
+    seq, qsl = torch.tensor([2], dtype=torch.int32), torch.tensor([0, 2], dtype=torch.int32)
+    q, k = torch.randn(2, 4, 16), torch.randn(2, 2, 16)
+    with pytest.raises(NotImplementedError, match=r"cp::gqa_paged_attention_quant: .*static"):
+        paged_npu._gqa_paged_attention_quant(q, k, k, cache, cache.clone(), scale, scale.clone(), slots, table, seq,
+                                             qsl, 0.25, static, None)
+    lat, lat_s = torch.zeros(3, 4, 24, dtype=torch.int8), torch.ones(3, 4, 1)
+    with pytest.raises(NotImplementedError, match=r"cp::mla_attention_quant: .*static"):
+        paged_npu._mla_attention_quant(torch.randn(2, 4, 16), torch.randn(2, 4, 8), torch.randn(2, 16),
+                                       torch.randn(2, 8), lat, lat_s, slots, table, seq, qsl, 0.2, static)
+    assert npu.calls == [] and torch.equal(cache, before[0]) and torch.equal(scale, before[1])
+    assert not lat.any() and torch.equal(lat_s, torch.ones(3, 4, 1))

@@ -158,6 +158,24 @@ def test_one_device_quantised_cache_fused_equals_unfused(kv_dtype):
     check_quantised_cache(res, kv_dtype)
 
 
+def test_hf_static_kv_scales_keep_the_latent_write_unfused():
+    """A checkpoint's static fp8 scale (decision 71) rides on `cp::mla_attention_quant`; the fused
+    MLAPO write stores dynamic scales only, so the pass must leave that write unfused (the op itself
+    still rewritten): fused == unfused to fp32 1e-5, the same greedy tokens. Folded anyway, the
+    latent would be written with dynamic scales and the logits would move."""
+    from cp_compile.serving.hf.kv_scales import KVScales
+
+    hf = hf_deepseek_v3(q_lora_rank=24, num_layers=LAYERS)
+    scales = {i: KVScales(0.004 + 0.001 * i, 0.005, f"model.layers.{i}.self_attn.k_scale",
+                          f"model.layers.{i}.self_attn.v_scale") for i in range(LAYERS)}
+    out = hf_engine_pair(hf, dict(kv_cache_dtype="fp8_e4m3"), engine_kwargs=dict(kv_scales=scales))
+    on, off = out[True], out[False]
+    assert rewrites(on, "mla_preprocess") == LAYERS and rewrites(on, "mla_preprocess_cache_write") == 0, on["hist"]
+    assert on["tokens"] == off["tokens"]
+    for a, b in zip(on["logits"], off["logits"]):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
 HF_MODELS = {
     "v3-interleave": lambda: hf_deepseek_v3(q_lora_rank=24, num_layers=LAYERS),
     "v3-rotate_half": lambda: hf_deepseek_v3(q_lora_rank=24, num_layers=LAYERS, rope_interleave=False),
