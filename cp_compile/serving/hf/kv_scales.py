@@ -29,6 +29,7 @@ import torch
 from torch import nn
 
 from cp_compile.base.errors import ConfigError
+from cp_compile.serving.hf.checkpoint import Checkpoint
 
 # The quant ops' keyword -> the attention module attribute holding the layer's scale.
 STATIC_SCALE_ATTRS = {"k_static_scale": "cp_k_static_scale", "v_static_scale": "cp_v_static_scale",
@@ -65,8 +66,6 @@ def check_scale(name: str, value: torch.Tensor) -> float:
 def read_kv_scales(path: str, num_layers: int) -> dict[int, KVScales]:
     """The static scales of every layer in the safetensors checkpoint at `path` ({} if it
     has none). All layers or none: a checkpoint with some layers' scales is refused."""
-    from cp_compile.serving.hf.checkpoint import Checkpoint
-
     ckpt = Checkpoint(path)
     found: dict[int, KVScales] = {}
     for i in range(num_layers):
