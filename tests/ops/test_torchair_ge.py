@@ -91,14 +91,15 @@ def test_quantised_kv_graphs_equal_fx_by_value(check, summary_note) -> None:
     # The DCP pass's quantised compositions in the example models (tp 4, dcp 2, every rank): codes
     # written on their owner exactly as the FX graph writes them, logits within bf16's tolerance.
     models = [r for r in data.get("results", []) if r["name"].endswith(" int8")]
-    assert sorted({r["name"] for r in models}) == ["gqa tp=4 dcp=2 ag_rs int8", "mla tp=4 dcp=2 a2a int8"], output
+    # (MLA's a2a int8 model graph is run by hand: tools/ge_check/model_graphs.BY_HAND_CONFIGS)
+    assert sorted({r["name"] for r in models}) == ["gqa tp=4 dcp=2 ag_rs int8"], output
     for r in models:
         assert r["status"] == "ok" and r["values"] and all(v["ok"] for v in r["values"]), (r["name"], r["message"])
         codes = [v for v in r["values"] if v["dtype"] == "int8"]
         assert codes and all(v["max_abs_diff"] == 0 for v in codes), r["values"]
     worst = max(v["max_abs_diff"] for r in models for v in r["values"])
     summary_note("quantised KV GE graphs == FX by value (max abs diff): " + ", ".join(rows) +
-                 f"; int8 DCP model graphs (GQA ag_rs, MLA a2a; 4 ranks) {worst:.2g}")
+                 f"; int8 DCP model graph (GQA ag_rs; 4 ranks) {worst:.2g}")
 
 
 def test_dcp_model_graphs_use_hccl_on_the_dcp_group(check) -> None:
@@ -106,7 +107,7 @@ def test_dcp_model_graphs_use_hccl_on_the_dcp_group(check) -> None:
     models = [r for r in data.get("results", []) if not r["name"].startswith(("op:", "sfa "))]
     names = {(r["name"], r["rank"]) for r in models}
     want = {f"{m} tp=4 dcp={d}" for m in ("gqa", "mla") for d in ("1", "2 ag_rs", "2 a2a")}
-    want |= {"gqa tp=4 dcp=2 ag_rs int8", "mla tp=4 dcp=2 a2a int8"}  # quantised KV cache (decision 70)
+    want |= {"gqa tp=4 dcp=2 ag_rs int8"}  # quantised KV cache (decision 70; MLA's by hand)
     assert names == {(n, rank) for n in want for rank in range(4)}, output
     for r in models:
         assert r["status"] == "ok", (r["name"], r["message"])
