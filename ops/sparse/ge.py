@@ -16,7 +16,9 @@ input, attribute and output names of torchair's own converters for torch_npu's
 - `cp::sparse_mla_partial_attention` (SFA DCP partial) -> `SparseFlashAttention`
   the same way, with `return_softmax_lse` = true: the LSE is
   softmax_max + log(softmax_sum) of its two statistics outputs, read as [T, H]
-  (that output layout is torch_npu's documented one, not verifiable here).
+  (that output layout is torch_npu's documented one, not verifiable here). With a
+  `kv_scale_cache` (an int8 latent, issue 39): the listed rows gathered and dequantised
+  first (`ge_quant.py`, decision 75), then the same `SparseFlashAttention`.
 - `cp::dcp_sparse_indices` (SFA DCP: global top-k -> this rank's local positions)
   -> GE primitives for the owner test and the local offset (ops/core/layout.py), then a
   stable `Sort` of "not owned" and `GatherElements`, the reference's compaction.
@@ -32,7 +34,8 @@ from torchair.ge import attr
 from torchair.ge._ge_graph import Tensor
 
 from cp_compile.ops.core.ge_util import F32, I32, I64, cast, const, dims, local_len, reshape, tail, where
-from cp_compile.ops.core.ge_util import scatter_into
+from cp_compile.ops.core.ge_util import request_of_token, scatter_into
+from cp_compile.ops.sparse.ge_quant import quant_partial
 
 MAX_INT64 = (1 << 63) - 1
 
@@ -142,7 +145,11 @@ def _sparse_flash(q_nope: Tensor, q_pe: Tensor, cache: Tensor, width: int, indic
 
 def convert_sparse_mla_partial_attention(q_nope: Tensor, q_pe: Tensor, kv_cache: Tensor, block_table: Tensor,
                                          query_start_loc: Tensor, indices: Tensor, scale: float,
-                                         meta_outputs: Any = None):
+                                         kv_scale_cache: Any = None, meta_outputs: Any = None):
+    if kv_scale_cache is not None:  # a quantised latent: dequantise-on-gather (ge_quant.py, decision 75)
+        req, real = request_of_token(query_start_loc, q_nope)
+        return quant_partial("cp::sparse_mla_partial_attention", q_nope, q_pe, kv_cache, kv_scale_cache,
+                             block_table, req, real, indices, scale, lse=True)
     T, H, L = dims(q_nope)
     width = int(kv_cache.meta.shape[-1])
     # No causal crop (sparse_mode 0): the indices are local positions chosen by the indexer.

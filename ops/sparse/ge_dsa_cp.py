@@ -14,7 +14,8 @@ bottom-right causal mask gives each local row its single-device causal length.
   rows past the shard's last real token (padding) are set to -1 with `SelectV2`.
 - `cp::sparse_mla_rows_attention` -> `SparseFlashAttention` over the full latent
   cache (sparse_mode 0: the indices are trusted), first L output columns, padding
-  rows set to 0.
+  rows set to 0. With a `kv_scale_cache` (an int8 latent, issue 39): each row's listed
+  rows gathered and dequantised first (`ge_quant.py`, decision 75).
 The kernels' treatment of rows past the last cumulative query count is not
 documented, hence the explicit masks (not verifiable without an NPU).
 """
@@ -30,6 +31,7 @@ from torchair.ge._ge_graph import Tensor
 
 from cp_compile.ops.core.ge_util import I32, I64, cast, const, dims, head, reshape, tail, where
 from cp_compile.ops.sparse.ge import MAX_INT64, _paged, lightning_indexer_op
+from cp_compile.ops.sparse.ge_quant import quant_partial
 
 
 def _shard_tnd(q: Tensor, query_start_loc: Tensor, seq_lens: Tensor, rank: int) -> tuple[Tensor, Tensor, Tensor]:
@@ -49,6 +51,17 @@ def _shard_tnd(q: Tensor, query_start_loc: Tensor, seq_lens: Tensor, rank: int) 
     return cast(cum, I32), cast(k, I32), real
 
 
+def _row_requests(q: Tensor, query_start_loc: Tensor, rank: int) -> Tensor:
+    """[rows] int64: the request of each row of this rank's shard (global token rank * rows + r),
+    #{b : qsl[b+1] <= t} clamped to B - 1 (padding rows: masked by `real`)."""
+    rows = ge.GatherV2(ge.Shape(q, dtype=I64), const(0, I64), const(0, I64))
+    t = ge.Add(ge.Range(const(0, I64), rows, const(1, I64)), ge.Mul(rows, const(rank, I64)))  # [rows]
+    ends = tail(cast(query_start_loc, I64))  # [B]
+    le = cast(ge.LessEqual(ge.Unsqueeze(ends, axes=[0]), ge.Unsqueeze(t, axes=[1])), I64)  # [rows, B]
+    last_b = ge.Sub(ge.GatherV2(ge.Shape(ends, dtype=I64), const(0, I64), const(0, I64)), const(1, I64))
+    return ge.Minimum(ge.ReduceSumD(le, axes=[1], keep_dims=False), last_b)
+
+
 def convert_lightning_indexer_topk_rows(q_i: Tensor, index_cache: Tensor, w: Tensor, block_table: Tensor,
                                         seq_lens: Tensor, query_start_loc: Tensor, tp: int, rank: int, topk: int,
                                         meta_outputs: Any = None):
@@ -61,11 +74,15 @@ def convert_lightning_indexer_topk_rows(q_i: Tensor, index_cache: Tensor, w: Ten
 
 def convert_sparse_mla_rows_attention(q_nope: Tensor, q_pe: Tensor, kv_cache: Tensor, block_table: Tensor,
                                       seq_lens: Tensor, query_start_loc: Tensor, indices: Tensor, tp: int, rank: int,
-                                      scale: float, meta_outputs: Any = None):
+                                      scale: float, kv_scale_cache: Any = None, meta_outputs: Any = None):
     T, H, L = dims(q_nope)
     K = int(indices.meta.shape[-1])
     width = int(kv_cache.meta.shape[-1])
     cum, k, real = _shard_tnd(q_nope, query_start_loc, seq_lens, rank)
+    if kv_scale_cache is not None:  # an int8 latent: dequantise-on-gather (ge_quant.py, decision 75)
+        out, _ = quant_partial("cp::sparse_mla_rows_attention", q_nope, q_pe, kv_cache, kv_scale_cache, block_table,
+                               _row_requests(q_nope, query_start_loc, rank), real, indices, scale, lse=False)
+        return out
     out, _, _ = torchair.ge.custom_op(
         "SparseFlashAttention",
         inputs={

@@ -19,6 +19,7 @@ lightning_indexer = lazy(_INDEXER, "lightning_indexer_device")
 lightning_indexer_topk_rows = lazy(_INDEXER, "lightning_indexer_topk_rows_device")
 sparse_mla_attention = lazy(_SPARSE_MLA, "sparse_mla_attention_device")
 sparse_mla_attention_quant = lazy(_SPARSE_MLA, "sparse_mla_attention_quant_device")
+sparse_mla_attention_quant_npu = lazy(_SPARSE_MLA, "sparse_mla_attention_quant_npu")
 sparse_mla_partial_attention = lazy(_SPARSE_MLA, "sparse_mla_partial_attention_device")
 sparse_mla_rows_attention = lazy(_SPARSE_MLA, "sparse_mla_rows_attention_device")
 

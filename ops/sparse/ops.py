@@ -15,7 +15,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 from cp_compile.ops.core import kv_quant, layout, paged_cache
-from cp_compile.ops.core.spec import GE, TRITON_ASCEND, Absent, OpDecl
+from cp_compile.ops.core.spec import GE, TRITON_ASCEND, OpDecl
 from cp_compile.ops.sparse import launch, reference
 
 
@@ -186,11 +186,6 @@ SINGLE_DEVICE_ATTENTION_OPS: tuple[torch._ops.OpOverloadPacket, ...] = (
     torch.ops.cp.sparse_mla_attention_quant,
     torch.ops.cp.lightning_indexer,
 )
-# The quantised write's pieces not built yet (issue 39, docs/quant_kv.md), as the paged quant ops'.
-_NO_QUANT_GE = Absent("not built: SparseFlashAttention's antiquant scale mapping and a GE scatter of codes and "
-                      "scales for a quantised latent (issue 39); a quantised cache runs on CPU / CUDA")
-_NO_QUANT_NPU = Absent("not built: the quantised sparse MLA kernel is not checked through triton-ascend's lowering "
-                       "(issue 39: the int8 write aborts in triton-adapter-opt, fp8 has no type there)")
 
 
 # ----------------------------------------------------------------------------- declarations (core/spec.py)
@@ -204,6 +199,10 @@ OPS = (
            ge=GE("ge", "Sort", "GatherElements"), profile="dcp_local"),
     OpDecl(sparse_mla_partial_attention, cuda=launch.sparse_mla_partial_attention,
            npu=TRITON_ASCEND, ge=GE("ge", "SparseFlashAttention"), profile="attention"),
-    OpDecl(sparse_mla_attention_quant, cuda=launch.sparse_mla_attention_quant, npu=_NO_QUANT_NPU, ge=_NO_QUANT_GE,
-           profile="attention"),
+    # NPU (int8; fp8 refused by name): the write through cp::quant_cache_write's torch_npu kernel,
+    # the read the Triton kernel through triton-ascend (its int8 QUANT launches are in the lowering
+    # check). GE: dequantise-on-gather before SparseFlashAttention (ge_quant.py, decision 75).
+    OpDecl(sparse_mla_attention_quant, cuda=launch.sparse_mla_attention_quant,
+           npu=launch.sparse_mla_attention_quant_npu,
+           ge=GE("ge_quant", "ReduceMaxD", "ScatterNdUpdate", "GatherNd", "SparseFlashAttention"), profile="attention"),
 )

@@ -252,19 +252,27 @@ def sparse_mla_rows_triton(
 # ----------------------------------------------------------------------------- the ops' device kernels
 
 
-def _refuse_quantized_on_npu(op: str, device: torch.device, kv_scale_cache) -> None:
-    # The ops' NPU entry is this kernel through triton-ascend, whose lowering of the quantised
-    # loads is not checked (fp8 has no type there): refused, never guessed.
-    if kv_scale_cache is not None and target_of(device)[0] == "npu":
+def _refuse_fp8(op: str, kv_cache: torch.Tensor) -> None:
+    # triton-ascend has no fp8 type (the lowering check fails such a kernel at TTIR), and no NPU
+    # attention reads fp8 keys (decision 70): refused by name, never read as another dtype.
+    if kv_cache.dtype != torch.int8:
         raise NotImplementedError(
-            f"{op}: the triton-ascend kernel does not take a quantised latent (kv_cache_dtype int8 / fp8) yet "
-            "(issue 39). Fix: kv_cache_dtype='auto' on the NPU, or run the quantised cache on CPU / CUDA")
+            f"{op}: on the NPU the quantised sparse MLA kernel (triton-ascend) takes an int8 latent, and this "
+            f"cache is {kv_cache.dtype} (triton-ascend has no fp8 type). Fix: CPConfig(kv_cache_dtype='int8') on "
+            "the NPU, or run the fp8 cache on CPU / CUDA (Triton)")
+
+
+def _refuse_quantized_on_npu(op: str, device: torch.device, kv_cache: torch.Tensor, kv_scale_cache) -> None:
+    # The ops' NPU entry is this kernel through triton-ascend: its int8 QUANT launches are in the
+    # lowering check (they reach linalg, decision 75); fp8 has no type there.
+    if kv_scale_cache is not None and target_of(device)[0] == "npu":
+        _refuse_fp8(op, kv_cache)
 
 
 def sparse_mla_partial_attention_device(q_nope, q_pe, kv_cache, block_table, query_start_loc, indices, scale,
                                         kv_scale_cache=None):
     """`cp::sparse_mla_partial_attention` on an accelerator."""
-    _refuse_quantized_on_npu("cp::sparse_mla_partial_attention", q_nope.device, kv_scale_cache)
+    _refuse_quantized_on_npu("cp::sparse_mla_partial_attention", q_nope.device, kv_cache, kv_scale_cache)
     req = layout.request_index(query_start_loc, q_nope.shape[0])
     return sparse_mla_rows_triton(q_nope, q_pe, kv_cache, block_table, req, indices, scale,
                                   kv_scale_cache=kv_scale_cache)
@@ -273,7 +281,7 @@ def sparse_mla_partial_attention_device(q_nope, q_pe, kv_cache, block_table, que
 def sparse_mla_rows_attention_device(q_nope, q_pe, kv_cache, block_table, seq_lens, query_start_loc, indices, tp,
                                      rank, scale, kv_scale_cache=None):
     """`cp::sparse_mla_rows_attention` (DSA-CP row shard) on an accelerator."""
-    _refuse_quantized_on_npu("cp::sparse_mla_rows_attention", q_nope.device, kv_scale_cache)
+    _refuse_quantized_on_npu("cp::sparse_mla_rows_attention", q_nope.device, kv_cache, kv_scale_cache)
     req, _ = layout.shard_row_metadata(query_start_loc, seq_lens, q_nope.shape[0], tp=tp, rank=rank)
     return sparse_mla_rows_triton(q_nope, q_pe, kv_cache, block_table, req, indices, scale,
                                   kv_scale_cache=kv_scale_cache)[0]
@@ -293,6 +301,21 @@ def sparse_mla_attention_quant_device(q_nope, q_pe, kv_c, k_pe, kv_cache, kv_sca
     then sparse attention dequantising on load."""
     kv_quant.check_pair(kv_cache, kv_scale_cache, "kv_cache")  # before anything is written
     cache_write_device(torch.cat([kv_c, k_pe], dim=-1), kv_cache, slot_mapping, kv_scale_cache)
+    req = layout.request_index(query_start_loc, q_nope.shape[0])
+    return sparse_mla_rows_triton(q_nope, q_pe, kv_cache, block_table, req, topk_indices, scale,
+                                  kv_scale_cache=kv_scale_cache)[0]
+
+
+def sparse_mla_attention_quant_npu(q_nope, q_pe, kv_c, k_pe, kv_cache, kv_scale_cache, slot_mapping, block_table,
+                                   seq_lens, query_start_loc, topk_indices, scale):
+    """`cp::sparse_mla_attention_quant` on the NPU (int8): the write through the op
+    `cp::quant_cache_write` (its NPU kernel is torch_npu's, ops/paged/npu.py: the Triton write
+    aborts in triton-adapter-opt, decision 70; called as an op, the families import nothing of
+    each other), then this kernel (QUANT, through triton-ascend) dequantising on load."""
+    op = "cp::sparse_mla_attention_quant"
+    _refuse_fp8(op, kv_cache)  # before anything is written
+    kv_quant.check_pair(kv_cache, kv_scale_cache, "kv_cache")
+    torch.ops.cp.quant_cache_write(torch.cat([kv_c, k_pe], dim=-1), kv_cache, kv_scale_cache, slot_mapping)
     req = layout.request_index(query_start_loc, q_nope.shape[0])
     return sparse_mla_rows_triton(q_nope, q_pe, kv_cache, block_table, req, topk_indices, scale,
                                   kv_scale_cache=kv_scale_cache)[0]
@@ -323,6 +346,15 @@ def _lowering_examples():
                                  top, 0.1, use_dot=use_dot))
     qn, qp = torch.empty(2, 16, 512, dtype=torch.bfloat16), torch.empty(2, 16, 64, dtype=torch.bfloat16)
     yield "partial op", functools.partial(sparse_mla_partial_attention_device, qn, qp, cache, bt, qsl, idx, 0.1)
+    # An int8 latent (issue 39, decision 75): QUANT=1, each [c; k_pe] tile dequantised after its
+    # load. fp8 is not listed: triton-ascend has no fp8 type (the NPU entries refuse it by name).
+    codes = torch.empty(2, 64, 576, dtype=torch.int8)
+    scales = torch.empty(2, 64, 1, dtype=torch.float32)
+    for heads, use_dot, ind in ((16, False, idx), (16, True, idx), (128, True, top)):
+        qn, qp = torch.empty(2, heads, 512, dtype=torch.bfloat16), torch.empty(2, heads, 64, dtype=torch.bfloat16)
+        yield (f"int8 latent {heads} heads top-{ind.shape[1]} dot={use_dot}",
+               functools.partial(sparse_mla_rows_triton, qn, qp, codes, bt, torch.zeros(2, dtype=torch.int32), ind,
+                                 0.1, use_dot=use_dot, kv_scale_cache=scales))
 
 
 LOWERING = LoweringDeclaration(examples=_lowering_examples)

@@ -117,6 +117,13 @@ MUTATIONS = [
      "ge.RealDiv(amax, const(INT8_QMAX, F32))", "amax", "cp::quant_cache_write"),
     ("helper: int8 write truncates instead of rounding half to even", f"{OPS}.core.ge_kv_quant",
      "ge.ClipByValue(ge.Round(y),", "ge.ClipByValue(y,", "cp::mla_attention_quant"),
+    ("int8 SFA partial: gathered codes not multiplied by their scales", f"{OPS}.sparse.ge_quant",
+     "ge.Mul(ge.Cast(codes, dst_type=F32), scales)", "ge.Cast(codes, dst_type=F32)",
+     "cp::sparse_mla_partial_attention[int8]"),
+    ("int8 SFA single-device op: each row dequantised with its page's first slot's scale", f"{OPS}.sparse.ge_quant",
+     "scales = ge.GatherNd(kv_scale_cache, at)",
+     "scales = ge.GatherNd(kv_scale_cache, ge.Pack([block, ge.Mul(block, const(0, I64))], N=2, axis=2))",
+     "cp::sparse_mla_attention_quant"),
 ]
 
 

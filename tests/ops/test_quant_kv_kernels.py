@@ -252,6 +252,44 @@ def test_triton_sparse_single_device_and_partial_ops_on_a_quantised_cache():
                                    torch.ops.cp.sparse_mla_rows_attention(*args), atol=1e-5, rtol=1e-5)
 
 
+@interp
+def test_npu_sparse_quant_entries_take_int8_and_refuse_fp8_by_name(monkeypatch):
+    """The NPU entries of SFA over a quantised latent (decision 75), run here on CPU tensors under
+    the interpreter: `cp::sparse_mla_attention_quant`'s (the write through `cp::quant_cache_write`,
+    the Triton read) == the op for int8 (codes byte-equal); fp8 refused naming the op and the fix
+    before anything is written, and the partial's / rows' entries refuse fp8 on an NPU target (their int8
+    reads: `test_triton_sparse_single_device_and_partial_ops_on_a_quantised_cache`)."""
+    from cp_compile.ops.sparse import triton_sparse_mla
+
+    g = torch.Generator().manual_seed(5)
+    m = two_step_metas("mixed", dcp=1, block_size=BLOCK, num_blocks=NUM_BLOCKS)[1]
+    T = m.num_tokens
+    qn, qp, kv_c, k_pe = (torch.randn(T, 4, 16, generator=g), torch.randn(T, 4, 8, generator=g),
+                          torch.randn(T, 16, generator=g), torch.randn(T, 8, generator=g))
+    topk = torch.randint(-1, 12, (T, 5), generator=g, dtype=torch.int32)
+    codes, scales = torch.zeros(NUM_BLOCKS, BLOCK, 24, dtype=torch.int8), torch.zeros(NUM_BLOCKS, BLOCK, 1)
+    want_c, want_s = codes.clone(), scales.clone()
+    got = sparse_launch.sparse_mla_attention_quant_npu(qn, qp, kv_c, k_pe, codes, scales, *meta_args(m), topk, 0.3)
+    want = torch.ops.cp.sparse_mla_attention_quant(qn, qp, kv_c, k_pe, want_c, want_s, *meta_args(m), topk, 0.3)
+    assert torch.equal(codes, want_c) and codes.abs().sum() > 0
+    torch.testing.assert_close(scales, want_s, atol=0, rtol=1e-6)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    fp8 = torch.zeros(NUM_BLOCKS, BLOCK, 24, dtype=torch.float8_e4m3fn)
+    sc = torch.zeros(NUM_BLOCKS, BLOCK, 1)
+    with pytest.raises(NotImplementedError, match=r"cp::sparse_mla_attention_quant: .*float8_e4m3fn.*"
+                                                  r"kv_cache_dtype='int8'"):
+        sparse_launch.sparse_mla_attention_quant_npu(qn, qp, kv_c, k_pe, fp8, sc, *meta_args(m), topk, 0.3)
+    assert not fp8.view(torch.uint8).any() and not sc.any()  # nothing written
+    # The partial / rows entries: fp8 refused where the device is an NPU (target_of stood in).
+    monkeypatch.setattr(triton_sparse_mla, "target_of", lambda device: ("npu", None))
+    with pytest.raises(NotImplementedError, match=r"cp::sparse_mla_partial_attention: .*float8_e4m3fn"):
+        sparse_launch.sparse_mla_partial_attention(qn, qp, fp8, m.block_table, m.query_start_loc, topk, 0.3, sc)
+    rows = layout.token_shard_rows(T, tp=2)
+    with pytest.raises(NotImplementedError, match=r"cp::sparse_mla_rows_attention: .*float8_e4m3fn"):
+        sparse_launch.sparse_mla_rows_attention(qn[:rows], qp[:rows], fp8, m.block_table, m.seq_lens,
+                                                m.query_start_loc, topk[:rows], 2, 1, 0.3, sc)
+
+
 @pytest.mark.skipif(IN_PROCESS or os.environ.get(_CHILD_ENV) == "1", reason="checked in-process under the interpreter")
 def test_quant_kernels_in_fresh_interpreter() -> None:
     env = {**os.environ, "TRITON_INTERPRET": "1", _CHILD_ENV: "1"}

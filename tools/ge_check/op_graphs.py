@@ -177,6 +177,18 @@ def op_cases() -> dict[str, tuple[Callable[..., Any], tuple]]:
             lambda qn, qp, c, t, qs, i: cp.sparse_mla_partial_attention(qn, qp, c, t, qs, i, 0.1),
             (torch.randn(T, 2 * H, L, dtype=bf), torch.randn(T, 2 * H, R, dtype=bf),
              cache(torch.randn, NB, BS, L + R, dtype=bf), table, qsl, partial_topk)),
+        # SFA over an int8 latent (issue 39, decision 75): random codes and per-token scales,
+        # dequantised-on-gather before SparseFlashAttention (ops/sparse/ge_quant.py).
+        "cp::sparse_mla_partial_attention[int8]": (
+            lambda qn, qp, c, t, qs, i, sc: cp.sparse_mla_partial_attention(qn, qp, c, t, qs, i, 0.1, sc),
+            (torch.randn(T, 2 * H, L, dtype=bf), torch.randn(T, 2 * H, R, dtype=bf), codes(NB, BS, L + R), table,
+             qsl, partial_topk, scales(NB, BS, 1))),
+        "cp::sparse_mla_attention_quant": (
+            lambda qn, qp, c, kp, kv, sc, s, t, sl, qs, ti: cp.sparse_mla_attention_quant(qn, qp, c, kp, kv, sc, s, t,
+                                                                                          sl, qs, ti, 0.1),
+            (torch.randn(T, H, L, dtype=bf), torch.randn(T, H, R, dtype=bf), torch.randn(T, L, dtype=bf),
+             torch.randn(T, R, dtype=bf), marked(codes(NB, BS, L + R)), marked(scales(NB, BS, 1)), slots, table, seq,
+             qsl, topk)),
         "cp::dcp_sparse_indices": (lambda i: cp.dcp_sparse_indices(i, 2, 1, 1, BS),
                                    (torch.tensor([[0, 5, 2, -1]] * T, dtype=torch.int32),)),
         # DSA-CP: rank 1's 3 rows of the 6 tokens at tp 2 (rows 3..5, the last one padding).
@@ -188,6 +200,10 @@ def op_cases() -> dict[str, tuple[Callable[..., Any], tuple]]:
             lambda qn, qp, c, t, sl, qs, i: cp.sparse_mla_rows_attention(qn, qp, c, t, sl, qs, i, 2, 1, 0.1),
             (torch.randn(3, H, L, dtype=bf), torch.randn(3, H, R, dtype=bf),
              cache(torch.randn, NB, BS, L + R, dtype=bf), table, seq, qsl, rows_topk)),
+        "cp::sparse_mla_rows_attention[int8]": (
+            lambda qn, qp, c, t, sl, qs, i, sc: cp.sparse_mla_rows_attention(qn, qp, c, t, sl, qs, i, 2, 1, 0.1, sc),
+            (torch.randn(3, H, L, dtype=bf), torch.randn(3, H, R, dtype=bf), codes(NB, BS, L + R), table, seq, qsl,
+             rows_topk, scales(NB, BS, 1))),
         # W8A8 o_proj (ops/quant/ops.py): int8 K-major weight [in, out], two activation groups
         # (the DSA-CP full-weight o_proj at tp 2).
         "cp::w8a8_dynamic_linear": (
@@ -228,6 +244,14 @@ DYNAMIC_CASES = {"aten::constant_pad_nd"}
 # with bf16's tolerance, for the reason given.
 BF16_PATHS = {"cp::lse_combine": (torch.bfloat16, "AttentionUpdate's out has localOut's dtype (bf16 here; the page "
                                                   "allows fp32 only on Atlas A3)")}
+# SFA over an int8 latent (ops/sparse/ge_quant.py): SparseFlashAttention's key / value take the
+# query's dtype (fp16 / bf16), so the dequantised rows are rounded to bf16 before the products,
+# where the FX kernel keeps code * scale in fp32 (the LSE, fp32, moves by ~4e-3 here).
+_SFA_INT8 = (torch.bfloat16, "SparseFlashAttention reads key / value in the query's dtype: the dequantised rows are "
+                             "bf16, the FX kernel's fp32")
+BF16_PATHS.update({case: _SFA_INT8 for case in ("cp::sparse_mla_partial_attention[int8]",
+                                                 "cp::sparse_mla_attention_quant",
+                                                 "cp::sparse_mla_rows_attention[int8]")})
 
 
 def base_op(case: str) -> str:
