@@ -265,7 +265,8 @@ def geometry_of(hf_config, state_dict, kv_cache_dtype: str = "auto") -> KVGeomet
 
     model = example_from_config(hf_config, state_dict)
     return KVGeometry.of(model.kv_cache_spec(), model.attention_spec(),
-                         KV_CACHE_DTYPES[kv_cache_dtype] or torch.float32, kv_cache_dtype)
+                         KV_CACHE_DTYPES[kv_cache_dtype] or torch.float32, kv_cache_dtype,
+                         index_dtype=torch.float32)  # the example models' dtype (SFA's indexer keys)
 
 
 def compare(case: Case, ref: dict, p_out: list[dict], d_out: list[dict], geometry: KVGeometry) -> dict:

@@ -98,6 +98,8 @@ def fill(geo, layout, rank, layers, index, n, blocks):
 
 def _geometry(kind: str, kv_heads: int, kv_cache_dtype: str = "auto") -> KVGeometry:
     q = dict(dtype="torch.int8", kv_cache_dtype=kv_cache_dtype) if kv_cache_dtype != "auto" else {}
+    if q and kind == "sfa":  # int8 latent codes, the indexer keys in the model's dtype (decision 69)
+        q["index_dtype"] = "torch.float32"
     if kind == "gqa":
         return KVGeometry("gqa", 1, num_kv_heads=kv_heads, head_dim=HEAD, v_head_dim=VHEAD, **q)
     return KVGeometry(kind, 1, latent_dim=LATENT, index_dim=INDEX if kind == "sfa" else 0, **q)
@@ -366,6 +368,9 @@ QUANT_CASES = [
     ("gqa", 1, L(2, 1, 1, 4, 4), L(2, 1, 2, 4, 4)),  # whole blocks
     ("mla", 0, L(2, 1, 2, 1, 4), L(2, 1, 1, 1, 8)),
     ("mla", 0, L(4, 1, 4, 2, 4), L(2, 1, 2, 8, 8)),
+    # SFA: int8 latent + its scales sharded, the replicated indexer's fp32 keys on every D rank
+    ("sfa", 0, L(2, 1, 2, 1, 4), L(2, 1, 1, 1, 8)),
+    ("sfa", 0, L(2, 1, 1, 4, 4), L(2, 1, 2, 1, 4)),
 ]
 
 
@@ -384,7 +389,9 @@ def test_quantised_pages_and_scales_match_brute_force(kind, kv_heads, src, dst, 
         copies = dst.tensor_parallel_size // dst.decode_context_parallel_size
         heads = len(geo.kv_heads_of(dst, 0)) if kind == "gqa" else 1
         scales = n * copies * heads * 4 * (2 if kind == "gqa" else 1)
-        assert moved == expected_bytes(plain, dst, n) // 4 + scales  # int8 codes: a quarter of fp32's bytes
+        index = n * dst.world_size * INDEX * 4 if kind == "sfa" else 0  # fp32 indexer keys, unquantised
+        # int8 codes: a quarter of fp32's bytes; the scales on top; SFA's indexer keys as they were
+        assert moved == (expected_bytes(plain, dst, n) - index) // 4 + scales + index
 
 
 def test_quantised_transfer_without_the_scale_regions_is_caught():

@@ -34,6 +34,9 @@ SLOW = [
     Case("mla", Side(2, 1, 2, 1, 4, "fp8_e4m3"), Side(2, 1, 1, 4, 8, "fp8_e4m3")),
     # a PCP prefill instance (decision 68) -> D at dcp 2: the P(tp1,pcp2) -> D(tp2,dcp2)
     Case("gqa", Side(1, 2, 1, 1, 4, "int8"), Side(2, 1, 2, 1, 4, "int8")),
+    # SFA (decision 69): the int8 latent and its scales dealt to D's DCP ranks, the replicated
+    # indexer's keys (model dtype) to every D rank: P tp 2, dcp 2 -> D tp 2, dcp 1, blocks 4 -> 8
+    Case("sfa", Side(2, 1, 2, 1, 4, "int8"), Side(2, 1, 1, 1, 8, "int8")),
 ]
 
 

@@ -64,7 +64,8 @@ class _Role:
                               f"build the {'KVProducer' if self.kv.is_producer else 'KVConsumer'} for this config")
         self.cfg, self.cache, self.rank = cfg, cache, rank
         self.layout = KVLayout.from_config(cfg)
-        self.geometry = KVGeometry.of(spec, attention, _tensors(cache)[0].dtype, cache.kv_cache_dtype)
+        self.geometry = KVGeometry.of(spec, attention, _tensors(cache)[0].dtype, cache.kv_cache_dtype,
+                                      index_dtype=cache.replicated[0].dtype if cache.replicated else None)
         self.regions = regions_of(cache.layers, cache.replicated, spec.kind, quantized=cache.quantized)
         side = "p" if self.kv.is_producer else "d"
         self.transport = transport or _make_transport(f"{self.kv.engine_id}/{side}{rank}", cache)

@@ -87,25 +87,29 @@ class KVGeometry:
     # CPConfig.kv_cache_dtype: "auto", or "int8" / "fp8_e4m3" (decision 65): the pages then hold
     # codes and each token carries an fp32 scale per KV head (MLA: one), which moves with it
     kv_cache_dtype: str = "auto"
+    # SFA's replicated indexer cache dtype when it differs from the pages' ("": the same). A
+    # quantised SFA cache keeps its indexer keys in the model's dtype (decision 69): int8 / fp8
+    # latent codes beside fp32 / bf16 index rows, so the byte formulas count each with its own size.
+    index_dtype: str = ""
 
     @classmethod
     def of(cls, spec: KVCacheSpec, attention: AttentionSpec, dtype: torch.dtype,
-           kv_cache_dtype: str = "auto") -> "KVGeometry":
+           kv_cache_dtype: str = "auto", index_dtype: torch.dtype | None = None) -> "KVGeometry":
         """`dtype`: the pages' dtype (`KVCache.layers[0][0].dtype`); `kv_cache_dtype`: the cache's
-        `KVCache.kv_cache_dtype` (the config field)."""
-        if spec.kind == "sfa" and kv_cache_dtype != "auto":
-            # A quantised SFA cache keeps its indexer keys in the model's dtype (decision 69), so
-            # its pages have two element sizes; the byte formulas here count one.
-            raise ConfigError("P/D KV transfer of a quantised cache covers GQA and MLA",
-                              f"cache kind='sfa', kv_cache_dtype={kv_cache_dtype!r} (the latent quantised, the "
-                              "indexer's keys in the model's dtype: not built for the transfer plan's byte counts)",
-                              "serve SFA models with P/D disaggregation at kv_cache_dtype='auto'")
+        `KVCache.kv_cache_dtype` (the config field); `index_dtype`: SFA's indexer cache dtype
+        (`KVCache.replicated[0].dtype`), required for a quantised SFA cache."""
+        if spec.kind == "sfa" and kv_cache_dtype != "auto" and index_dtype is None:
+            raise ConfigError("a quantised SFA cache's transfer geometry names its indexer dtype",
+                              f"cache kind='sfa', kv_cache_dtype={kv_cache_dtype!r}, index_dtype=None (the latent "
+                              f"is {dtype}, the indexer keys stay in the model's dtype)",
+                              "pass index_dtype=KVCache.replicated[0].dtype to KVGeometry.of")
         gqa = spec.kind == "gqa"
+        idx = str(index_dtype) if spec.kind == "sfa" and index_dtype is not None and index_dtype != dtype else ""
         return cls(kind=spec.kind, num_layers=spec.num_layers, num_kv_heads=attention.num_kv_heads if gqa else 0,
                    head_dim=spec.head_dim if gqa else 0,
                    v_head_dim=(spec.v_head_dim or spec.head_dim) if gqa else 0,
                    latent_dim=0 if gqa else spec.latent_dim, index_dim=spec.index_dim if spec.kind == "sfa" else 0,
-                   dtype=str(dtype), kv_cache_dtype=kv_cache_dtype)
+                   dtype=str(dtype), kv_cache_dtype=kv_cache_dtype, index_dtype=idx)
 
     @property
     def quantized(self) -> bool:
@@ -119,6 +123,12 @@ class KVGeometry:
     @property
     def element_size(self) -> int:
         return torch.empty((), dtype=getattr(torch, self.dtype.removeprefix("torch."))).element_size()
+
+    @property
+    def index_element_size(self) -> int:
+        """Bytes of one SFA indexer key element (its own dtype, or the pages')."""
+        d = self.index_dtype or self.dtype
+        return torch.empty((), dtype=getattr(torch, d.removeprefix("torch."))).element_size()
 
     def kv_heads_of(self, layout: KVLayout, rank: int) -> tuple[int, ...]:
         """Global KV heads world rank `rank` of `layout` holds (GQA); () for latent caches."""

@@ -73,7 +73,7 @@ class RankPlan:
 def _token_bytes(geometry: KVGeometry, run: SlotRun) -> int:
     e, layers = geometry.element_size, geometry.num_layers
     if run.cache == "index":
-        return geometry.index_dim * e * layers
+        return geometry.index_dim * geometry.index_element_size * layers
     sc = geometry.scale_bytes_per_head()  # a quantised cache: each token's scales move with its codes
     if geometry.kind == "gqa":
         return run.num_heads * ((geometry.head_dim + geometry.v_head_dim) * e + 2 * sc) * layers
@@ -95,7 +95,7 @@ def expected_bytes(geometry: KVGeometry, dst: KVLayout, num_tokens: int) -> int:
     else:
         total = num_tokens * copies * (geometry.latent_dim * e + sc) * layers
     if geometry.kind == "sfa":
-        total += num_tokens * dst.world_size * geometry.index_dim * e * layers
+        total += num_tokens * dst.world_size * geometry.index_dim * geometry.index_element_size * layers
     return total
 
 
@@ -110,7 +110,7 @@ def expected_rank_bytes(geometry: KVGeometry, dst: KVLayout, num_tokens: int, ra
         row = heads * ((geometry.head_dim + geometry.v_head_dim) * e + 2 * sc)
     else:
         row = geometry.latent_dim * e + sc
-    index = num_tokens * geometry.index_dim * e if geometry.kind == "sfa" else 0
+    index = num_tokens * geometry.index_dim * geometry.index_element_size if geometry.kind == "sfa" else 0
     return (mine * row + index) * layers
 
 
