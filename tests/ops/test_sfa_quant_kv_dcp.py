@@ -189,9 +189,14 @@ def test_sfa_cache_allocation_and_refusals():
     assert cache.scale_bytes == 2 * 8 * BLOCK * 4
     cp_compile.CPConfig(kv_cache_dtype="int8", enable_dsa_cp=True, tensor_parallel_size=2).validate_for(
         cp_compile.AttentionSpec("sfa", 4, has_indexer=True))  # DSA-CP reads the scales too
-    # P/D transfer: the byte counts take one element size per cache, the SFA one has two: refused
-    with pytest.raises(cp_compile.ConfigError, match=r"cache kind='sfa', kv_cache_dtype='fp8_e4m3'.*Fix: serve SFA"):
-        KVGeometry.of(spec, cp_compile.AttentionSpec("sfa", 4, has_indexer=True), latent.dtype, "fp8_e4m3")
+    # P/D transfer (decision 76): the geometry counts the indexer keys at their own dtype, and one
+    # that does not name it is refused rather than count fp8-sized index rows
+    attn = cp_compile.AttentionSpec("sfa", 4, has_indexer=True)
+    with pytest.raises(cp_compile.ConfigError, match=r"kv_cache_dtype='fp8_e4m3', index_dtype=None.*Fix: pass "
+                                                      r"index_dtype=KVCache.replicated\[0\].dtype"):
+        KVGeometry.of(spec, attn, latent.dtype, "fp8_e4m3")
+    geo = KVGeometry.of(spec, attn, latent.dtype, "fp8_e4m3", index_dtype=cache.replicated[0].dtype)
+    assert geo.element_size == 1 and geo.index_element_size == 2
 
     meta = two_step_metas("decode", dcp=1, block_size=BLOCK, num_blocks=NUM_BLOCKS)[0]
     x = _inputs(Case("int8", torch.float32, 1), meta.num_tokens, 0)
