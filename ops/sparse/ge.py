@@ -35,9 +35,7 @@ from torchair.ge._ge_graph import Tensor
 
 from cp_compile.ops.core.ge_util import F32, I32, I64, cast, const, dims, local_len, reshape, tail, where
 from cp_compile.ops.core.ge_util import request_of_token, scatter_into
-from cp_compile.ops.sparse.ge_quant import quant_partial
-
-MAX_INT64 = (1 << 63) - 1
+from cp_compile.ops.sparse.ge_quant import MAX_INT64, quant_partial, sparse_flash_attrs
 
 
 def _paged(cache: Tensor, width: int) -> Tensor:
@@ -128,17 +126,7 @@ def _sparse_flash(q_nope: Tensor, q_pe: Tensor, cache: Tensor, width: int, indic
     return torchair.ge.custom_op(
         "SparseFlashAttention",
         inputs=inputs,
-        attrs={
-            "scale_value": attr.Float(float(scale)),
-            "sparse_block_size": attr.Int(1),
-            "layout_query": attr.Str("TND"),
-            "layout_kv": attr.Str("PA_BSND"),
-            "sparse_mode": attr.Int(0 if lse else 3),
-            "pre_tokens": attr.Int(MAX_INT64),
-            "next_tokens": attr.Int(MAX_INT64),
-            "attention_mode": attr.Int(0),
-            "return_softmax_lse": attr.Bool(lse),
-        },
+        attrs=sparse_flash_attrs(scale, lse, 0 if lse else 3),
         outputs=["attention_out", "softmax_max", "softmax_sum"],
     )
 

@@ -26,12 +26,11 @@ from typing import Any
 
 import torchair
 from torchair._ge_concrete_graph import ge_apis as ge
-from torchair.ge import attr
 from torchair.ge._ge_graph import Tensor
 
 from cp_compile.ops.core.ge_util import I32, I64, cast, const, dims, head, reshape, tail, where
-from cp_compile.ops.sparse.ge import MAX_INT64, _paged, lightning_indexer_op
-from cp_compile.ops.sparse.ge_quant import quant_partial
+from cp_compile.ops.sparse.ge import _paged, lightning_indexer_op
+from cp_compile.ops.sparse.ge_quant import quant_partial, sparse_flash_attrs
 
 
 def _shard_tnd(q: Tensor, query_start_loc: Tensor, seq_lens: Tensor, rank: int) -> tuple[Tensor, Tensor, Tensor]:
@@ -96,17 +95,7 @@ def convert_sparse_mla_rows_attention(q_nope: Tensor, q_pe: Tensor, kv_cache: Te
             "query_rope": None,
             "key_rope": None,
         },
-        attrs={
-            "scale_value": attr.Float(float(scale)),
-            "sparse_block_size": attr.Int(1),
-            "layout_query": attr.Str("TND"),
-            "layout_kv": attr.Str("PA_BSND"),
-            "sparse_mode": attr.Int(0),  # indices trusted: the indexer applied causality
-            "pre_tokens": attr.Int(MAX_INT64),
-            "next_tokens": attr.Int(MAX_INT64),
-            "attention_mode": attr.Int(0),
-            "return_softmax_lse": attr.Bool(False),
-        },
+        attrs=sparse_flash_attrs(scale, False),
         outputs=["attention_out", "softmax_max", "softmax_sum"],
     )
     out = reshape(ge.Slice(out, const([0, 0, 0], I64), const([-1, -1, int(L)], I64)), [T, H, L])

@@ -40,7 +40,25 @@ from torchair.ge._ge_graph import Tensor
 from cp_compile.ops.core.ge_kv_quant import I8, quant_scatter_into
 from cp_compile.ops.core.ge_util import F32, I32, I64, cast, const, dims, reshape, request_of_token, where
 
-MAX_INT64 = (1 << 63) - 1  # ge.py's, not imported: ge.py imports this module
+MAX_INT64 = (1 << 63) - 1
+
+
+def sparse_flash_attrs(scale: float, lse: bool, sparse_mode: int = 0) -> dict[str, Any]:
+    """SparseFlashAttention's attributes as every converter of the family sets them: TND queries
+    over page-attention BSND keys, one key per sparse block, no window (pre / next tokens
+    unbounded); `sparse_mode` 0 trusts the indices (the indexer applied causality), 3 is the
+    causal mask the single-device op asks for; the LSE only where a merge reads it."""
+    return {
+        "scale_value": attr.Float(float(scale)),
+        "sparse_block_size": attr.Int(1),
+        "layout_query": attr.Str("TND"),
+        "layout_kv": attr.Str("PA_BSND"),
+        "sparse_mode": attr.Int(sparse_mode),
+        "pre_tokens": attr.Int(MAX_INT64),
+        "next_tokens": attr.Int(MAX_INT64),
+        "attention_mode": attr.Int(0),
+        "return_softmax_lse": attr.Bool(lse),
+    }
 
 
 def refuse_fp8(op: str, kv_cache: Tensor) -> None:
@@ -101,17 +119,7 @@ def sparse_flash_per_token(q_nope: Tensor, q_pe: Tensor, pages: Tensor, indices:
             "query_rope": None,
             "key_rope": None,
         },
-        attrs={
-            "scale_value": attr.Float(float(scale)),
-            "sparse_block_size": attr.Int(1),
-            "layout_query": attr.Str("TND"),
-            "layout_kv": attr.Str("PA_BSND"),
-            "sparse_mode": attr.Int(0),  # indices trusted: the indexer applied causality
-            "pre_tokens": attr.Int(MAX_INT64),
-            "next_tokens": attr.Int(MAX_INT64),
-            "attention_mode": attr.Int(0),
-            "return_softmax_lse": attr.Bool(lse),
-        },
+        attrs=sparse_flash_attrs(scale, lse),
         outputs=["attention_out", "softmax_max", "softmax_sum"],
     )
     out = reshape(ge.Slice(out, const([0, 0, 0], I64), const([-1, -1, int(L)], I64)), [T, H, L])
