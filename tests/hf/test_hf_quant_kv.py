@@ -36,6 +36,16 @@ ARRIVALS = [0, 0, 2]  # request 2 joins at step 2 (a prefill beside decodes)
 FP8_MAX = 448.0
 
 
+@pytest.fixture(autouse=True)
+def _fresh_dynamo():
+    """Each test compiles its engines afresh: the HF models' forward code objects are shared by
+    every engine in this worker process (xdist runs other HF files before this one), and without
+    a reset their cache entries reach dynamo's recompile limit, a hard failure under fullgraph
+    (seen in a fresh-clone CI run on `test_llm_with_a_quantised_cache_equals_the_engine`)."""
+    torch._dynamo.reset()
+    yield
+
+
 def _prompts() -> list[list[int]]:
     g = torch.Generator().manual_seed(0)
     return [torch.randint(0, VOCAB, (n,), generator=g).tolist() for n in (7, 3, 5)]
@@ -313,6 +323,7 @@ def test_llm_with_a_quantised_cache_equals_the_engine(tmp_path):
         served = llm.executor.engine
         assert served.cache.layers[0][0].dtype == torch.int8 and served.capacity()["kv_scale_bytes_per_rank"] > 0
     cfg = cp_compile.CPConfig(block_size=BLOCK, kv_cache_dtype="int8")
+    torch._dynamo.reset()  # the reference compiles the same model code afresh (the LLM is closed)
     ref = cp_compile.serving.hf.Engine(load_rank_local(path), cfg, num_blocks=NUM_BLOCKS, lowering="eager",
                                        eos_token_id=None, progress=False)
     assert [o.outputs[0].token_ids for o in outs] == ref.generate(prompts, max_new_tokens=8)
