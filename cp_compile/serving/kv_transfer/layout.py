@@ -72,6 +72,11 @@ class KVLayout:
                 f"block_size={self.block_size}")
 
 
+def _itemsize(dtype: str) -> int:
+    """Bytes of one element of a dtype named as `str(torch.dtype)` ("torch.int8")."""
+    return getattr(torch, dtype.removeprefix("torch.")).itemsize
+
+
 @dataclass(frozen=True)
 class KVGeometry:
     """Per-token cache geometry of the model, the same on both instances (global heads)."""
@@ -122,13 +127,12 @@ class KVGeometry:
 
     @property
     def element_size(self) -> int:
-        return torch.empty((), dtype=getattr(torch, self.dtype.removeprefix("torch."))).element_size()
+        return _itemsize(self.dtype)
 
     @property
     def index_element_size(self) -> int:
         """Bytes of one SFA indexer key element (its own dtype, or the pages')."""
-        d = self.index_dtype or self.dtype
-        return torch.empty((), dtype=getattr(torch, d.removeprefix("torch."))).element_size()
+        return _itemsize(self.index_dtype or self.dtype)
 
     def kv_heads_of(self, layout: KVLayout, rank: int) -> tuple[int, ...]:
         """Global KV heads world rank `rank` of `layout` holds (GQA); () for latent caches."""
