@@ -192,6 +192,10 @@ def test_constructor_refuses_before_starting_ranks(tmp_path, ckpt):
         LLM(model=ckpt, tensor_parallel_size=2, decode_context_parallel_size=3)
     with pytest.raises(ValueError, match="dtype='float8'"):
         LLM(model=ckpt, dtype="float8")
+    # Longer than the checkpoint's positions: refused, not served silently shorter.
+    positions = transformers.AutoConfig.from_pretrained(ckpt).max_position_embeddings
+    with pytest.raises(cp_compile.ConfigError, match=f"max_model_len={positions + 1}.*max_position_embeddings"):
+        LLM(model=ckpt, max_model_len=positions + 1)
 
 
 def _hf_log_softmax(path: str, prompt_ids: list[int], output_ids: list[int]) -> torch.Tensor:

@@ -106,6 +106,7 @@ class EngineArgs:
                               "pass step_timeout_s > 0 (default 300): the most one engine step may take on the "
                               "worker ranks, compile included")
         check_budget(self.kv_cache_memory_bytes)
+        _max_model_len(self, hf_config)  # longer than the checkpoint's positions: refused here
         if self.kv_cache_memory_bytes is not None and self.num_kv_blocks is not None:
             raise ConfigError("one of num_kv_blocks / kv_cache_memory_bytes",
                               f"num_kv_blocks={self.num_kv_blocks}, kv_cache_memory_bytes={self.kv_cache_memory_bytes}",
@@ -159,6 +160,13 @@ def check_kv_cache_dtype(value: Any) -> str:
 
 def _max_model_len(args: EngineArgs, hf_config: Any) -> int:
     model_max = getattr(hf_config, "max_position_embeddings", None) or 2048
+    if args.max_model_len is not None and args.max_model_len > model_max:
+        # Never serve a shorter limit than asked without a word: a caller sizing its
+        # prompts (or a KV budget) from max_model_len would be refused mid-trace.
+        raise ConfigError(f"max_model_len at most the checkpoint's max_position_embeddings={model_max}",
+                          f"max_model_len={args.max_model_len}",
+                          f"pass max_model_len <= {model_max}, or raise max_position_embeddings in the "
+                          "checkpoint's config.json if its rope scaling serves longer contexts")
     return min(args.max_model_len or min(model_max, 2048), model_max)
 
 
