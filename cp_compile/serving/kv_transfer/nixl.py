@@ -9,6 +9,7 @@ into a failed request within its bounded wait.
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import numpy as np
@@ -17,22 +18,61 @@ import torch
 from cp_compile.serving.kv_transfer.transport import KVTransferError, XferState
 
 
+# How long NIXL's progress thread sleeps in poll() between rounds when no UCX event
+# woke it (µs; the thread rounds it up to whole ms). nixl's Python API fixes it at 0,
+# which makes the thread spin: measured, an idle agent takes 99 % of a core (2.6 % at
+# 1 ms). Each rank of each P / D instance holds one agent, so on a shared host the
+# spinning threads took the cores the decode steps needed (decision 77). Events (a
+# peer's request, a completion) still wake the thread at once through the workers'
+# event fds; the initiator also progresses its reads itself when it polls their state.
+# CP_COMPILE_NIXL_PROGRESS_DELAY_US overrides it (0: nixl's spinning thread).
+PROGRESS_DELAY_ENV = "CP_COMPILE_NIXL_PROGRESS_DELAY_US"
+
+
+def default_progress_delay_us() -> int:
+    raw = os.environ.get(PROGRESS_DELAY_ENV, "1000")
+    if not raw.isdigit():
+        raise ValueError(f"{PROGRESS_DELAY_ENV}={raw!r}: not a whole number of microseconds. Fix: unset it "
+                         "(1000) or give an int >= 0 (0 makes NIXL's progress thread spin)")
+    return int(raw)
+
+
 def _api():
     try:
-        from nixl_cu12._api import nixl_agent, nixl_agent_config
+        from nixl_cu12 import _api as api
     except ImportError as exc:  # pragma: no cover - depends on the environment
         raise KVTransferError("the NIXL transport needs the nixl-cu12 package. Fix: "
                               "pip install --no-deps nixl-cu12==1.5.1 (tools/bootstrap.sh does)") from exc
-    return nixl_agent, nixl_agent_config
+    return api
+
+
+def make_agent(name: str, backends: list[str], progress_delay_us: int | None = None) -> Any:
+    """A `nixl_agent` whose progress thread waits `progress_delay_us` in poll() instead of
+    spinning. nixl_agent's constructor sets the C++ config's pthrDelay to 0 and builds the
+    bound agent in the same call, with no argument for it; the bound constructor is wrapped
+    for that one call to set the delay on the config it is given."""
+    api = _api()
+    delay = default_progress_delay_us() if progress_delay_us is None else progress_delay_us
+    bound = api.nixlBind.nixlAgent
+
+    def with_delay(agent_name: str, config: Any) -> Any:
+        config.pthrDelay = delay
+        return bound(agent_name, config)
+
+    api.nixlBind.nixlAgent = with_delay
+    try:
+        return api.nixl_agent(name, api.nixl_agent_config(backends=backends))
+    finally:
+        api.nixlBind.nixlAgent = bound
 
 
 class NixlTransport:
-    def __init__(self, name: str, mem_type: str = "DRAM", backends: tuple[str, ...] = ("UCX",)) -> None:
+    def __init__(self, name: str, mem_type: str = "DRAM", backends: tuple[str, ...] = ("UCX",),
+                 progress_delay_us: int | None = None) -> None:
         """mem_type: "DRAM" for CPU caches, "VRAM" for accelerator memory (the caches' device)."""
-        nixl_agent, nixl_agent_config = _api()
         self.name = name
         self.mem_type = mem_type
-        self._agent = nixl_agent(name, nixl_agent_config(backends=list(backends)))
+        self._agent = make_agent(name, list(backends), progress_delay_us)
         self._registered: list[Any] = []
 
     def register(self, tensors: list[torch.Tensor]) -> Any:
