@@ -50,6 +50,11 @@ if not __package__:  # run as a script: make the repo root the import root (as `
 # heads over the 512 + 64 latent, nope 128, v 128). Scaled (so a trace runs in minutes
 # on 2 shared cores): hidden 4096 / 7168 -> 512, the MLP per rank 1536 / 2304 -> 256,
 # R1's q_lora 1536 -> 256, 2 layers (94 / 61), vocab 512, fp32.
+# The issue's trace reaches 64k prompts + 256 outputs; transformers' configs default to
+# 32k (Qwen3) / 4k (DeepSeek-V3), and the engine refuses a max_model_len above it.
+MAX_POSITIONS = 131072
+
+
 @dataclass(frozen=True)
 class Scaled:
     name: str
@@ -75,14 +80,15 @@ class Scaled:
             return transformers.Qwen3Config(
                 vocab_size=self.vocab, hidden_size=self.hidden, intermediate_size=self.mlp_per_rank * tp,
                 num_hidden_layers=self.layers, num_attention_heads=self.heads_per_rank * tp, num_key_value_heads=1,
-                head_dim=128, rope_parameters=rope, tie_word_embeddings=False, dtype="float32", eos_token_id=None)
+                head_dim=128, rope_parameters=rope, tie_word_embeddings=False, dtype="float32", eos_token_id=None,
+                max_position_embeddings=MAX_POSITIONS)
         n = self.heads_per_rank * tp
         return transformers.DeepseekV3Config(
             vocab_size=self.vocab, hidden_size=self.hidden, intermediate_size=self.mlp_per_rank * tp,
             moe_intermediate_size=self.mlp_per_rank, num_hidden_layers=self.layers,
             first_k_dense_replace=self.layers, num_attention_heads=n, num_key_value_heads=n, q_lora_rank=self.q_lora,
             kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, rope_parameters=rope,
-            tie_word_embeddings=False, dtype="float32", eos_token_id=None)
+            tie_word_embeddings=False, dtype="float32", eos_token_id=None, max_position_embeddings=MAX_POSITIONS)
 
 
 SCALED = {
@@ -151,18 +157,19 @@ def pct(xs: Seq[float], q: float) -> float:
     return s[max(0, min(len(s) - 1, math.ceil(q / 100 * len(s)) - 1))]
 
 
-def run_trace(llm: Any, trace: list[Request]) -> dict[str, Any]:
-    """Drive `trace` through `llm`'s driver with arrivals; per-request times, per-step KV use."""
+def run_trace(llm: Any, trace: list[Request], kv_params: list[dict] | None = None) -> dict[str, Any]:
+    """Drive `trace` through `llm`'s driver with arrivals; per-request times, per-step KV use.
+    `kv_params` (a kv_consumer `llm`): per request, the producer's `kv_transfer_params`."""
     from cp_compile import SamplingParams
 
     driver = llm.driver
     sched = driver.scheduler
     times: dict[int, list[float]] = {}
     seqs = []
-    for req in trace:
+    for i, req in enumerate(trace):
         sp = SamplingParams(temperature=0.0, max_tokens=req.max_tokens, ignore_eos=True)
         seq, _ = llm.submit(req.prompt, sp, on_update=lambda s, _t: times.setdefault(s.rid, []).append(
-            time.perf_counter()))
+            time.perf_counter()), kv_transfer_params=kv_params[i] if kv_params is not None else None)
         seqs.append(seq)
     arrival = {s.rid: r.arrival for s, r in zip(seqs, trace)}
     t0 = time.perf_counter()
@@ -200,6 +207,11 @@ def run_trace(llm: Any, trace: list[Request]) -> dict[str, Any]:
                 decode_steps_s=sum(st["step_s"] for st in steps if not st["prefill"]),
                 decode_step_median_s=statistics.median([st["step_s"] for st in steps if not st["prefill"]] or [0.0]),
                 decode_batch_median=statistics.median([st["batch"] for st in steps if not st["prefill"]] or [0]),
+                # Tokens/s of the decode-only steps (each request in one makes one token): the
+                # rate a decode instance would run at this concurrency, with the prompts'
+                # prefill done elsewhere (P/D); the trace's own rate above includes prefill.
+                decode_tok_s=(sum(st["batch"] for st in steps if not st["prefill"])
+                              / max(1e-9, sum(st["step_s"] for st in steps if not st["prefill"]))),
                 steps=len(steps), kv_trace=[(round(st["t"], 4), round(st["kv_used"], 4), st["batch"])
                                             for st in steps])
 
@@ -310,21 +322,24 @@ def format_rows(result: dict[str, Any]) -> str:
     lines = [f"## {result['shape']}  (tp {result['tp']}, KV budget {result['kv_cache_memory_bytes']:,d} B per rank, "
              f"{result['trace']['requests']} requests)",
              "| engine | dcp | tokens/group | admitted at max_model_len | max concurrent | output tok/s | "
-             "TTFT med / p99 (s) | TPOT med / p99 (ms) |", "|---|---|---|---|---|---|---|---|"]
+             "TTFT med / p99 (s) | TPOT med / p99 (ms) | decode-only steps: tok/s, batch med | prefill share |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
 
     def sp(r: dict[str, Any], k: str, f: str, scale: float = 1.0) -> str:
         lo, hi = r[k + "_spread"]
         return f"{r[k] * scale:{f}} [{lo * scale:{f}}-{hi * scale:{f}}]"
 
-    for r in result["dcp"]:
-        lines.append(f"| LLM | {r['dcp']} | {r['tokens_per_group']:,d} | {r['max_concurrency_at_max_model_len']} | "
+    for r in result["dcp"] + result.get("pd", []):
+        lines.append(f"| {'LLM, decode instance (P/D)' if r.get('role') else 'LLM'} | {r['dcp']} | {r['tokens_per_group']:,d} | {r['max_concurrency_at_max_model_len']} | "
                      f"{sp(r, 'max_concurrent', '.0f')} | {sp(r, 'output_tok_s', '.1f')} | "
                      f"{r['ttft_median_s']:.2f} / {r['ttft_p99_s']:.2f} | "
-                     f"{r['tpot_median_s'] * 1e3:.0f} / {r['tpot_p99_s'] * 1e3:.0f} |")
+                     f"{r['tpot_median_s'] * 1e3:.0f} / {r['tpot_p99_s'] * 1e3:.0f} | "
+                     f"{sp(r, 'decode_tok_s', '.1f')}, {r['decode_batch_median']:.0f} | "
+                     f"{r['prefill_steps_s'] / max(1e-9, r['prefill_steps_s'] + r['decode_steps_s']):.0%} |")
     if result.get("hf"):
         h = result["hf"]
         lines.append(f"| HF generate ({'compiled' if h['compiled'] else 'eager'}, static cache, batch {h['batch']}) "
-                     f"| 1 | - | {h['requests_fit_in_budget']} | {h['batch']} | {sp(h, 'output_tok_s', '.1f')} | - | - |")
+                     f"| 1 | - | {h['requests_fit_in_budget']} | {h['batch']} | {sp(h, 'output_tok_s', '.1f')} | - | - | - | - |")
     for b in result.get("breakdown", []):
         for side in ("decode", "prefill"):
             d = b[side]
@@ -332,11 +347,14 @@ def format_rows(result: dict[str, Any]) -> str:
                          f"{b['context']}): step {d['step']:.1f} ms = attention {d['attention']:.1f} + dcp_local "
                          f"{d['dcp_local']:.1f} + dcp_comm {d['dcp_comm']:.1f} + tp_comm {d['tp_comm']:.1f} + other "
                          f"(GEMMs, norms, Python) {d['other']:.1f}")
-    if len(result["dcp"]) > 1:
-        a, b = result["dcp"][0], result["dcp"][-1]
-        lines.append(f"\ndcp {b['dcp']} / dcp {a['dcp']}: max concurrent x{b['max_concurrent'] / a['max_concurrent']:.2f}, "
-                     f"output tok/s x{b['output_tok_s'] / a['output_tok_s']:.2f}, "
-                     f"step median x{b['step_median_s'] / a['step_median_s']:.2f}")
+    for label, group in (("colocated", result["dcp"]), ("decode instance (P/D)", result.get("pd", []))):
+        for b in group[1:]:
+            a = group[0]
+            lines.append(f"{label}: dcp {b['dcp']} / dcp {a['dcp']}: max concurrent "
+                         f"x{b['max_concurrent'] / a['max_concurrent']:.2f}, "
+                         f"output tok/s x{b['output_tok_s'] / a['output_tok_s']:.2f}, "
+                         f"decode-only tok/s x{b['decode_tok_s'] / max(1e-9, a['decode_tok_s']):.2f}, "
+                         f"step median x{b['step_median_s'] / a['step_median_s']:.2f}")
     return "\n".join(lines)
 
 
@@ -348,10 +366,11 @@ def plot(results: list[dict[str, Any]], path: str) -> str:
 
     fig, axes = plt.subplots(2, len(results), figsize=(6 * len(results), 6), squeeze=False, sharex="col")
     for col, res in enumerate(results):
-        for r in res["dcp"]:
+        for r in res["dcp"] + res.get("pd", []):
             t = [p[0] for p in r["kv_trace"]]
-            axes[0][col].step(t, [100 * p[1] for p in r["kv_trace"]], where="post", label=f"dcp {r['dcp']}")
-            axes[1][col].step(t, [p[2] for p in r["kv_trace"]], where="post", label=f"dcp {r['dcp']}")
+            label = f"dcp {r['dcp']}" + (" (D of P/D)" if r.get("role") else "")
+            axes[0][col].step(t, [100 * p[1] for p in r["kv_trace"]], where="post", label=label)
+            axes[1][col].step(t, [p[2] for p in r["kv_trace"]], where="post", label=label)
         axes[0][col].set_title(f"{res['shape']}: KV budget {res['kv_cache_memory_bytes'] / 2**20:.1f} MiB/rank")
         axes[0][col].set_ylabel("KV blocks reserved (%)")
         axes[1][col].set_ylabel("requests in the step")
@@ -382,6 +401,9 @@ def parse(argv: Seq[str] | None) -> argparse.Namespace:
     p.add_argument("--breakdown", action="store_true", help="profile one decode / prefill step per dcp")
     p.add_argument("--hf", action="store_true", help="also transformers' generate (item 4)")
     p.add_argument("--hf-compile", action="store_true")
+    p.add_argument("--pd", action="store_true", help="also the decode instance of a P/D split: the prompts "
+                   "prefilled by a producer LLM, imported over NIXL (examples/bench/payoff_pd.py)")
+    p.add_argument("--no-colocated", action="store_true", help="with --pd: only the decode-instance rows")
     p.add_argument("--ckpt-dir", default=None)
     p.add_argument("--out", default="bench_dcp_payoff.json")
     p.add_argument("--plot", default=None)
@@ -418,11 +440,19 @@ def main(argv: Seq[str] | None = None) -> list[dict[str, Any]]:
         res: dict[str, Any] = dict(shape=shape.name, source=shape.source, scaled=asdict(shape), tp=args.tp,
                                    kv_cache_memory_bytes=budget, block_bytes=block_bytes, lowering=args.lowering,
                                    trace=asdict(spec), dcp=[])
-        for dcp in map(int, args.dcp.split(",")):
+        dcps = list(map(int, args.dcp.split(",")))
+        for dcp in dcps if not args.no_colocated else []:
             t0 = time.perf_counter()
             res["dcp"].append(bench_llm(ckpt, args.tp, dcp, budget, spec, hf_config.vocab_size, args.runs,
                                         args.block_size, args.lowering))
             print(f"[{name}] dcp {dcp}: {time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
+        if args.pd:
+            from examples.bench.payoff_pd import bench_pd
+
+            t0 = time.perf_counter()
+            res["pd"] = bench_pd(ckpt, args.tp, dcps, budget, block_bytes, spec, hf_config.vocab_size, args.runs,
+                                 args.block_size, args.lowering, make_trace, run_trace, summarize)
+            print(f"[{name}] P/D: {time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
         if args.breakdown:  # per-step time split at each dcp's admitted batch (examples/bench/payoff_breakdown.py)
             from examples.bench.payoff_breakdown import step_breakdown
 

@@ -14,7 +14,7 @@ import json
 
 from examples.bench_dcp_payoff import main
 
-ROW_FIELDS = ("max_concurrent", "output_tok_s", "ttft_median_s", "ttft_p99_s", "tpot_median_s", "tpot_p99_s",
+ROW_FIELDS = ("max_concurrent", "output_tok_s", "decode_tok_s", "ttft_median_s", "ttft_p99_s", "tpot_median_s", "tpot_p99_s",
               "kv_trace", "tokens_per_group", "max_concurrency_at_max_model_len", "per_run")
 
 
@@ -32,6 +32,10 @@ def test_smallest_config_json_and_dcp2_admits_twice(tmp_path):
         assert row["output_tokens"] == 6 * 8  # every request ran to its max_tokens
         assert row["output_tok_s"] > 0 and row["ttft_p99_s"] >= row["ttft_median_s"] >= 0
         assert row["max_concurrent_spread"] == [row["max_concurrent"]] * 2
+        # Each request in a step makes one token: the steps' batches add up to the outputs
+        # (what the decode-only tokens/s counts on).
+        assert sum(p[2] for p in row["kv_trace"]) == row["output_tokens"]
+        assert row["decode_tok_s"] > 0
         used = [p[1] for p in row["kv_trace"]]
         assert 0 < max(used) <= 1.0
     # The same bytes: the same blocks, twice the tokens per DCP group, twice the admitted requests.
