@@ -244,11 +244,19 @@ def bench_llm(ckpt: str, tp: int, dcp: int, budget: int, spec: TraceSpec, vocab:
         llm.generate([trace[0].prompt[:16]], SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True),
                      use_tqdm=False)
         per_run = [run_trace(llm, trace) for _ in range(runs)]
-    per_request_blocks = math.ceil(spec.max_model_len / (block_size * dcp))
-    row = dict(tp=tp, dcp=dcp, kv_cache_memory_bytes=budget, num_blocks=pool.num_blocks,
+    return pool_row(pool, tp=tp, dcp=dcp, budget=budget, max_model_len=spec.max_model_len, block_size=block_size,
+                    start_s=start_s, per_run=per_run)
+
+
+def pool_row(pool: Any, *, tp: int, dcp: int, budget: int, max_model_len: int, block_size: int, start_s: float,
+             per_run: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
+    """One table row: the pool's capacity (as the engine's start-up lines state it), the runs'
+    medians with their spreads, and each run's figures (`bench_llm`'s and `bench_pd`'s)."""
+    per_request_blocks = math.ceil(max_model_len / (block_size * dcp))
+    row = dict(tp=tp, dcp=dcp, **extra, kv_cache_memory_bytes=budget, num_blocks=pool.num_blocks,
                tokens_per_rank=pool.num_blocks * block_size, tokens_per_group=pool.num_blocks * block_size * dcp,
                max_concurrency_at_max_model_len=pool.num_blocks // per_request_blocks, start_s=round(start_s, 2),
-               runs=runs, **summarize(per_run))
+               runs=len(per_run), **summarize(per_run))
     row["per_run"] = [{k: v for k, v in r.items() if k != "kv_trace"} for r in per_run]
     return row
 
@@ -451,7 +459,7 @@ def main(argv: Seq[str] | None = None) -> list[dict[str, Any]]:
 
             t0 = time.perf_counter()
             res["pd"] = bench_pd(ckpt, args.tp, dcps, budget, block_bytes, spec, hf_config.vocab_size, args.runs,
-                                 args.block_size, args.lowering, make_trace, run_trace, summarize)
+                                 args.block_size, args.lowering, make_trace, run_trace, pool_row)
             print(f"[{name}] P/D: {time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
         if args.breakdown:  # per-step time split at each dcp's admitted batch (examples/bench/payoff_breakdown.py)
             from examples.bench.payoff_breakdown import step_breakdown

@@ -21,30 +21,30 @@ prefills again.
 from __future__ import annotations
 
 import math
-import socket
 import time
 from typing import Any, Callable
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from cp_compile.serving.entrypoints.executors import free_port
 
 
-def kv_configs(port: int, tag: str) -> tuple[dict, dict]:
-    """The producer's and the consumer's `kv_transfer_config` (the producer hosts the store)."""
-    extra = {"transfer_timeout_s": 120.0, "handoff_timeout_s": 1800.0}
-    p = {"kv_role": "kv_producer", "engine_id": f"prefill-{tag}", "kv_port": port,
-         "kv_connector_extra_config": {**extra, "store_master": True}}
-    d = {"kv_role": "kv_consumer", "engine_id": f"decode-{tag}", "kv_port": port,
-         "kv_connector_extra_config": {**extra, "remote_engine_id": f"prefill-{tag}"}}
-    return p, d
+_TIMEOUTS = {"transfer_timeout_s": 120.0, "handoff_timeout_s": 1800.0}
+
+
+def producer_config(port: int, engine_id: str) -> dict:
+    """The producer's `kv_transfer_config` (it hosts the store every consumer meets at `port`)."""
+    return {"kv_role": "kv_producer", "engine_id": engine_id, "kv_port": port,
+            "kv_connector_extra_config": {**_TIMEOUTS, "store_master": True}}
+
+
+def consumer_config(port: int, producer: str, engine_id: str) -> dict:
+    """A consumer's `kv_transfer_config`: its own engine id, reading from `producer`."""
+    return {"kv_role": "kv_consumer", "engine_id": engine_id, "kv_port": port,
+            "kv_connector_extra_config": {**_TIMEOUTS, "remote_engine_id": producer}}
 
 
 def bench_pd(ckpt: str, tp: int, dcps: list[int], budget: int, block_bytes: int, spec: Any, vocab: int, runs: int,
              block_size: int, lowering: str, make_trace: Callable, run_trace: Callable,
-             summarize: Callable) -> list[dict[str, Any]]:
+             pool_row: Callable) -> list[dict[str, Any]]:
     """One row per dcp in `dcps` (the decode instance's), the same shape as `bench_llm`'s."""
     from cp_compile import LLM, SamplingParams
 
@@ -52,16 +52,15 @@ def bench_pd(ckpt: str, tp: int, dcps: list[int], budget: int, block_bytes: int,
     # P holds a run's exports until D has read them: every request at max_model_len, twice
     # (the previous run's are freed by P's next step).
     p_blocks = 2 * len(trace) * math.ceil(spec.max_model_len / block_size)
-    port = _free_port()
-    p_kv, _ = kv_configs(port, "payoff")
+    port = free_port()
+    p_kv = producer_config(port, "prefill-payoff")
     rows = []
     first = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
     with LLM(model=ckpt, tensor_parallel_size=tp, block_size=block_size, max_model_len=spec.max_model_len,
              max_num_seqs=64, kv_cache_memory_bytes=p_blocks * block_bytes, lowering=lowering,
              kv_transfer_config=p_kv) as p:
         for dcp in dcps:
-            _, d_kv = kv_configs(port, "payoff")
-            d_kv["engine_id"] = f"decode-dcp{dcp}"
+            d_kv = consumer_config(port, "prefill-payoff", f"decode-dcp{dcp}")
             t0 = time.perf_counter()
             with LLM(model=ckpt, tensor_parallel_size=tp, decode_context_parallel_size=dcp, block_size=block_size,
                      max_model_len=spec.max_model_len, max_num_seqs=64, kv_cache_memory_bytes=budget,
@@ -78,12 +77,7 @@ def bench_pd(ckpt: str, tp: int, dcps: list[int], budget: int, block_bytes: int,
                     pre = p.generate([r.prompt for r in trace], first, use_tqdm=False)
                     prefill_s.append(time.perf_counter() - t1)
                     per_run.append(run_trace(d, trace, kv_params=[o.kv_transfer_params for o in pre]))
-            per_request_blocks = math.ceil(spec.max_model_len / (block_size * dcp))
-            row = dict(tp=tp, dcp=dcp, role="decode instance (P/D)", kv_cache_memory_bytes=budget,
-                       num_blocks=pool.num_blocks, tokens_per_rank=pool.num_blocks * block_size,
-                       tokens_per_group=pool.num_blocks * block_size * dcp,
-                       max_concurrency_at_max_model_len=pool.num_blocks // per_request_blocks,
-                       start_s=round(start_s, 2), runs=runs, producer_prefill_s=prefill_s, **summarize(per_run))
-            row["per_run"] = [{k: v for k, v in r.items() if k != "kv_trace"} for r in per_run]
-            rows.append(row)
+            rows.append(pool_row(pool, tp=tp, dcp=dcp, budget=budget, max_model_len=spec.max_model_len,
+                                 block_size=block_size, start_s=start_s, per_run=per_run,
+                                 role="decode instance (P/D)", producer_prefill_s=prefill_s))
     return rows

@@ -3,16 +3,13 @@ for a server's /health."""
 
 from __future__ import annotations
 
-import socket
 import subprocess
 import time
 import urllib.request
 
+from cp_compile.serving.entrypoints.executors import free_port
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+__all__ = ["free_port", "wait_healthy"]
 
 
 def wait_healthy(proc: subprocess.Popen, base: str, deadline_s: float = 600) -> None:

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from examples.bench_dcp_payoff import main
 
 ROW_FIELDS = ("max_concurrent", "output_tok_s", "decode_tok_s", "ttft_median_s", "ttft_p99_s", "tpot_median_s", "tpot_p99_s",
@@ -45,3 +47,26 @@ def test_smallest_config_json_and_dcp2_admits_twice(tmp_path):
     assert (one["max_concurrent"], two["max_concurrent"]) == (2, 4)
     # KV usage at the peak: 2 requests x 8 blocks at dcp 1, 4 x 4 at dcp 2: the whole 16-block pool.
     assert max(p[1] for p in one["kv_trace"]) == max(p[1] for p in two["kv_trace"]) == 1.0
+
+
+@pytest.mark.slow  # ~35 s: a producer and two consumer LLMs (6 ranks) on 2 cores
+def test_pd_decode_instance_rows(tmp_path):
+    """`--pd --no-colocated`: the trace's prompts prefilled by a producer LLM and imported over
+    NIXL by each decode instance; the rows have the colocated rows' fields, and the decode
+    instance's admission is its pool's (2 vs 4 at once from the same bytes)."""
+    out = tmp_path / "pd.json"
+    main(["--shape", "tiny", "--runs", "1", "--requests", "6", "--prompt", "24,24", "--output", "8,8",
+          "--interval", "0", "--block-size", "4", "--ckpt-dir", str(tmp_path), "--out", str(out),
+          "--pd", "--no-colocated"])
+    (res,) = json.loads(out.read_text())
+    assert res["dcp"] == []
+    one, two = res["pd"]
+    for row in (one, two):
+        for k in ROW_FIELDS:
+            assert k in row, k
+        assert row["role"] == "decode instance (P/D)" and len(row["producer_prefill_s"]) == 1
+        assert row["output_tokens"] == 6 * 8
+        # The first token of each request is the producer's (imported with the KV): D's steps make the other 7.
+        assert sum(p[2] for p in row["kv_trace"]) == 6 * 7
+    assert (one["max_concurrency_at_max_model_len"], two["max_concurrency_at_max_model_len"]) == (2, 4)
+    assert (one["max_concurrent"], two["max_concurrent"]) == (2, 4)

@@ -238,7 +238,8 @@ def recv_obj(conn: Connection) -> Any:
     return pickle.loads(conn.recv_bytes())
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago (the OS picks it)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -279,7 +280,7 @@ class SpawnedExecutor:
         key = secrets.token_bytes(16)
         self._listener = Listener(("127.0.0.1", 0), authkey=key)
         host, port = self._listener.address
-        env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), WORLD_SIZE=str(self.world),
+        env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), WORLD_SIZE=str(self.world),
                    CP_COMPILE_WORKER_KEY=key.hex(), CP_COMPILE_DRIVER=f"{host}:{port}",
                    TRANSFORMERS_VERBOSITY="error", HF_HUB_DISABLE_PROGRESS_BARS="1",
                    OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // self.world))))
