@@ -56,8 +56,10 @@ def bench_pd(ckpt: str, tp: int, dcps: list[int], budget: int, block_bytes: int,
     p_kv = producer_config(port, "prefill-payoff")
     rows = []
     first = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+    # P prefills two prompts a step: a whole trace of 16k-32k prompts in one step outran the
+    # step bound (step_timeout_s, 300 s) on 2 cores, and its activations took 5.7 GB per rank.
     with LLM(model=ckpt, tensor_parallel_size=tp, block_size=block_size, max_model_len=spec.max_model_len,
-             max_num_seqs=64, kv_cache_memory_bytes=p_blocks * block_bytes, lowering=lowering,
+             max_num_seqs=2, kv_cache_memory_bytes=p_blocks * block_bytes, lowering=lowering,
              kv_transfer_config=p_kv) as p:
         for dcp in dcps:
             d_kv = consumer_config(port, "prefill-payoff", f"decode-dcp{dcp}")
