@@ -379,7 +379,7 @@ def plot(results: list[dict[str, Any]], path: str) -> str:
             label = f"dcp {r['dcp']}" + (" (D of P/D)" if r.get("role") else "")
             axes[0][col].step(t, [100 * p[1] for p in r["kv_trace"]], where="post", label=label)
             axes[1][col].step(t, [p[2] for p in r["kv_trace"]], where="post", label=label)
-        axes[0][col].set_title(f"{res['shape']}: KV budget {res['kv_cache_memory_bytes'] / 2**20:.1f} MiB/rank")
+        axes[0][col].set_title(f"{res['shape']}, tp {res['tp']}: KV budget {res['kv_cache_memory_bytes'] / 2**20:.1f} MiB/rank")
         axes[0][col].set_ylabel("KV blocks reserved (%)")
         axes[1][col].set_ylabel("requests in the step")
         axes[1][col].set_xlabel("time since first arrival (s)")
